@@ -1,0 +1,337 @@
+"""The command line: parse, call a service function, print. Imports no MLX at import time."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+import typer
+
+from batchmlx import service
+from batchmlx.config import Settings, load_settings
+from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.records import BatchRecord
+from batchmlx.formats.openai import batch_object
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Local, OpenAI-Batch-compatible job processor for LLM requests on MLX.",
+)
+
+ENGINE_HELP = "Engine"
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(code)
+
+
+def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
+    """Open the store, run one service coroutine, close the store."""
+    from batchmlx.store import Store
+
+    settings = load_settings()
+
+    async def main() -> Any:
+        store = await Store.open(settings.db_path)
+        try:
+            return await coro_fn(store, settings, *args, **kwargs)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(main())
+    except service.ServiceError as exc:
+        raise _fail(str(exc)) from None
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+def _summary(rec: BatchRecord) -> str:
+    c = rec.request_counts
+    done = c.completed + c.failed
+    return (
+        f"{rec.id}  {rec.status.value:<11} {done}/{c.total} done "
+        f"({c.completed} ok, {c.failed} failed)  model={rec.model}"
+    )
+
+
+def _stats_lines(rec: BatchRecord) -> list[str]:
+    u = rec.usage
+    lines = [
+        f"tokens: {u.input_tokens} prompt ({u.cached_tokens} from the prefix cache), "
+        f"{u.output_tokens} generated"
+    ]
+    s = rec.stats or {}
+    if "hits" in s or "prefix_hits" in s or u.input_tokens:
+        hits, phits, misses = s.get("hits", 0), s.get("prefix_hits", 0), s.get("misses", 0)
+        n = hits + phits + misses
+        rate = f"{(hits + phits) / n:.0%}" if n else "n/a"
+        lines.append(
+            f"prefix cache: hit rate {rate} (HIT {hits}, PREFIX_HIT {phits}, MISS {misses}); "
+            f"prefill tokens computed {u.input_tokens - u.cached_tokens}, "
+            f"reused {u.cached_tokens}"
+        )
+    return lines
+
+
+def _describe(rec: BatchRecord, settings: Settings) -> None:
+    typer.echo(_summary(rec))
+    for line in _stats_lines(rec):
+        typer.echo("  " + line)
+    if rec.errors:
+        typer.echo(f"  validation failed with {len(rec.errors)} error(s):")
+        for e in rec.errors:
+            where = f"line {e.line}" if e.line else "file"
+            param = f" [{e.param}]" if e.param else ""
+            typer.echo(f"    {where}: {e.code}{param}: {e.message}")
+    for label, fid in (("output", rec.output_file_id), ("errors", rec.error_file_id)):
+        if fid:
+            typer.echo(f"  {label}: {settings.files_dir / fid}  ({fid})")
+    if rec.status.terminal and not rec.errors:
+        typer.echo(f"  download: batchmlx results {rec.id} -o {rec.id}.jsonl  (--errors for errors)")
+
+
+# -- submit ----------------------------------------------------------------------------------
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(help="OpenAI Batch input file (JSONL)")],
+    model: Annotated[
+        str | None,
+        typer.Option(help="Serve the file with this model, whatever its bodies name: "
+                     "'default', a local MLX folder, a .gguf file or a hub id"),
+    ] = None,
+    wait: Annotated[bool, typer.Option(help="Run to completion, showing progress")] = False,
+    completion_window: Annotated[str, typer.Option(help="e.g. 24h (OpenAI's), 90m, 2d")] = "24h",
+    metadata: Annotated[list[str] | None, typer.Option(help="key=value, repeatable")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the Batch object")] = False,
+    simple: Annotated[bool, typer.Option(help="With --wait: simple mode")] = False,
+    max_batch_size: Annotated[int, typer.Option(help="With --wait: running batch bound")] = 32,
+) -> None:
+    """Validate a batch file and enqueue it (and run it with --wait)."""
+    if not file.is_file():
+        raise _fail(f"no such file: {file}")
+    meta = dict(m.split("=", 1) for m in metadata or []) or None
+    rec = _run(
+        lambda store, settings: service.submit(
+            store, settings, file.read_bytes(), filename=file.name, now=time.time(),
+            model=model, completion_window=completion_window, metadata=meta,
+        )
+    )  # fmt: skip
+    if rec.status is BatchStatus.FAILED:
+        if as_json:
+            _print_json(batch_object(rec))
+        else:
+            _describe(rec, load_settings())
+        raise typer.Exit(1)
+    if wait:
+        rec = _wait(rec.id, WorkerFlags(simple=simple, max_batch_size=max_batch_size), as_json)
+    if as_json:
+        _print_json(batch_object(rec))
+    else:
+        _describe(rec, load_settings())
+    if wait and rec.status is not BatchStatus.COMPLETED:
+        raise typer.Exit(1)
+
+
+class WorkerFlags:
+    def __init__(self, **engine: Any) -> None:
+        self.engine = engine
+
+
+def _wait(batch_id: str, flags: WorkerFlags, quiet: bool) -> BatchRecord:
+    """Follow a batch to its end; with no live worker, run one in this process."""
+    from batchmlx.store import Store
+    from batchmlx.worker import WorkerOptions, run_worker
+
+    settings = load_settings()
+
+    async def main() -> BatchRecord:
+        store = await Store.open(settings.db_path)
+        try:
+            live = await store.live_workers(time.time(), settings.lease_s)
+            progress = _Progress(store, batch_id, quiet)
+            if live:
+                while not (rec := await store.get_batch(batch_id)).status.terminal:
+                    await progress.show()
+                    await asyncio.sleep(0.5)
+            else:
+                opts = WorkerOptions(until_idle=True, engine=flags.engine)
+                task = asyncio.create_task(progress.run())
+                try:
+                    await run_worker(settings, opts, store=store)
+                finally:
+                    task.cancel()
+            await progress.show(final=True)
+            return await store.get_batch(batch_id)
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
+
+
+class _Progress:
+    def __init__(self, store, batch_id: str, quiet: bool) -> None:
+        self.store, self.batch_id, self.quiet = store, batch_id, quiet
+        self.t0 = time.time()
+
+    async def run(self) -> None:
+        while True:
+            await self.show()
+            await asyncio.sleep(0.5)
+
+    async def show(self, final: bool = False) -> None:
+        if self.quiet:
+            return
+        rec = await self.store.get_batch(self.batch_id)
+        c = rec.request_counts
+        done = c.completed + c.failed
+        width = 30
+        filled = width * done // max(c.total, 1)
+        bar = "#" * filled + "-" * (width - filled)
+        sys.stderr.write(
+            f"\r[{bar}] {done}/{c.total}  {rec.status.value:<11} {time.time() - self.t0:6.1f}s"
+        )
+        if final:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+# -- status, list, results, cancel -------------------------------------------------------------
+
+
+@app.command()
+def status(
+    batch_id: Annotated[str | None, typer.Argument(help="One batch; all when omitted")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print OpenAI Batch object(s)")] = False,
+    limit: int = 20,
+) -> None:
+    """Show batches: a table, or one batch in detail."""
+    if batch_id is None:
+        list_(as_json=as_json, limit=limit)
+        return
+    rec = _run(lambda store, settings: service.get_batch(store, batch_id))
+    if as_json:
+        _print_json(batch_object(rec))
+    else:
+        _describe(rec, load_settings())
+
+
+@app.command("list")
+def list_(
+    as_json: Annotated[bool, typer.Option("--json", help="Print OpenAI Batch objects")] = False,
+    limit: int = 20,
+) -> None:
+    """List batches, newest first."""
+    recs = _run(lambda store, settings: store.list_batches(limit=limit))
+    if as_json:
+        _print_json([batch_object(r) for r in recs])
+        return
+    if not recs:
+        typer.echo("no batches")
+    for r in recs:
+        typer.echo(_summary(r))
+
+
+@app.command()
+def results(
+    batch_id: str,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write here, not stdout")] = None,
+    errors: Annotated[bool, typer.Option("--errors", help="The error file instead")] = False,
+) -> None:
+    """Download a finished batch's output file (or, with --errors, its error file)."""
+
+    async def fetch(store, settings) -> bytes:
+        rec = await service.get_batch(store, batch_id)
+        if not rec.status.terminal:
+            raise service.ServiceError(f"batch {batch_id} is {rec.status.value}; not finished yet")
+        return await service.file_content(
+            store, rec.error_file_id if errors else rec.output_file_id
+        )
+
+    data = _run(fetch)
+    if output is None:
+        sys.stdout.buffer.write(data)
+    else:
+        service.write_atomic(output, data)
+        typer.echo(f"wrote {len(data)} bytes to {output}", err=True)
+
+
+@app.command()
+def cancel(batch_id: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Cancel a batch: running requests stop, finished results are kept."""
+
+    async def do(store, settings):
+        now = time.time()
+        rec = await service.cancel(store, batch_id, now=now)
+        if rec.status is BatchStatus.CANCELLING and not await store.live_workers(
+            now, settings.lease_s
+        ):
+            rec = await service.settle_cancelling(store, settings, batch_id, now=now)
+        return rec
+
+    rec = _run(do)
+    if as_json:
+        _print_json(batch_object(rec))
+    else:
+        _describe(rec, load_settings())
+
+
+# -- worker ----------------------------------------------------------------------------------
+
+
+@app.command()
+def worker(
+    until_idle: Annotated[bool, typer.Option(help="Exit when nothing is left to do")] = False,
+    model: Annotated[str | None, typer.Option(help="Serve every batch with this model")] = None,
+    simple: Annotated[bool, typer.Option(help="Simple mode: one request at a time")] = False,
+    max_batch_size: Annotated[int, typer.Option(help="Bound on the running batch")] = 32,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block")] = 16,
+    use_paged_cache: Annotated[
+        bool, typer.Option(help="Share prefix blocks between requests (on by default)")
+    ] = True,
+    cache_memory_mb: Annotated[int | None, typer.Option(help="Explicit KV memory bound")] = None,
+    cache_memory_percent: Annotated[
+        float, typer.Option(help="KV memory bound as a share of available memory")
+    ] = 0.20,
+    memory_aware_cache: Annotated[
+        bool, typer.Option(help="Bound the cache by memory; off: by --cache-max-blocks")
+    ] = True,
+    cache_max_blocks: Annotated[int, typer.Option(help="Block bound without memory awareness")] = 4096,
+    dtype: Annotated[str, typer.Option(help="auto, float32, float16, bfloat16")] = "auto",
+) -> None:
+    """Run a long-lived worker that processes queued batches."""
+    import logging
+
+    from batchmlx.worker import WorkerOptions, run_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    engine = dict(
+        simple=simple,
+        max_batch_size=max_batch_size,
+        block_size=block_size,
+        use_paged_cache=use_paged_cache,
+        cache_memory_mb=cache_memory_mb,
+        cache_memory_percent=cache_memory_percent,
+        memory_aware=memory_aware_cache,
+        cache_max_blocks=cache_max_blocks,
+    )
+    opts = WorkerOptions(until_idle=until_idle, model=model, dtype=dtype, engine=engine)
+    asyncio.run(run_worker(load_settings(), opts))
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

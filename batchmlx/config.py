@@ -1,0 +1,33 @@
+"""Settings in one place: where data lives and the defaults every entry point shares."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_HOME = Path("~/.batchmlx")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    home: Path  # $BATCHMLX_HOME, default ~/.batchmlx
+    cache_dir: Path  # converted models; $BATCHMLX_CACHE_DIR, default $BATCHMLX_HOME/cache
+    lease_s: float = 60.0  # a claimed request's lease; renewed by heartbeat at a third of it
+    poll_s: float = 0.5  # how often an idle worker looks for work
+    default_model: str = "default"
+
+    @property
+    def db_path(self) -> Path:
+        return self.home / "batchmlx.db"
+
+    @property
+    def files_dir(self) -> Path:
+        return self.home / "files"
+
+
+def load_settings(env: dict[str, str] | None = None) -> Settings:
+    env = os.environ if env is None else env
+    home = Path(env.get("BATCHMLX_HOME") or DEFAULT_HOME).expanduser()
+    cache = Path(env.get("BATCHMLX_CACHE_DIR") or home / "cache").expanduser()
+    return Settings(home=home, cache_dir=cache)

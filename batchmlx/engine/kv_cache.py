@@ -1,0 +1,188 @@
+"""Paged KV storage in MLX, and the per-layer cache object that plugs it into mlx-lm models.
+
+The block pool (`core/blocks.py`) decides which block ids a sequence owns; this module stores the
+keys and values at those ids. Storage is one flat slot array per layer, slot = block_id * block_size
++ offset, so a block table becomes gather indices with one numpy expression.
+
+mlx-lm attention calls `cache.update_and_fetch(keys, values)` after RoPE with `cache.offset`, and
+builds its mask through `cache.make_mask`; a `PagedLayerCache` answers both for a whole ragged batch
+(per-sequence offsets as an array, a boolean mask over the gathered keys). That seam is what lets any
+mlx-lm architecture with the standard cache protocol run paged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+SCRATCH_SLOT = 0  # block 0 is never handed out; padding writes land there
+
+
+class PagedKVStorage:
+    """Keys and values of every block, per layer, grown on demand up to `max_blocks`.
+
+    Growing (rather than allocating the bound up front) makes `nbytes` the memory actually held,
+    so sharing blocks shows up as a smaller array, not only as a smaller block count.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: mx.Dtype,
+        max_blocks: int,
+        grow_blocks: int = 64,
+    ) -> None:
+        self.num_layers = num_layers
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.dtype = dtype
+        self.max_blocks = max_blocks
+        self.grow_blocks = grow_blocks
+        self.capacity_blocks = 0
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self.peak_nbytes = 0
+        self.ensure_capacity(min(grow_blocks, max_blocks))
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: mx.Dtype
+    ) -> int:
+        return 2 * num_layers * block_size * n_kv_heads * head_dim * dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    def ensure_capacity(self, num_blocks: int) -> None:
+        """Make block ids < num_blocks addressable (never past max_blocks)."""
+        if num_blocks <= self.capacity_blocks:
+            return
+        target = min(
+            self.max_blocks,
+            max(num_blocks, self.capacity_blocks + self.grow_blocks),
+        )
+        extra = (target - self.capacity_blocks) * self.block_size
+        shape = (extra, self.n_kv_heads, self.head_dim)
+        if not self.keys:
+            self.keys = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+            self.values = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+        else:
+            pad = mx.zeros(shape, self.dtype)
+            self.keys = [mx.concatenate([k, pad]) for k in self.keys]
+            self.values = [mx.concatenate([v, pad]) for v in self.values]
+        mx.eval(self.keys, self.values)
+        self.capacity_blocks = target
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+
+
+@dataclass(slots=True)
+class BatchLayout:
+    """Where one step's tokens go and what each of them attends to.
+
+    B sequences, each feeding up to Q new tokens (padded), each attending to up to K keys.
+    """
+
+    tokens: mx.array  # [B, Q] int32
+    offsets: mx.array  # [B] position of each sequence's first new token
+    write_slots: mx.array  # [B*Q] slot of each new token's KV (padding -> scratch)
+    gather_slots: mx.array  # [B, K] slots of the keys each sequence attends to
+    mask: mx.array  # [B, 1, Q, K] bool, True = attend
+    last_index: mx.array  # [B] index in Q of each sequence's last real token
+
+    @staticmethod
+    def build(
+        *,
+        block_size: int,
+        token_chunks: list[list[int]],
+        starts: list[int],
+        block_tables: list[list[int]],
+    ) -> BatchLayout:
+        """Lay out a ragged step. token_chunks[i] are sequence i's new tokens at positions
+        starts[i]..; block_tables[i] covers every position up to the chunk's end."""
+        b = len(token_chunks)
+        lens = np.array([len(c) for c in token_chunks], dtype=np.int64)
+        st = np.array(starts, dtype=np.int64)
+        q = int(lens.max())
+        ends = st + lens  # keys each sequence sees after this step's writes
+        k = int(ends.max())
+
+        tokens = np.zeros((b, q), dtype=np.int32)
+        for i, chunk in enumerate(token_chunks):
+            tokens[i, : len(chunk)] = chunk
+
+        nblk = max(len(t) for t in block_tables)
+        table = np.zeros((b, max(nblk, 1)), dtype=np.int64)
+        for i, t in enumerate(block_tables):
+            table[i, : len(t)] = t
+
+        def slots_for(pos: np.ndarray, valid: np.ndarray) -> np.ndarray:
+            # pos: [B, X] positions; invalid ones map to the scratch slot
+            blk_idx = np.minimum(pos // block_size, table.shape[1] - 1)
+            blk = np.take_along_axis(table, blk_idx, axis=1)
+            return np.where(valid, blk * block_size + pos % block_size, SCRATCH_SLOT)
+
+        qpos = st[:, None] + np.arange(q)[None, :]  # [B, Q]
+        qvalid = np.arange(q)[None, :] < lens[:, None]
+        write = slots_for(qpos, qvalid)
+
+        kpos = np.broadcast_to(np.arange(k)[None, :], (b, k))
+        kvalid = kpos < ends[:, None]
+        gather = slots_for(kpos, kvalid)
+
+        # causal over absolute positions; padded query rows see key 0 so softmax stays finite
+        mask = (kpos[:, None, :] <= qpos[:, :, None]) & kvalid[:, None, :]
+        mask[:, :, 0] |= ~qvalid
+        return BatchLayout(
+            tokens=mx.array(tokens),
+            offsets=mx.array(st.astype(np.int32)),
+            write_slots=mx.array(write.reshape(-1).astype(np.int32)),
+            gather_slots=mx.array(gather.astype(np.int32)),
+            mask=mx.array(mask[:, None, :, :]),
+            last_index=mx.array((lens - 1).astype(np.int32)),
+        )
+
+
+class PagedLayerCache:
+    """One layer's view of the paged storage for one step (mlx-lm's cache protocol)."""
+
+    def __init__(self, storage: PagedKVStorage, layer: int, layout: BatchLayout) -> None:
+        self.storage = storage
+        self.layer = layer
+        self.layout = layout
+        self.offset = layout.offsets  # per-sequence RoPE offsets
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        b, h, q, d = keys.shape
+        s, lay = self.storage, self.layout
+        flat_k = keys.transpose(0, 2, 1, 3).reshape(b * q, h, d).astype(s.dtype)
+        flat_v = values.transpose(0, 2, 1, 3).reshape(b * q, h, d).astype(s.dtype)
+        kpool = s.keys[self.layer]
+        vpool = s.values[self.layer]
+        kpool[lay.write_slots] = flat_k
+        vpool[lay.write_slots] = flat_v
+        s.keys[self.layer] = kpool
+        s.values[self.layer] = vpool
+        gk = kpool[lay.gather_slots].transpose(0, 2, 1, 3)  # [B, H, K, D]
+        gv = vpool[lay.gather_slots].transpose(0, 2, 1, 3)
+        return gk.astype(keys.dtype), gv.astype(values.dtype)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not paged yet")
+        return self.layout.mask
+
+    # mlx-lm checks these on some paths
+    @property
+    def state(self):  # pragma: no cover - not used for paged steps
+        raise NotImplementedError
+
+    def is_trimmable(self) -> bool:  # pragma: no cover
+        return False

@@ -1,0 +1,292 @@
+"""The engine loop: schedule → run → sample → update, one screen.
+
+Continuous-batching mode and simple mode are the same loop; simple mode runs one sequence at a
+time (max_batch_size 1), so both give the same tokens for the same request.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from batchmlx.core.blocks import BlockPool
+from batchmlx.core.request import (
+    CacheOutcome,
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    TokenLogprob,
+)
+from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
+from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
+from batchmlx.engine.runner import ModelRunner, model_dims
+from batchmlx.engine.sampler import SampleRow, sample
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    simple: bool = False  # one request at a time
+    max_batch_size: int = 32
+    block_size: int = 16
+    max_prefill_tokens: int = 2048
+    use_paged_cache: bool = True  # share prefix blocks between requests and keep them cached
+    memory_aware: bool = True
+    cache_memory_mb: int | None = None  # explicit bound on KV memory
+    cache_memory_percent: float = 0.20  # of available memory, when no explicit bound
+    cache_max_blocks: int = 4096  # the bound when memory_aware is off (an entry count)
+    prefix_grouping: bool = True
+    kv_grow_blocks: int = 64  # KV storage grows this many blocks at a time, up to the bound
+
+
+def available_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # macOS has no SC_AVPHYS_PAGES
+        return int(mx.device_info().get("memory_size", 8 << 30))
+
+
+def kv_block_budget(cfg: EngineConfig, bytes_per_block: int) -> int:
+    """Blocks the KV cache may hold, block 0 (scratch) included."""
+    if not cfg.memory_aware:
+        return cfg.cache_max_blocks + 1
+    if cfg.cache_memory_mb is not None:
+        budget = cfg.cache_memory_mb << 20
+    else:
+        budget = int(available_memory_bytes() * cfg.cache_memory_percent)
+    return max(2, budget // bytes_per_block)
+
+
+@dataclass(slots=True)
+class _Live:
+    request: GenerationRequest
+    max_tokens: int
+    added_at: float
+    entropy: int
+    first_token_at: float | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_hit: bool = False
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    peak_kv_bytes: int = 0  # largest KV storage actually allocated
+    kv_bound_bytes: int = 0
+    bound_violations: int = 0  # steps where allocated KV exceeded the bound (should stay 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        context_length: int,
+        config: EngineConfig | None = None,
+        clock=time.perf_counter,
+        seed: int | None = None,
+    ) -> None:
+        self.cfg = cfg = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.clock = clock
+        self._rand = random.Random(seed)
+        num_layers, n_kv, head_dim = model_dims(model)
+        dtype = _kv_dtype(model)
+        per_block = PagedKVStorage.bytes_per_block(
+            num_layers, n_kv, head_dim, cfg.block_size, dtype
+        )
+        num_blocks = kv_block_budget(cfg, per_block)
+        self.storage = PagedKVStorage(
+            num_layers=num_layers,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            block_size=cfg.block_size,
+            dtype=dtype,
+            max_blocks=num_blocks,
+            grow_blocks=cfg.kv_grow_blocks,
+        )
+        self.stats = EngineStats(kv_bound_bytes=num_blocks * per_block)
+        self.pool = BlockPool(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_batch_size=1 if cfg.simple else cfg.max_batch_size,
+                block_size=cfg.block_size,
+                num_blocks=num_blocks,
+                max_prefill_tokens=cfg.max_prefill_tokens,
+                enable_prefix_cache=cfg.use_paged_cache,
+                prefix_grouping=cfg.prefix_grouping,
+            ),
+            self.pool,
+        )
+        self.runner = ModelRunner(model, self.storage)
+        self._live: dict[str, _Live] = {}
+
+    # -- the interface the worker uses ---------------------------------------------------------
+    def add(self, req: GenerationRequest) -> None:
+        n_prompt = len(req.prompt_tokens)
+        if n_prompt == 0:
+            raise ValueError("empty prompt")
+        room = min(self.context_length, (self.pool_blocks - 1) * self.cfg.block_size) - n_prompt
+        if room < 1:
+            raise ValueError(
+                f"prompt of {n_prompt} tokens leaves no room in a context of "
+                f"{self.context_length} tokens"
+            )
+        self._live[req.request_id] = _Live(
+            request=req,
+            max_tokens=min(req.params.max_tokens, room),
+            added_at=self.clock(),
+            entropy=self._rand.getrandbits(63),
+        )
+        self.scheduler.add(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> bool:
+        self._live.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    @property
+    def pool_blocks(self) -> int:
+        return self.storage.max_blocks
+
+    def step(self) -> list[GenerationOutput]:
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        sampled, finished = self._run(step)
+        done = self.scheduler.update(step, sampled, finished)
+        return [self._output(seq) for seq in done]
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        """Run requests to completion (tests, benchmarks, scripts)."""
+        for r in requests:
+            self.add(r)
+        outs: dict[str, GenerationOutput] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                outs[o.request_id] = o
+        return [outs[r.request_id] for r in requests]
+
+    # -- internals -----------------------------------------------------------------------------
+    def _run(self, step: SchedulerStep) -> tuple[dict[str, int], set[str]]:
+        st = self.stats
+        st.steps += 1
+        if step.kind.name == "PREFILL":
+            st.prefill_steps += 1
+        else:
+            st.decode_steps += 1
+        if not step.seqs:
+            return {}, set()
+        chunks, starts, tables = [], [], []
+        max_block = 0
+        for s in step.seqs:
+            seq = s.seq
+            chunks.append(seq.token_ids[s.start : s.start + s.num_new_tokens])
+            starts.append(s.start)
+            tables.append(seq.block_table)
+            if seq.block_table:
+                max_block = max(max_block, max(seq.block_table))
+        self.storage.ensure_capacity(max_block + 1)
+        layout = BatchLayout.build(
+            block_size=self.cfg.block_size,
+            token_chunks=chunks,
+            starts=starts,
+            block_tables=tables,
+        )
+        rows = [i for i, s in enumerate(step.seqs) if s.samples]
+        logits = self.runner.forward(layout, rows)
+        st.peak_kv_bytes = max(st.peak_kv_bytes, self.storage.nbytes)
+        if self.storage.nbytes > st.kv_bound_bytes:
+            st.bound_violations += 1
+        if not rows:
+            # a prompt chunk that samples nothing: still materialize its KV writes
+            mx.eval(self.storage.keys, self.storage.values)
+            return {}, set()
+
+        sample_rows = []
+        for i in rows:
+            seq = step.seqs[i].seq
+            live = self._live[seq.seq_id]
+            sample_rows.append(
+                SampleRow(live.request.params, seq.num_tokens - seq.num_prompt_tokens, live.entropy)
+            )
+        tokens, lps = sample(logits, sample_rows)
+        # the sampled tokens depend on the KV writes, so those are materialized too
+
+        now = self.clock()
+        sampled: dict[str, int] = {}
+        finished: set[str] = set()
+        for i, tok, lp in zip(rows, tokens, lps, strict=True):
+            seq = step.seqs[i].seq
+            live = self._live[seq.seq_id]
+            if live.first_token_at is None:
+                live.first_token_at = now
+            sampled[seq.seq_id] = tok
+            self.stats.generated_tokens += 1
+            n_gen = seq.num_tokens - seq.num_prompt_tokens + 1
+            if tok in live.request.stop_token_ids:
+                finished.add(seq.seq_id)
+                live.stop_hit = True
+                continue
+            if lp is not None:
+                live.logprobs.append(lp)
+            if n_gen >= live.max_tokens:
+                finished.add(seq.seq_id)
+            elif live.request.params.stop and self._hits_stop(seq, tok, live):
+                finished.add(seq.seq_id)
+                live.stop_hit = True
+        return sampled, finished
+
+    def _hits_stop(self, seq, tok: int, live: _Live) -> bool:
+        gen = seq.token_ids[seq.num_prompt_tokens :] + [tok]
+        # only the tail can newly contain a stop string
+        longest = max(len(s) for s in live.request.params.stop)
+        tail = self.tokenizer.decode(gen[-(longest + 8) :])
+        return any(s in tail for s in live.request.params.stop)
+
+    def _output(self, seq) -> GenerationOutput:
+        live = self._live.pop(seq.seq_id)
+        gen = list(seq.token_ids[seq.num_prompt_tokens :])
+        if live.stop_hit and gen and gen[-1] in live.request.stop_token_ids:
+            gen = gen[:-1]
+        ttft = None if live.first_token_at is None else live.first_token_at - live.added_at
+        return GenerationOutput(
+            request_id=seq.seq_id,
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_tokens,
+            cache_outcome=seq.cache_outcome or CacheOutcome.MISS,
+            token_ids=gen,
+            finish_reason=FinishReason.STOP if live.stop_hit else FinishReason.LENGTH,
+            logprobs=live.logprobs if live.request.params.logprobs else None,
+            first_token_s=ttft,
+            extra={"preemptions": float(seq.num_preemptions)},
+        )
+
+
+def _kv_dtype(model: Any) -> mx.Dtype:
+    """The dtype the model's keys come out in, found by one probe token: storing KV in exactly
+    that dtype keeps paged attention bit-for-bit the attention of a contiguous cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    keys = cache[0].state[0]
+    return keys.dtype
+
+
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "GenerationRequest"]

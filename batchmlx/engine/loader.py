@@ -1,0 +1,122 @@
+"""Model resolution (is this `model` string something we can serve?) and loading via mlx-lm."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from batchmlx.engine.default_model import ensure_default_gguf
+from batchmlx.engine.gguf import convert_gguf
+from batchmlx.models import (  # noqa: F401  (re-exported)
+    DEFAULT_MODEL_ALIAS,
+    DEFAULT_MODEL_NAME,
+    ModelSpec,
+    model_resolves,
+    resolve_model,
+)
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+_FALLBACK_CONTEXT = 2048
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    model: Any  # the mlx_lm nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict
+    path: Path  # folder the weights were loaded from
+    context_length: int
+    eos_token_ids: frozenset[int]
+
+
+def model_folder(spec: ModelSpec, *, cache_dir: Path) -> Path | str:
+    """Where mlx_lm.load finds the model, converting GGUF files into the cache on first use."""
+    models = Path(cache_dir) / "models"
+    if spec.kind == "default":
+        gguf = ensure_default_gguf(Path(cache_dir))
+        return convert_gguf(gguf, models / f"{DEFAULT_MODEL_NAME}-mlx")
+    if spec.kind == "gguf":
+        src = Path(spec.source)
+        digest = hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:10]
+        return convert_gguf(src, models / f"{src.stem}-{digest}")
+    if spec.kind in ("mlx_dir", "hub"):
+        return spec.source  # hub ids go through mlx_lm's own download path
+    raise ValueError(f"unknown model kind {spec.kind!r}")
+
+
+def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> LoadedModel:
+    """Load `spec` with mlx-lm. dtype "auto" keeps weights as stored (quantized stays
+    quantized); "float32"/"float16"/"bfloat16" dequantize every layer to that dtype."""
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    import mlx_lm  # heavy import (transformers); keep it off module import
+
+    folder = model_folder(spec, cache_dir=cache_dir)
+    model, tokenizer, config = mlx_lm.load(str(folder), return_config=True)
+    if dtype != "auto":
+        dequantize_model(model, _DTYPES[dtype])
+        config = {
+            k: v for k, v in config.items() if k not in ("quantization", "quantization_config")
+        }
+    path = Path(folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
+    context = config.get("max_position_embeddings") or _FALLBACK_CONTEXT
+    return LoadedModel(
+        spec=spec,
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        path=path,
+        context_length=int(context),
+        eos_token_ids=frozenset(int(i) for i in tokenizer.eos_token_ids),
+    )
+
+
+def _hub_path(tokenizer: Any, folder: Path | str) -> Path:
+    # mlx_lm does not return the snapshot folder; the HF tokenizer remembers where it came from.
+    name = getattr(getattr(tokenizer, "_tokenizer", None), "name_or_path", None)
+    return Path(name or folder)
+
+
+def dequantize_model(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
+    """Replace every QuantizedLinear/QuantizedEmbedding by a plain layer of `dtype` and cast the
+    remaining floating parameters (norms) too. Plain matmuls are the fast path on the CPU, where
+    quantized kernels are slower than dense ones for a model this small. Mutates and returns."""
+    replacements = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            weight = _dequantized_weight(module, dtype)
+            out_dims, in_dims = weight.shape
+            has_bias = "bias" in module
+            layer = nn.Linear(in_dims, out_dims, bias=has_bias)
+            layer.weight = weight
+            if has_bias:
+                layer.bias = module.bias.astype(dtype)
+            replacements.append((path, layer))
+        elif isinstance(module, nn.QuantizedEmbedding):
+            weight = _dequantized_weight(module, dtype)
+            layer = nn.Embedding(*weight.shape)
+            layer.weight = weight
+            replacements.append((path, layer))
+    if replacements:
+        model.update_modules(tree_unflatten(replacements))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def _dequantized_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
+    return mx.dequantize(
+        module.weight,
+        module.scales,
+        module.get("biases"),
+        group_size=module.group_size,
+        bits=module.bits,
+        mode=getattr(module, "mode", "affine"),
+    ).astype(dtype)

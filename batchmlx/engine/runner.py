@@ -1,0 +1,72 @@
+"""The forward step: one ragged batch through an mlx-lm model over paged KV."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage, PagedLayerCache
+
+
+def model_dims(model: nn.Module) -> tuple[int, int, int]:
+    """(num_layers, n_kv_heads, head_dim) of an mlx-lm transformer."""
+    layers = model.layers
+    attn = layers[0].self_attn
+    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
+    head_dim = getattr(attn, "head_dim", None)
+    if head_dim is None:
+        head_dim = attn.k_proj.weight.shape[0] // n_kv
+        if hasattr(attn.k_proj, "bits"):  # quantized: packed columns, rows are outputs
+            head_dim = attn.k_proj.scales.shape[0] // n_kv
+    return len(layers), int(n_kv), int(head_dim)
+
+
+class ModelRunner:
+    """Runs the model body on a BatchLayout and turns chosen hidden rows into logits.
+
+    The body and the head are split so a 500-token prefill pays for the vocabulary projection
+    of its last token only, not of all 500.
+    """
+
+    def __init__(self, model: nn.Module, storage: PagedKVStorage) -> None:
+        self.model = model
+        self.storage = storage
+        self.body, self.head = _split(model)
+
+    def forward(self, layout: BatchLayout, rows: list[int] | None) -> mx.array:
+        """Hidden states of each sequence's last new token → logits [len(rows), V].
+
+        rows: which sequences of the layout need logits (None = all)."""
+        caches = [
+            PagedLayerCache(self.storage, i, layout) for i in range(self.storage.num_layers)
+        ]
+        hidden = self.body(layout.tokens, caches)  # [B, Q, H]
+        last = mx.take_along_axis(hidden, layout.last_index[:, None, None], axis=1)[:, 0, :]
+        if rows is not None and len(rows) != hidden.shape[0]:
+            last = last[mx.array(rows, dtype=mx.int32)]
+        return self.head(last)
+
+
+def _split(model: nn.Module) -> tuple[Any, Any]:
+    inner = getattr(model, "model", None)
+    args = getattr(model, "args", None)
+    if inner is not None and hasattr(inner, "embed_tokens"):
+        def body(tokens, cache):
+            return inner(tokens, cache)
+
+        if hasattr(model, "lm_head"):
+            head = model.lm_head
+        elif args is not None and getattr(args, "tie_word_embeddings", True):
+            head = inner.embed_tokens.as_linear
+        else:  # pragma: no cover - unknown layout
+            head = None
+        if head is not None:
+            return body, head
+
+    # Unknown layout: run the whole model and take logits per position (slower, still correct).
+    def body_full(tokens, cache):
+        return model(tokens, cache=cache)
+
+    return body_full, lambda x: x

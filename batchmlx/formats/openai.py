@@ -1,0 +1,266 @@
+"""OpenAI wire objects, field for field: completion bodies, batch output/error lines, the Batch.
+
+Every dict here is built in a fixed key order and written with `dumps_line`, so the same results
+give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from batchmlx.core.records import BatchRecord
+from batchmlx.formats.errors import ErrorCode, errors_object
+
+# OpenAI's own line-level messages for requests that never ran.
+BATCH_EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+BATCH_CANCELLED_MESSAGE = "This request was not executed because the batch was cancelled."
+# OpenAI writes this for tokens too unlikely to have a finite logprob; JSON has no -inf.
+MIN_LOGPROB = -9999.0
+
+
+class IdPrefix(enum.StrEnum):
+    BATCH = "batch_"
+    BATCH_REQUEST = "batch_req_"
+    FILE = "file-"
+    CHAT_COMPLETION = "chatcmpl-"
+    COMPLETION = "cmpl-"
+
+
+_SEPARATORS = {"batch": "_", "batch_req": "_", "file": "-", "chatcmpl": "-", "cmpl": "-"}
+
+
+def _random_hex() -> str:
+    return secrets.token_hex(12)
+
+
+def new_id(prefix: str, rand: Callable[[], str] | None = None) -> str:
+    """`new_id(IdPrefix.BATCH)` → "batch_3f2a…"; a bare "batch" or "file" gets its separator."""
+    prefix = str(prefix)
+    if not prefix.endswith(("_", "-")):
+        prefix += _SEPARATORS.get(prefix, "_")
+    return prefix + (rand or _random_hex)()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobText:
+    """One generated token's logprob, with the token already detokenized."""
+
+    token: str
+    logprob: float
+    bytes: list[int]  # UTF-8 bytes of the token (a token may be part of a character)
+    top: list[tuple[str, float, list[int]]]  # (token, logprob, bytes) best first
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceResult:
+    index: int
+    text: str
+    finish_reason: str  # "stop" or "length"
+    logprobs: list[TokenLogprobText] | None = None
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) and value > MIN_LOGPROB else MIN_LOGPROB
+
+
+def _finish(reason: Any) -> str:
+    return getattr(reason, "value", reason)  # core.request.FinishReason or a plain string
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def _chat_logprobs(tokens: list[TokenLogprobText] | None) -> dict[str, Any] | None:
+    if tokens is None:
+        return None
+    content = [
+        {
+            "token": t.token,
+            "logprob": _lp(t.logprob),
+            "bytes": list(t.bytes),
+            "top_logprobs": [
+                {"token": tok, "logprob": _lp(lp), "bytes": list(b)} for tok, lp, b in t.top
+            ],
+        }
+        for t in tokens
+    ]
+    return {"content": content, "refusal": None}
+
+
+def chat_completion_body(
+    *,
+    id: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceResult],
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    system_fingerprint: str | None = None,
+) -> dict[str, Any]:
+    """A `chat.completion` object (openai.types.chat.ChatCompletion)."""
+    return {
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": _chat_logprobs(c.logprobs),
+                "finish_reason": _finish(c.finish_reason),
+            }
+            for c in choices
+        ],
+        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
+        "system_fingerprint": system_fingerprint,
+    }
+
+
+def _legacy_logprobs(tokens: list[TokenLogprobText] | None, offset: int) -> dict[str, Any] | None:
+    """The legacy completions format: parallel arrays, alternatives as {token: logprob}."""
+    if tokens is None:
+        return None
+    offsets: list[int] = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": [t.token for t in tokens],
+        "token_logprobs": [_lp(t.logprob) for t in tokens],
+        "top_logprobs": [{tok: _lp(lp) for tok, lp, _ in t.top} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def text_completion_body(
+    *,
+    id: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceResult],
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    system_fingerprint: str | None = None,
+    text_offset: int = 0,
+) -> dict[str, Any]:
+    """A `text_completion` object (openai.types.Completion).
+
+    `text_offset` is where the first logprob token starts in the text OpenAI counts from: the
+    prompt's length in characters without echo, 0 with echo.
+    """
+    return {
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": _legacy_logprobs(c.logprobs, text_offset),
+                "finish_reason": _finish(c.finish_reason),
+            }
+            for c in choices
+        ],
+        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
+        "system_fingerprint": system_fingerprint,
+    }
+
+
+def output_line(
+    *, id: str, custom_id: str, status_code: int, request_id: str, body: dict[str, Any]
+) -> dict[str, Any]:
+    """One line of the output (200) or error (4xx/5xx body) file."""
+    return {
+        "id": id,
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def error_line(*, id: str, custom_id: str, code: str, message: str) -> dict[str, Any]:
+    """One line of the error file for a request that never ran (batch_expired, …)."""
+    return {
+        "id": id,
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": getattr(code, "value", code), "message": message},
+    }
+
+
+def expired_line(*, id: str, custom_id: str) -> dict[str, Any]:
+    return error_line(
+        id=id, custom_id=custom_id, code=ErrorCode.BATCH_EXPIRED, message=BATCH_EXPIRED_MESSAGE
+    )
+
+
+def cancelled_line(*, id: str, custom_id: str) -> dict[str, Any]:
+    return error_line(
+        id=id,
+        custom_id=custom_id,
+        code=ErrorCode.BATCH_CANCELLED,
+        message=BATCH_CANCELLED_MESSAGE,
+    )
+
+
+def batch_object(rec: BatchRecord) -> dict[str, Any]:
+    """The Batch object exactly as openai.types.Batch types it."""
+    usage = rec.usage
+    counts = rec.request_counts
+    return {
+        "id": rec.id,
+        "object": "batch",
+        "endpoint": rec.endpoint,
+        "model": rec.model,
+        "errors": errors_object(rec.errors) if rec.errors else None,
+        "input_file_id": rec.input_file_id,
+        "completion_window": rec.completion_window,
+        "status": rec.status.value,
+        "output_file_id": rec.output_file_id,
+        "error_file_id": rec.error_file_id,
+        "created_at": rec.created_at,
+        "in_progress_at": rec.in_progress_at,
+        "expires_at": rec.expires_at,
+        "finalizing_at": rec.finalizing_at,
+        "completed_at": rec.completed_at,
+        "failed_at": rec.failed_at,
+        "expired_at": rec.expired_at,
+        "cancelling_at": rec.cancelling_at,
+        "cancelled_at": rec.cancelled_at,
+        "request_counts": {
+            "total": counts.total,
+            "completed": counts.completed,
+            "failed": counts.failed,
+        },
+        "metadata": rec.metadata,
+        "usage": {
+            "input_tokens": usage.input_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.total_tokens,
+        },
+    }
+
+
+def dumps_line(obj: Any) -> bytes:
+    """One JSONL line, newline-terminated; the same object always gives the same bytes."""
+    return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)

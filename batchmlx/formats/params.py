@@ -1,0 +1,458 @@
+"""One request body → what the engine needs (`ParsedRequest`), or the 400 OpenAI would answer.
+
+Validation (`formats.validate`) only checks a file's shape; the values are judged here, per
+request, so one odd line fails alone with a 400 in the error file instead of failing the batch.
+`null` counts as absent for every optional parameter, as in the OpenAI API.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from batchmlx.core.request import SamplingParams
+from batchmlx.formats.errors import ErrorCode
+
+# SamplingParams.max_tokens is an int; this one means "until the context is full" and the engine
+# clamps it to the context length left after the prompt.
+UNTIL_CONTEXT = 1 << 30
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOPS = 4
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20  # chat
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions
+
+
+class Endpoint(enum.StrEnum):
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    messages: tuple[dict[str, str], ...] | None  # chat: {"role", "content": str}
+    prompt: str | None  # completions given as text
+    prompt_token_ids: tuple[int, ...] | None  # completions given as token ids
+    n: int  # choices to generate
+    sampling: SamplingParams  # max_tokens is UNTIL_CONTEXT when the request sets none
+    max_tokens: int | None  # as requested; None = until the context is full
+    logprobs: bool
+    top_logprobs: int
+    response_format: dict[str, Any] | None  # kept for the engine to honour what it can
+    echo: bool  # completions only: the prompt is prepended to the text
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    status_code: int  # 400
+    code: str  # an ErrorCode value
+    message: str
+    param: str | None
+    type: str = "invalid_request_error"
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class _Reject(Exception):
+    """Carries a RequestError out of the nested checks; never leaves this module."""
+
+    def __init__(self, error: RequestError) -> None:
+        self.error = error
+
+
+def _fail(code: ErrorCode, message: str, param: str | None) -> _Reject:
+    return _Reject(RequestError(400, code.value, message, param))
+
+
+# Parameters taken and honoured (or harmlessly ignored, like `user`), per endpoint.
+_COMMON = frozenset(
+    {
+        "model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "logprobs", "stream",
+        "stream_options", "user", "frequency_penalty", "presence_penalty", "logit_bias",
+        "service_tier", "safety_identifier", "prompt_cache_key",
+    }
+)  # fmt: skip
+_CHAT = _COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "metadata", "store",
+    "parallel_tool_calls",
+}  # fmt: skip
+_COMPLETIONS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+# Real OpenAI parameters batchmlx cannot serve: a 400 unsupported_value when set.
+_UNSUPPORTED = frozenset(
+    {
+        "tools", "tool_choice", "functions", "function_call", "reasoning_effort", "modalities",
+        "audio", "prediction", "web_search_options", "verbosity",
+    }
+)  # fmt: skip
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _got(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _type_error(param: str, expected: str, value: Any) -> _Reject:
+    return _fail(
+        ErrorCode.INVALID_TYPE,
+        f"Invalid type for '{param}': expected {expected}, but got {_got(value)} instead.",
+        param,
+    )
+
+
+def _int(body: dict[str, Any], key: str, lo: int | None, hi: int | None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _type_error(key, "an integer", value)
+    _check_range(key, value, lo, hi)
+    return value
+
+
+def _float(body: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise _type_error(key, "a decimal", value)
+    _check_range(key, value, lo, hi)
+    return float(value)
+
+
+def _bool(body: dict[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise _type_error(key, "a boolean", value)
+    return value
+
+
+def _check_range(key: str, value: float, lo: float | None, hi: float | None) -> None:
+    if lo is not None and value < lo:
+        raise _fail(
+            ErrorCode.INVALID_VALUE,
+            f"Invalid '{key}': {value} is below the minimum; expected a value >= {lo}.",
+            key,
+        )
+    if hi is not None and value > hi:
+        raise _fail(
+            ErrorCode.INVALID_VALUE,
+            f"Invalid '{key}': {value} is above the maximum; expected a value <= {hi}.",
+            key,
+        )
+
+
+def _unsupported(key: str, why: str) -> _Reject:
+    return _fail(ErrorCode.UNSUPPORTED_VALUE, f"Unsupported value for '{key}': {why}", key)
+
+
+def _check_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    for key, value in body.items():
+        if key in allowed:
+            continue
+        if key in _UNSUPPORTED:
+            if value is None:
+                continue
+            raise _unsupported(key, "batchmlx does not support tools or this feature.")
+        raise _fail(
+            ErrorCode.UNKNOWN_PARAMETER, f"Unrecognized request argument supplied: {key}", key
+        )
+
+
+def _check_ignored(body: dict[str, Any]) -> None:
+    """Parameters accepted only at their no-op values."""
+    if body.get("stream") is not None:
+        if _bool(body, "stream"):
+            raise _unsupported("stream", "batch requests cannot stream.")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if _float(body, key, -2.0, 2.0):
+            raise _unsupported(key, "only 0 is supported.")
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _type_error("logit_bias", "an object", bias)
+        if bias:
+            raise _unsupported("logit_bias", "logit_bias is not supported.")
+    for key in ("user", "service_tier", "safety_identifier", "prompt_cache_key"):
+        value = body.get(key)
+        if value is not None and not isinstance(value, str):
+            raise _type_error(key, "a string", value)
+    for key in ("metadata", "stream_options"):
+        value = body.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise _type_error(key, "an object", value)
+    _bool(body, "store")
+    _bool(body, "parallel_tool_calls")
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = stop
+    else:
+        raise _type_error("stop", "a string or an array of strings", stop)
+    if len(stops) > MAX_STOPS:
+        raise _fail(
+            ErrorCode.INVALID_VALUE,
+            f"Invalid 'stop': at most {MAX_STOPS} stop sequences are allowed, got {len(stops)}.",
+            "stop",
+        )
+    if any(not s for s in stops):
+        raise _fail(
+            ErrorCode.INVALID_VALUE, "Invalid 'stop': stop sequences must not be empty.", "stop"
+        )
+    return tuple(stops)
+
+
+def _content_text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _type_error(param, "a string or an array of content parts", content)
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        at = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise _type_error(at, "an object", part)
+        if part.get("type") != "text":
+            raise _unsupported(f"{at}.type", "only text content parts are supported.")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _type_error(f"{at}.text", "a string", text)
+        texts.append(text)
+    return "\n".join(texts)  # the parts of one message, a line each (vLLM does the same)
+
+
+def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
+    messages = body.get("messages")
+    if messages is None:
+        raise _fail(
+            ErrorCode.MISSING_REQUIRED_PARAMETER,
+            "Missing required parameter: 'messages'.",
+            "messages",
+        )
+    if not isinstance(messages, list):
+        raise _type_error("messages", "an array", messages)
+    if not messages:
+        raise _fail(
+            ErrorCode.INVALID_VALUE, "Invalid 'messages': expected a non-empty array.", "messages"
+        )
+    out: list[dict[str, str]] = []
+    for i, msg in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise _type_error(at, "an object", msg)
+        if msg.get("tool_calls") or msg.get("function_call"):
+            raise _unsupported(f"{at}.tool_calls", "tool calls are not supported.")
+        role = msg.get("role")
+        if role == "tool" or role == "function":
+            raise _unsupported(f"{at}.role", "tool messages are not supported.")
+        if not isinstance(role, str) or role not in _CHAT_ROLES:
+            raise _fail(
+                ErrorCode.INVALID_VALUE,
+                f"Invalid value for '{at}.role': {role!r}. Supported values are: "
+                "'system', 'developer', 'user' and 'assistant'.",
+                f"{at}.role",
+            )
+        # chat templates of local models know "system"; OpenAI treats "developer" the same way
+        out.append(
+            {
+                "role": _CHAT_ROLES[role],
+                "content": _content_text(msg.get("content"), f"{at}.content"),
+            }
+        )
+    return tuple(out)
+
+
+def _prompt(body: dict[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _fail(
+            ErrorCode.MISSING_REQUIRED_PARAMETER, "Missing required parameter: 'prompt'.", "prompt"
+        )
+    if isinstance(prompt, str):
+        return prompt, None
+    expected = "a string, an array of strings or an array of token ids"
+    if not isinstance(prompt, list):
+        raise _type_error("prompt", expected, prompt)
+    if not prompt:
+        raise _fail(
+            ErrorCode.INVALID_VALUE, "Invalid 'prompt': expected a non-empty array.", "prompt"
+        )
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise _fail(
+                ErrorCode.INVALID_VALUE, "Invalid 'prompt': token ids must be >= 0.", "prompt"
+            )
+        return None, tuple(prompt)
+    if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise _unsupported("prompt", "one prompt per request is supported; send one line each.")
+    only = prompt[0]
+    if isinstance(only, str):
+        return only, None
+    if isinstance(only, list) and only:
+        return _prompt({"prompt": only})
+    raise _type_error("prompt", expected, prompt)
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _type_error("response_format", "an object", fmt)
+    kind = fmt.get("type")
+    if kind not in _RESPONSE_FORMATS:
+        raise _fail(
+            ErrorCode.INVALID_VALUE,
+            f"Invalid value for 'response_format.type': {kind!r}. Supported values are: "
+            "'text', 'json_object' and 'json_schema'.",
+            "response_format.type",
+        )
+    if kind == "json_schema" and not isinstance(fmt.get("json_schema"), dict):
+        raise _fail(
+            ErrorCode.MISSING_REQUIRED_PARAMETER,
+            "Missing required parameter: 'response_format.json_schema'.",
+            "response_format.json_schema",
+        )
+    return fmt
+
+
+def _parse(endpoint: Endpoint, body: dict[str, Any]) -> ParsedRequest:
+    chat = endpoint is Endpoint.CHAT
+    _check_keys(body, _CHAT if chat else _COMPLETIONS)
+    _check_ignored(body)
+
+    messages = prompt = token_ids = None
+    if chat:
+        messages = _messages(body)
+    else:
+        prompt, token_ids = _prompt(body)
+
+    max_tokens = _int(body, "max_tokens", 1, None)
+    if chat:
+        # the newer name wins: it is what the SDK sends, max_tokens is its deprecated alias
+        max_tokens = _int(body, "max_completion_tokens", 1, None) or max_tokens
+    elif max_tokens is None:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    temperature = _float(body, "temperature", 0.0, 2.0)
+    top_p = _float(body, "top_p", 0.0, 1.0)
+    if top_p == 0.0:
+        raise _fail(ErrorCode.INVALID_VALUE, "Invalid 'top_p': expected a value > 0.", "top_p")
+    seed = _int(body, "seed", None, None)
+    n = _int(body, "n", 1, MAX_N) or 1
+    stop = _stops(body)
+
+    if chat:
+        logprobs = bool(_bool(body, "logprobs"))
+        top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top_logprobs is not None and not logprobs:
+            raise _fail(
+                ErrorCode.INVALID_VALUE,
+                "Invalid 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is used.",
+                "top_logprobs",
+            )
+        top_logprobs = top_logprobs or 0
+        echo = False
+    else:
+        level = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+        logprobs, top_logprobs = level is not None, level or 0
+        echo = bool(_bool(body, "echo"))
+        best_of = _int(body, "best_of", 1, None)
+        if best_of is not None and best_of != n:
+            raise _unsupported("best_of", "best_of must equal n.")
+        suffix = body.get("suffix")
+        if suffix is not None and not isinstance(suffix, str):
+            raise _type_error("suffix", "a string", suffix)
+        if suffix:
+            raise _unsupported("suffix", "suffix (insertion) is not supported.")
+
+    sampling = SamplingParams(
+        max_tokens=UNTIL_CONTEXT if max_tokens is None else max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        seed=seed,
+        stop=stop,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    return ParsedRequest(
+        endpoint=endpoint,
+        messages=messages,
+        prompt=prompt,
+        prompt_token_ids=token_ids,
+        n=n,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        response_format=_response_format(body) if chat else None,
+        echo=echo,
+    )
+
+
+def parse_request(endpoint: str, body: dict[str, Any]) -> ParsedRequest | RequestError:
+    """Judge one request body; never raises for bad input."""
+    try:
+        ep = Endpoint(endpoint)
+    except ValueError:
+        return RequestError(
+            404, ErrorCode.INVALID_URL.value, f"Unsupported endpoint {endpoint!r}.", "url"
+        )
+    if not isinstance(body, dict):
+        return RequestError(400, ErrorCode.INVALID_TYPE.value, "The body must be an object.", None)
+    try:
+        return _parse(ep, body)
+    except _Reject as reject:
+        return reject.error
+
+
+def context_length_error(
+    context: int,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    *,
+    endpoint: Endpoint = Endpoint.CHAT,
+) -> RequestError:
+    """The 400 OpenAI answers when prompt + max_tokens do not fit the model's context."""
+    what = "messages" if endpoint is Endpoint.CHAT else "prompt"
+    asked = prompt_tokens + (max_tokens or 0)
+    detail = f"{prompt_tokens} in the {what}"
+    if max_tokens:
+        detail += f", {max_tokens} in the completion"
+    return RequestError(
+        400,
+        ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
+        f"This model's maximum context length is {context} tokens. However, you requested "
+        f"{asked} tokens ({detail}). Please reduce the length of the {what} or completion.",
+        what,
+    )

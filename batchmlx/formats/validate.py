@@ -1,0 +1,318 @@
+"""Validate a batch input file the way the OpenAI Batch API does, before anything is enqueued.
+
+The file either passes whole or fails whole: every error is collected (in line order) so the user
+fixes the file in one go. Only the shape is checked here; odd parameter values (temperature 7,
+stream true, unknown keys) are per-request 400s decided at run time by `formats.params`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from batchmlx.core.records import BatchErrorRecord
+from batchmlx.formats.errors import ErrorCode
+
+SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
+MAX_FILE_BYTES = 200 * 1024 * 1024
+MAX_TASKS = 50_000
+
+_ENVELOPE_KEYS = ("custom_id", "method", "url", "body")
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLine:
+    line: int  # 1-based, counting every input line (blank ones too)
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationResult:
+    lines: tuple[BatchLine, ...]  # the lines without errors (all of them when ok)
+    errors: tuple[BatchErrorRecord, ...]  # in line order; file-level errors (line None) first
+    endpoint: str | None  # the one url of the file
+    model: str | None  # the one body model of the file; the override when one is given
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and bool(self.lines)
+
+
+def _err(code: ErrorCode, message: str, line: int | None = None, param: str | None = None):
+    return BatchErrorRecord(code=code.value, message=message, line=line, param=param)
+
+
+def _invalid(line: int, param: str, message: str) -> BatchErrorRecord:
+    return _err(ErrorCode.INVALID_REQUEST, f"Line {line}: {message}", line, param)
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_content(content: Any, where: str) -> tuple[str, str] | None:
+    """(param, problem) for a message content that is neither a string nor a list of parts."""
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list) or not content:
+        return where, "must be a string or a non-empty array of content parts"
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            return at, "must be an object"
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            return f"{at}.type", "must be a string"
+        # Non-text parts (images, audio) are valid OpenAI input; they are refused per request.
+        if kind == "text" and not isinstance(part.get("text"), str):
+            return f"{at}.text", "must be a string"
+    return None
+
+
+def _check_chat(body: dict[str, Any]) -> tuple[str, str] | None:
+    messages = body.get("messages")
+    if messages is None:
+        return "body.messages", "is required"
+    if not isinstance(messages, list) or not messages:
+        return "body.messages", "must be a non-empty array"
+    for i, msg in enumerate(messages):
+        at = f"body.messages[{i}]"
+        if not isinstance(msg, dict):
+            return at, "must be an object"
+        role = msg.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            return f"{at}.role", f"must be one of {', '.join(sorted(_ROLES))}"
+        content = msg.get("content")
+        # An assistant turn that only calls tools has no content; tools are refused at run time.
+        if (
+            content is None
+            and role == "assistant"
+            and (msg.get("tool_calls") or msg.get("function_call"))
+        ):
+            continue
+        if content is None:
+            return f"{at}.content", "is required"
+        problem = _check_content(content, f"{at}.content")
+        if problem:
+            return problem
+    return None
+
+
+def _check_prompt(body: dict[str, Any]) -> tuple[str, str] | None:
+    prompt = body.get("prompt")
+    if prompt is None:
+        return "body.prompt", "is required"
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, list) and prompt:
+        # One prompt per request is served; a longer list is refused at run time, not here.
+        if all(isinstance(p, str) for p in prompt) or all(_is_int(t) for t in prompt):
+            return None
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return None
+    return "body.prompt", "must be a string, an array of strings or an array of token ids"
+
+
+def validate_batch_file(
+    data: bytes,
+    *,
+    model_resolves: Callable[[str], bool] | None = None,
+    model_override: str | None = None,
+    max_bytes: int = MAX_FILE_BYTES,
+    max_tasks: int = MAX_TASKS,
+) -> ValidationResult:
+    """Check every line of a batch input file; O(n) in its size.
+
+    With `model_override` the body models are ignored (a file written for "gpt-4o-mini" runs
+    unchanged) and the result's `model` is the override. Otherwise `model_resolves`, when given,
+    is asked once about the file's model.
+    """
+    if len(data) > max_bytes:
+        msg = f"The batch input file is {len(data)} bytes; the limit is {max_bytes} bytes."
+        return ValidationResult((), (_err(ErrorCode.FILE_TOO_LARGE, msg),), None, None)
+    if data.startswith(_BOM):
+        data = data[len(_BOM) :]
+
+    errors: list[BatchErrorRecord] = []
+    good: list[BatchLine] = []
+    seen_ids: dict[str, int] = {}
+    endpoint: str | None = None
+    model: str | None = model_override
+    model_line: int | None = None
+    tasks = 0
+
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue  # blank lines (and the empty tail after the final newline) still count
+        tasks += 1
+        if tasks == max_tasks + 1:
+            errors.append(
+                _err(
+                    ErrorCode.TOO_MANY_TASKS,
+                    f"The batch input file has more than {max_tasks} requests; "
+                    f"line {number} is request {tasks}.",
+                    number,
+                )
+            )
+        line_errors: list[BatchErrorRecord] = []
+        try:
+            obj = orjson.loads(raw)  # orjson refuses bad UTF-8 too; a trailing \r is whitespace
+        except orjson.JSONDecodeError:
+            obj = _NOT_JSON
+        if not isinstance(obj, dict):
+            errors.append(
+                _err(
+                    ErrorCode.INVALID_JSON_LINE,
+                    f"Line {number} is not a valid JSON object.",
+                    number,
+                )
+            )
+            continue
+
+        custom_id = obj.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            line_errors.append(
+                _invalid(number, "custom_id", "'custom_id' must be a non-empty string.")
+            )
+        elif custom_id in seen_ids:
+            line_errors.append(
+                _err(
+                    ErrorCode.DUPLICATE_CUSTOM_ID,
+                    f"Line {number}: custom_id {custom_id!r} is already used on line "
+                    f"{seen_ids[custom_id]}; each request in a batch needs a unique custom_id.",
+                    number,
+                    "custom_id",
+                )
+            )
+        else:
+            seen_ids[custom_id] = number
+
+        method = obj.get("method")
+        if method != "POST":
+            shown = "missing" if "method" not in obj else repr(method)
+            line_errors.append(_invalid(number, "method", f"'method' must be \"POST\" ({shown})."))
+
+        url = obj.get("url")
+        if not isinstance(url, str):
+            line_errors.append(
+                _invalid(number, "url", f"'url' must be a string, not {_type_name(url)}.")
+                if "url" in obj
+                else _invalid(number, "url", "'url' is required.")
+            )
+            url = None
+        elif url not in SUPPORTED_URLS:
+            line_errors.append(
+                _err(
+                    ErrorCode.INVALID_URL,
+                    f"Line {number}: the url {url!r} is not supported. "
+                    f"Supported urls are: {', '.join(SUPPORTED_URLS)}.",
+                    number,
+                    "url",
+                )
+            )
+            url = None
+        elif endpoint is None:
+            endpoint = url
+        elif url != endpoint:
+            line_errors.append(
+                _err(
+                    ErrorCode.URL_MISMATCH,
+                    f"Line {number}: the url {url!r} differs from {endpoint!r}, the url of the "
+                    "first request; every request in a batch must use the same url.",
+                    number,
+                    "url",
+                )
+            )
+
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            what = (
+                "is required" if "body" not in obj else f"must be an object, not {_type_name(body)}"
+            )
+            line_errors.append(_invalid(number, "body", f"'body' {what}."))
+        else:
+            if model_override is None:
+                body_model = body.get("model")
+                if not isinstance(body_model, str) or not body_model:
+                    line_errors.append(
+                        _invalid(number, "body.model", "'body.model' must be a non-empty string.")
+                    )
+                elif model is None:
+                    model, model_line = body_model, number
+                elif body_model != model:
+                    line_errors.append(
+                        _err(
+                            ErrorCode.MODEL_MISMATCH,
+                            f"Line {number}: the model {body_model!r} differs from {model!r}, the "
+                            "model of the first request; every request in a batch must use the "
+                            "same model.",
+                            number,
+                            "body.model",
+                        )
+                    )
+            if url is not None:
+                check = _check_chat if url == SUPPORTED_URLS[0] else _check_prompt
+                problem = check(body)
+                if problem:
+                    param, what = problem
+                    line_errors.append(_invalid(number, param, f"'{param}' {what}."))
+
+        for key in obj:
+            if key not in _ENVELOPE_KEYS:
+                line_errors.append(
+                    _invalid(
+                        number,
+                        key,
+                        f"unexpected key {key!r}; a request has exactly "
+                        "custom_id, method, url and body.",
+                    )
+                )
+
+        if line_errors:
+            errors.extend(line_errors)
+        else:
+            good.append(BatchLine(number, custom_id, url, body))
+
+    if tasks == 0:
+        errors.append(_err(ErrorCode.EMPTY_FILE, "The batch input file has no requests."))
+    if (
+        model_override is None
+        and model is not None
+        and model_resolves is not None
+        and not model_resolves(model)
+    ):
+        errors.append(
+            _err(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"The model {model!r} does not exist or could not be loaded.",
+                model_line,
+                "body.model",
+            )
+        )
+    # stable: file-level errors first, then by line, each line's errors in the order found
+    errors.sort(key=lambda e: e.line or 0)
+    return ValidationResult(tuple(good), tuple(errors), endpoint, model)
+
+
+_NOT_JSON = object()  # a sentinel no JSON value can equal

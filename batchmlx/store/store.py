@@ -1,0 +1,597 @@
+"""The store: every SQL operation batchmlx performs, as named methods of one class.
+
+Writes run in `BEGIN IMMEDIATE` transactions (see connection.py), so concurrent worker processes
+queue up on the write lock instead of failing. Reads run in deferred transactions and, under WAL,
+never wait for a writer. Time, ids and lease lengths come in as arguments.
+
+The queue protocol: `claim` leases requests to a worker (`lease_expires_at`); the worker renews its
+leases with `heartbeat`; `complete` is fenced (a row is written only while it is still running and
+held by the caller), so a worker whose lease expired and was re-claimed cannot overwrite anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+from sqlalchemy import (
+    and_,
+    bindparam,
+    case,
+    delete,
+    func,
+    insert,
+    literal_column,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from batchmlx.core.lifecycle import BatchStatus, RequestStatus, check_transition
+from batchmlx.core.records import (
+    BatchErrorRecord,
+    BatchRecord,
+    BatchUsage,
+    ClaimedRequest,
+    FileRecord,
+    RequestCounts,
+    RequestResult,
+)
+from batchmlx.store.connection import BEGIN_OPTION, DEFAULT_BUSY_TIMEOUT_S, install_sqlite_setup
+from batchmlx.store.migrate import upgrade_to_head
+from batchmlx.store.models import BATCHES, FILES, REQUESTS, WORKERS
+from batchmlx.store.types import BatchRef, NewRequest, ResultRow
+
+B, R, F, W = BATCHES, REQUESTS, FILES, WORKERS
+_B_SEQ = literal_column("batches.rowid")  # insertion order: the tie-break after created_at
+
+_QUEUED = RequestStatus.QUEUED.value
+_RUNNING = RequestStatus.RUNNING.value
+_SUCCEEDED = RequestStatus.SUCCEEDED.value
+_FAILED = RequestStatus.FAILED.value
+_DONE = (_SUCCEEDED, _FAILED)
+_NOT_DONE = (_QUEUED, _RUNNING)
+
+# The timestamp column each status sets when a batch enters it.
+_STATUS_AT: dict[BatchStatus, str] = {
+    BatchStatus.IN_PROGRESS: "in_progress_at",
+    BatchStatus.FINALIZING: "finalizing_at",
+    BatchStatus.COMPLETED: "completed_at",
+    BatchStatus.FAILED: "failed_at",
+    BatchStatus.EXPIRED: "expired_at",
+    BatchStatus.CANCELLING: "cancelling_at",
+    BatchStatus.CANCELLED: "cancelled_at",
+}
+# Fields set_batch_status may change besides status and its *_at.
+_SETTABLE = frozenset({"model", "expires_at", "output_file_id", "error_file_id", "errors"})
+
+
+def _dumps(value: Any) -> str | None:
+    return None if value is None else orjson.dumps(value).decode()
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else orjson.loads(text)
+
+
+def _errors_json(errors: Iterable[BatchErrorRecord]) -> str:
+    return _dumps(
+        [{"code": e.code, "message": e.message, "line": e.line, "param": e.param} for e in errors]
+    )
+
+
+def _result_values(result: RequestResult, now: float) -> dict[str, Any]:
+    return {
+        "status": result.status.value,
+        "status_code": result.status_code,
+        "response_body": _dumps(result.body),
+        "error": _dumps(result.error),
+        "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,
+        "completion_tokens": result.completion_tokens,
+        "cache_outcome": result.cache_outcome,
+        "finished_at": now,
+        "lease_expires_at": None,
+    }
+
+
+def _done_sum(column: Any) -> Any:
+    return func.coalesce(func.sum(case((R.c.status.in_(_DONE), column), else_=0)), 0)
+
+
+# Per batch: total, succeeded, failed, then token sums over done requests.
+_PROGRESS_COLUMNS = (
+    func.count(R.c.id),
+    func.coalesce(func.sum(case((R.c.status == _SUCCEEDED, 1), else_=0)), 0),
+    func.coalesce(func.sum(case((R.c.status == _FAILED, 1), else_=0)), 0),
+    _done_sum(R.c.prompt_tokens),
+    _done_sum(R.c.cached_tokens),
+    _done_sum(R.c.completion_tokens),
+)
+
+
+def _progress(row: Sequence[Any] | None) -> tuple[RequestCounts, BatchUsage]:
+    if row is None:
+        return RequestCounts(), BatchUsage()
+    total, ok, failed, prompt, cached, completion = row
+    return (
+        RequestCounts(total=total, completed=ok, failed=failed),
+        BatchUsage(input_tokens=prompt, cached_tokens=cached, output_tokens=completion),
+    )
+
+
+def _batch_record(m: Mapping[str, Any], progress: Sequence[Any] | None) -> BatchRecord:
+    counts, usage = _progress(progress)
+    return BatchRecord(
+        id=m["id"],
+        endpoint=m["endpoint"],
+        model=m["model"],
+        input_file_id=m["input_file_id"],
+        completion_window=m["completion_window"],
+        status=BatchStatus(m["status"]),
+        created_at=m["created_at"],
+        expires_at=m["expires_at"],
+        in_progress_at=m["in_progress_at"],
+        finalizing_at=m["finalizing_at"],
+        completed_at=m["completed_at"],
+        failed_at=m["failed_at"],
+        expired_at=m["expired_at"],
+        cancelling_at=m["cancelling_at"],
+        cancelled_at=m["cancelled_at"],
+        output_file_id=m["output_file_id"],
+        error_file_id=m["error_file_id"],
+        errors=tuple(BatchErrorRecord(**e) for e in _loads(m["errors"]) or ()),
+        request_counts=counts,
+        usage=usage,
+        metadata=_loads(m["metadata"]),
+        stats=_loads(m["stats"]) or {},
+    )
+
+
+def _file_record(m: Mapping[str, Any]) -> FileRecord:
+    return FileRecord(
+        id=m["id"],
+        filename=m["filename"],
+        purpose=m["purpose"],
+        bytes=m["bytes"],
+        created_at=m["created_at"],
+        path=m["path"],
+    )
+
+
+class Store:
+    """The seam between batchmlx and its SQLite database. Open with `await Store.open(path)`."""
+
+    def __init__(self, engine: AsyncEngine, path: Path) -> None:
+        self.path = path
+        self._engine = engine  # transactions begin IMMEDIATE: use for anything that writes
+        self._reader = engine.execution_options(**{BEGIN_OPTION: "DEFERRED"})
+
+    @classmethod
+    async def open(
+        cls, db_path: str | Path, *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S
+    ) -> Store:
+        """Create the parent folder, apply pending migrations, and connect."""
+        path = Path(db_path).expanduser().resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(upgrade_to_head, path)
+        engine = create_async_engine(f"sqlite+aiosqlite:///{path}")
+        install_sqlite_setup(engine.sync_engine, busy_timeout_s)
+        return cls(engine, path)
+
+    async def close(self) -> None:
+        await self._engine.dispose()
+
+    async def pragmas(self) -> dict[str, Any]:
+        """The connection settings in force (for diagnostics and tests)."""
+        async with self._reader.connect() as conn:
+            return {
+                name: (await conn.exec_driver_sql(f"PRAGMA {name}")).scalar()
+                for name in ("journal_mode", "busy_timeout", "synchronous", "foreign_keys")
+            }
+
+    # -- files -------------------------------------------------------------------------------
+
+    async def add_file(self, rec: FileRecord) -> None:
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                insert(F).values(
+                    id=rec.id,
+                    filename=rec.filename,
+                    purpose=rec.purpose,
+                    bytes=rec.bytes,
+                    created_at=rec.created_at,
+                    path=rec.path,
+                )
+            )
+
+    async def get_file(self, file_id: str) -> FileRecord | None:
+        async with self._reader.connect() as conn:
+            row = (await conn.execute(select(F).where(F.c.id == file_id))).mappings().first()
+        return None if row is None else _file_record(row)
+
+    async def list_files(self, purpose: str | None = None) -> list[FileRecord]:
+        query = select(F).order_by(F.c.created_at.desc(), literal_column("files.rowid").desc())
+        if purpose is not None:
+            query = query.where(F.c.purpose == purpose)
+        async with self._reader.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [_file_record(r) for r in rows]
+
+    # -- batches -----------------------------------------------------------------------------
+
+    async def create_batch(
+        self,
+        rec: BatchRecord,
+        requests: Sequence[NewRequest],
+        *,
+        content_hash: str | None = None,
+        source: str | None = None,
+    ) -> None:
+        """Store a batch and all its requests (queued) in one transaction.
+
+        A FAILED batch (validation failed) carries its errors and no requests.
+        """
+        if rec.status is BatchStatus.FAILED and requests:
+            raise ValueError("a failed batch is stored without requests")
+        batch_values = {
+            "id": rec.id,
+            "endpoint": rec.endpoint,
+            "model": rec.model,
+            "input_file_id": rec.input_file_id,
+            "completion_window": rec.completion_window,
+            "status": rec.status.value,
+            "created_at": rec.created_at,
+            "expires_at": rec.expires_at,
+            "in_progress_at": rec.in_progress_at,
+            "failed_at": rec.failed_at,
+            "output_file_id": rec.output_file_id,
+            "error_file_id": rec.error_file_id,
+            "errors": _errors_json(rec.errors) if rec.errors else None,
+            "metadata": _dumps(rec.metadata),
+            "content_hash": content_hash,
+            "source": source,
+            "stats": _dumps(rec.stats or {}),
+        }
+        dumps = orjson.dumps
+        rows = [
+            {
+                "batch_id": rec.id,
+                "line": r.line,
+                "custom_id": r.custom_id,
+                "body": dumps(r.body).decode(),
+                "status": _QUEUED,
+            }
+            for r in requests
+        ]
+        async with self._engine.begin() as conn:
+            await conn.execute(insert(B).values(**batch_values))
+            if rows:
+                await conn.execute(insert(R), rows)  # executemany: one prepared statement
+
+    async def get_batch(self, batch_id: str) -> BatchRecord | None:
+        """The batch with live request counts and token usage summed from its requests."""
+        async with self._reader.connect() as conn:
+            return await self._read_batch(conn, batch_id)
+
+    async def list_batches(self, limit: int = 20, after: str | None = None) -> list[BatchRecord]:
+        """Newest first; `after` is the id of the last batch of the previous page."""
+        query = select(B).order_by(B.c.created_at.desc(), _B_SEQ.desc()).limit(limit)
+        async with self._reader.connect() as conn:
+            if after is not None:
+                cursor = (
+                    await conn.execute(select(B.c.created_at, _B_SEQ).where(B.c.id == after))
+                ).first()
+                if cursor is None:
+                    return []
+                created, seq = cursor
+                query = query.where(
+                    or_(B.c.created_at < created, and_(B.c.created_at == created, _B_SEQ < seq))
+                )
+            rows = (await conn.execute(query)).mappings().all()
+            ids = [r["id"] for r in rows]
+            progress = {
+                p[0]: p[1:]
+                for p in await conn.execute(
+                    select(R.c.batch_id, *_PROGRESS_COLUMNS)
+                    .where(R.c.batch_id.in_(ids))
+                    .group_by(R.c.batch_id)
+                )
+            }
+        return [_batch_record(r, progress.get(r["id"])) for r in rows]
+
+    async def find_batch_by_hash(self, content_hash: str) -> BatchRecord | None:
+        """The newest batch made from a file with this content hash."""
+        async with self._reader.connect() as conn:
+            batch_id = (
+                await conn.execute(
+                    select(B.c.id)
+                    .where(B.c.content_hash == content_hash)
+                    .order_by(B.c.created_at.desc(), _B_SEQ.desc())
+                    .limit(1)
+                )
+            ).scalar()
+            return None if batch_id is None else await self._read_batch(conn, batch_id)
+
+    async def set_batch_status(
+        self, batch_id: str, status: BatchStatus, now: float, **fields: Any
+    ) -> BatchRecord:
+        """Move a batch to `status` (checked against the lifecycle table) and stamp its *_at.
+
+        `fields` may set model, expires_at, output_file_id, error_file_id and errors (a sequence
+        of BatchErrorRecord). Raises KeyError for an unknown batch, TransitionError for a move
+        the lifecycle forbids.
+        """
+        unknown = set(fields) - _SETTABLE
+        if unknown:
+            raise TypeError(f"set_batch_status cannot set {sorted(unknown)}")
+        values: dict[str, Any] = dict(fields, status=status.value)
+        if "errors" in values:
+            values["errors"] = _errors_json(values["errors"])
+        if status in _STATUS_AT:
+            values[_STATUS_AT[status]] = int(now)
+        async with self._engine.begin() as conn:
+            current = (await conn.execute(select(B.c.status).where(B.c.id == batch_id))).scalar()
+            if current is None:
+                raise KeyError(batch_id)
+            check_transition(BatchStatus(current), status)
+            await conn.execute(update(B).where(B.c.id == batch_id).values(**values))
+            record = await self._read_batch(conn, batch_id)
+        assert record is not None
+        return record
+
+    async def update_batch_stats(self, batch_id: str, stats: dict[str, Any]) -> None:
+        """Merge `stats` into the batch's stats object (top-level keys replace)."""
+        async with self._engine.begin() as conn:
+            current = (await conn.execute(select(B.c.stats).where(B.c.id == batch_id))).first()
+            if current is None:
+                raise KeyError(batch_id)
+            merged = {**(_loads(current[0]) or {}), **stats}
+            await conn.execute(update(B).where(B.c.id == batch_id).values(stats=_dumps(merged)))
+
+    async def batches_with_status(self, *statuses: BatchStatus) -> list[BatchRef]:
+        """Batches in any of `statuses`, oldest first (claim order); no request counts."""
+        query = (
+            select(B.c.id, B.c.status, B.c.endpoint, B.c.model, B.c.created_at)
+            .where(B.c.status.in_([s.value for s in statuses]))
+            .order_by(B.c.created_at, _B_SEQ)
+        )
+        async with self._reader.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return [
+            BatchRef(r.id, BatchStatus(r.status), r.endpoint, r.model, r.created_at) for r in rows
+        ]
+
+    async def active_batches(self) -> list[BatchRef]:
+        """In-progress batches, oldest first: those `claim` takes requests from."""
+        return await self.batches_with_status(BatchStatus.IN_PROGRESS)
+
+    async def batch_progress(self, batch_id: str) -> RequestCounts:
+        async with self._reader.connect() as conn:
+            row = (
+                await conn.execute(select(*_PROGRESS_COLUMNS).where(R.c.batch_id == batch_id))
+            ).first()
+        return _progress(row)[0]
+
+    async def batches_to_finalize(self) -> list[str]:
+        """In-progress batches whose every request is done (succeeded or failed), oldest first."""
+        pending = select(R.c.id).where(R.c.batch_id == B.c.id, R.c.status.in_(_NOT_DONE))
+        query = (
+            select(B.c.id)
+            .where(B.c.status == BatchStatus.IN_PROGRESS.value, ~pending.exists())
+            .order_by(B.c.created_at, _B_SEQ)
+        )
+        async with self._reader.connect() as conn:
+            return list((await conn.execute(query)).scalars())
+
+    async def iter_results(self, batch_id: str) -> list[ResultRow]:
+        """The batch's done requests in input line order."""
+        query = select(R).where(R.c.batch_id == batch_id, R.c.status.in_(_DONE)).order_by(R.c.line)
+        async with self._reader.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [
+            ResultRow(
+                id=m["id"],
+                custom_id=m["custom_id"],
+                line=m["line"],
+                status=RequestStatus(m["status"]),
+                status_code=m["status_code"],
+                response_body=_loads(m["response_body"]),
+                error=_loads(m["error"]),
+                prompt_tokens=m["prompt_tokens"],
+                cached_tokens=m["cached_tokens"],
+                completion_tokens=m["completion_tokens"],
+                cache_outcome=m["cache_outcome"],
+                attempts=m["attempts"],
+                finished_at=m["finished_at"],
+            )
+            for m in rows
+        ]
+
+    async def finish_unfinished(self, batch_id: str, result: RequestResult, now: float) -> int:
+        """Give every not-done request of the batch `result` (cancel, expiry); returns how many.
+
+        Not fenced: a worker still holding one of these rows will find its `complete` ignored.
+        """
+        stmt = (
+            update(R)
+            .where(R.c.batch_id == batch_id, R.c.status.in_(_NOT_DONE))
+            .values(**_result_values(result, now))
+        )
+        async with self._engine.begin() as conn:
+            return (await conn.execute(stmt)).rowcount
+
+    # -- the queue ---------------------------------------------------------------------------
+
+    async def claim(
+        self,
+        worker_id: str,
+        limit: int,
+        now: float,
+        lease_s: float,
+        batch_id: str | None = None,
+    ) -> list[ClaimedRequest]:
+        """Lease up to `limit` requests to `worker_id`: queued ones, or running ones whose lease
+        expired (a dead worker's), from in-progress batches; oldest batch first, then line order.
+        """
+        if limit <= 0:
+            return []
+        claimable = or_(
+            R.c.status == _QUEUED, and_(R.c.status == _RUNNING, R.c.lease_expires_at < now)
+        )
+        pick = (
+            select(R.c.id)
+            .join(B, B.c.id == R.c.batch_id)
+            .where(B.c.status == BatchStatus.IN_PROGRESS.value, claimable)
+            .order_by(B.c.created_at, _B_SEQ, R.c.line)
+            .limit(limit)
+        )
+        if batch_id is not None:
+            pick = pick.where(R.c.batch_id == batch_id)
+        stmt = (
+            update(R)
+            .where(R.c.id.in_(pick))
+            .values(
+                status=_RUNNING,
+                worker_id=worker_id,
+                lease_expires_at=now + lease_s,
+                attempts=R.c.attempts + 1,
+                claimed_at=now,
+            )
+            .returning(R.c.id, R.c.batch_id, R.c.custom_id, R.c.line, R.c.body, R.c.attempts)
+        )
+        async with self._engine.begin() as conn:
+            rows = (await conn.execute(stmt)).all()
+            if not rows:
+                return []
+            batches = {
+                b.id: b
+                for b in await conn.execute(
+                    select(
+                        B.c.id, B.c.endpoint, B.c.model, B.c.created_at, _B_SEQ.label("seq")
+                    ).where(B.c.id.in_({r.batch_id for r in rows}))
+                )
+            }
+        rows.sort(key=lambda r: (batches[r.batch_id].created_at, batches[r.batch_id].seq, r.line))
+        return [
+            ClaimedRequest(
+                id=r.id,
+                batch_id=r.batch_id,
+                custom_id=r.custom_id,
+                line=r.line,
+                endpoint=batches[r.batch_id].endpoint,
+                model=batches[r.batch_id].model,
+                body=orjson.loads(r.body),
+                attempts=r.attempts,
+            )
+            for r in rows
+        ]
+
+    async def heartbeat(
+        self,
+        worker_id: str,
+        now: float,
+        lease_s: float,
+        pid: int | None = None,
+        hostname: str | None = None,
+    ) -> int:
+        """Extend every lease `worker_id` holds to now + lease_s and record that it is alive.
+
+        Returns how many leases were renewed.
+        """
+        renew = (
+            update(R)
+            .where(R.c.worker_id == worker_id, R.c.status == _RUNNING)
+            .values(lease_expires_at=now + lease_s)
+        )
+        upsert = sqlite_insert(W).values(
+            id=worker_id,
+            pid=pid,
+            hostname=hostname or socket.gethostname(),
+            started_at=now,
+            heartbeat_at=now,
+        )
+        upsert = upsert.on_conflict_do_update(
+            index_elements=[W.c.id],
+            set_={
+                "heartbeat_at": upsert.excluded.heartbeat_at,
+                "pid": func.coalesce(upsert.excluded.pid, W.c.pid),
+                "hostname": upsert.excluded.hostname,
+            },
+        )
+        async with self._engine.begin() as conn:
+            renewed = (await conn.execute(renew)).rowcount
+            await conn.execute(upsert)
+        return renewed
+
+    async def complete(
+        self, worker_id: str, results: Sequence[tuple[int, RequestResult]], now: float
+    ) -> int:
+        """Record many results in one transaction; returns how many rows were written.
+
+        Fenced: a row is written only while it is running and held by `worker_id`, so a late
+        write from a worker whose lease expired (and was re-claimed or finished) changes nothing.
+        """
+        if not results:
+            return 0
+        stmt = (
+            update(R)
+            .where(
+                R.c.id == bindparam("p_id"),
+                R.c.status == _RUNNING,
+                R.c.worker_id == bindparam("p_worker"),
+            )
+            .values({k: bindparam(f"p_{k}") for k in _result_values(results[0][1], now)})
+        )
+        params = [
+            {"p_id": rid, "p_worker": worker_id}
+            | {f"p_{k}": v for k, v in _result_values(res, now).items()}
+            for rid, res in results
+        ]
+        async with self._engine.begin() as conn:
+            return (await conn.execute(stmt, params)).rowcount
+
+    async def release(self, worker_id: str, request_ids: Sequence[int] | None = None) -> int:
+        """Put requests `worker_id` holds back in the queue (all of them when `request_ids` is
+        None), e.g. on SIGTERM or preemption. `attempts` is left as it is. Returns how many."""
+        stmt = (
+            update(R)
+            .where(R.c.worker_id == worker_id, R.c.status == _RUNNING)
+            .values(status=_QUEUED, worker_id=None, lease_expires_at=None, claimed_at=None)
+        )
+        if request_ids is not None:
+            if not request_ids:
+                return 0
+            stmt = stmt.where(R.c.id.in_(list(request_ids)))
+        async with self._engine.begin() as conn:
+            return (await conn.execute(stmt)).rowcount
+
+    # -- workers -----------------------------------------------------------------------------
+
+    async def live_workers(self, now: float, within_s: float) -> list[str]:
+        """Workers that sent a heartbeat in the last `within_s` seconds."""
+        query = select(W.c.id).where(W.c.heartbeat_at >= now - within_s).order_by(W.c.id)
+        async with self._reader.connect() as conn:
+            return list((await conn.execute(query)).scalars())
+
+    async def remove_worker(self, worker_id: str) -> None:
+        async with self._engine.begin() as conn:
+            await conn.execute(delete(W).where(W.c.id == worker_id))
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    @staticmethod
+    async def _read_batch(conn: AsyncConnection, batch_id: str) -> BatchRecord | None:
+        row = (await conn.execute(select(B).where(B.c.id == batch_id))).mappings().first()
+        if row is None:
+            return None
+        progress = (
+            await conn.execute(select(*_PROGRESS_COLUMNS).where(R.c.batch_id == batch_id))
+        ).first()
+        return _batch_record(row, progress)

@@ -1,0 +1,47 @@
+"""Plain records the store takes and gives that are not shared with other layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchmlx.core.lifecycle import BatchStatus, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """One valid input line to enqueue."""
+
+    line: int  # 1-based line of the input file
+    custom_id: str
+    body: dict[str, Any]  # the request body (`body` of the input line)
+
+
+@dataclass(frozen=True, slots=True)
+class ResultRow:
+    """A done request, as finalisation reads it to write the output and error files."""
+
+    id: int  # row id
+    custom_id: str
+    line: int
+    status: RequestStatus  # SUCCEEDED or FAILED
+    status_code: int | None
+    response_body: dict[str, Any] | None
+    error: dict[str, Any] | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cache_outcome: str | None
+    attempts: int
+    finished_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRef:
+    """A batch's identity without its request counts: cheap enough for the worker's hot loop."""
+
+    id: str
+    status: BatchStatus
+    endpoint: str
+    model: str | None
+    created_at: int

@@ -1,0 +1,254 @@
+"""The worker: claim many → engine steps → record results → finalize. The composition root.
+
+One asyncio loop, one engine. Engine steps are synchronous and short; between steps the loop
+renews leases, writes finished results in one transaction per flush (not one per request), claims
+more work while the running batch has room, and settles cancelled batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchmlx import service
+from batchmlx.config import Settings
+from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.records import ClaimedRequest, RequestResult
+from batchmlx.store import Store
+from batchmlx.worker.translate import (
+    PendingRequest,
+    Translator,
+    parse_choice_id,
+    server_error_result,
+)
+
+log = logging.getLogger("batchmlx.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    until_idle: bool = False  # exit once nothing is left to do
+    model: str | None = None  # serve only batches of this model (None: whatever comes first)
+    dtype: str = "auto"
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    claim_factor: int = 4  # hold up to this many times max_batch_size requests
+    flush_s: float = 0.5  # results wait at most this long before their transaction
+    max_attempts: int = 3
+
+
+@dataclass
+class _Loaded:
+    name: str
+    engine: Any
+    translator: Translator
+
+
+class Worker:
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings,
+        options: WorkerOptions,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_progress: Callable[[], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.opts = options
+        self.clock = clock
+        self.on_progress = on_progress
+        self.worker_id = f"w-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.loaded: _Loaded | None = None
+        self.pending: dict[int, PendingRequest] = {}  # row id -> request in the engine
+        self.ready: list[tuple[int, RequestResult]] = []  # results waiting for a flush
+        self.stop_requested = False
+        self._last_flush = 0.0
+        self._last_beat = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def run(self) -> None:
+        await self._heartbeat(force=True)
+        try:
+            while not self.stop_requested:
+                busy = await self.tick()
+                if not busy:
+                    if self.opts.until_idle:
+                        break
+                    await asyncio.sleep(self.settings.poll_s)
+        finally:
+            await self._flush(force=True)
+            if self.pending:
+                await self.store.release(self.worker_id, list(self.pending))
+            await self.store.remove_worker(self.worker_id)
+
+    def install_signal_handlers(self) -> None:
+        """First SIGTERM/SIGINT: finish the current step, release leases, exit. Second: now."""
+        loop = asyncio.get_running_loop()
+
+        def handler() -> None:
+            if self.stop_requested:
+                os._exit(130)
+            self.stop_requested = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, handler)
+
+    async def tick(self) -> bool:
+        """One round: returns False when there was nothing to do."""
+        await self._heartbeat()
+        did = await self._settle_batches()
+        did |= await self._claim()
+        running = self.loaded is not None and self.loaded.engine.has_unfinished()
+        if running:
+            self._step()
+        # nothing left to step: write what is ready now rather than wait for the timer
+        await self._flush(force=not running)
+        if not self.pending:
+            did |= await self._finalize_ready()
+        return did or running
+
+    # -- claiming ------------------------------------------------------------------------------
+    async def _claim(self) -> bool:
+        """Top the engine up from the oldest in-progress batches this engine can serve."""
+        cap = self.opts.claim_factor * self._max_batch()
+        room = cap - len(self.pending)
+        if room < self._max_batch():
+            return False
+        did = False
+        for b in await self.store.active_batches():
+            model = self._model_for(b.model)
+            if self.loaded is not None and model != self.loaded.name and self.pending:
+                continue  # one engine holds one model; come back when this one drains
+            claimed = await self.store.claim(
+                self.worker_id, room, self.clock(), self.settings.lease_s, batch_id=b.id
+            )
+            for c in claimed:
+                self._admit(c)
+            room -= len(claimed)
+            did |= bool(claimed)
+            if room <= 0:
+                break
+        return did
+
+    def _model_for(self, batch_model: str | None) -> str:
+        return self.opts.model or batch_model or self.settings.default_model
+
+    def _admit(self, c: ClaimedRequest) -> None:
+        if c.attempts > self.opts.max_attempts:
+            self.ready.append(
+                (c.id, server_error_result(f"gave up after {c.attempts - 1} attempts"))
+            )
+            return
+        loaded = self._ensure_model(self._model_for(c.model))
+        pending, gens, error = loaded.translator.prepare(c)
+        if error is not None:
+            self.ready.append((c.id, error))
+            return
+        try:
+            for g in gens:
+                loaded.engine.add(g)
+        except ValueError as exc:
+            for g in gens:
+                loaded.engine.abort(g.request_id)
+            self.ready.append((c.id, server_error_result(str(exc))))
+            return
+        self.pending[c.id] = pending
+
+    def _ensure_model(self, name: str) -> _Loaded:
+        if self.loaded is not None and self.loaded.name == name:
+            return self.loaded
+        if self.pending:
+            raise RuntimeError("cannot switch models while requests run")
+        from batchmlx.worker.build import build_engine
+
+        engine, translator = build_engine(
+            name, cache_dir=self.settings.cache_dir, dtype=self.opts.dtype, **self.opts.engine
+        )
+        self.loaded = _Loaded(name, engine, translator)
+        return self.loaded
+
+    def _max_batch(self) -> int:
+        if self.opts.engine.get("simple"):
+            return 1
+        return int(self.opts.engine.get("max_batch_size", 32))
+
+    # -- running -------------------------------------------------------------------------------
+    def _step(self) -> None:
+        loaded = self.loaded
+        now = int(self.clock())
+        for out in loaded.engine.step():
+            row, idx = parse_choice_id(out.request_id)
+            p = self.pending.get(row)
+            if p is None:
+                continue  # aborted
+            p.outputs[idx] = out
+            if p.done:
+                del self.pending[row]
+                self.ready.append((row, loaded.translator.result(p, now)))
+
+    async def _flush(self, force: bool = False) -> None:
+        now = self.clock()
+        if not self.ready or (not force and now - self._last_flush < self.opts.flush_s
+                              and len(self.ready) < self._max_batch()):  # fmt: skip
+            return
+        batch, self.ready = self.ready, []
+        await self.store.complete(self.worker_id, batch, now)
+        self._last_flush = now
+        if self.on_progress:
+            self.on_progress()
+
+    async def _heartbeat(self, force: bool = False) -> None:
+        now = self.clock()
+        if force or now - self._last_beat >= self.settings.lease_s / 3:
+            await self.store.heartbeat(self.worker_id, now, self.settings.lease_s, pid=os.getpid())
+            self._last_beat = now
+
+    # -- batches -------------------------------------------------------------------------------
+    async def _settle_batches(self) -> bool:
+        """Cancelled batches: abort their running requests, write their files."""
+        did = False
+        for b in await self.store.batches_with_status(BatchStatus.CANCELLING):
+            for row, p in list(self.pending.items()):
+                if p.claimed.batch_id == b.id:
+                    for i in range(p.parsed.n):
+                        self.loaded.engine.abort(f"{row}:{i}")
+                    del self.pending[row]
+            await self._flush(force=True)
+            await service.settle_cancelling(self.store, self.settings, b.id, now=self.clock())
+            did = True
+        return did
+
+    async def _finalize_ready(self) -> bool:
+        ids = await self.store.batches_to_finalize()
+        for batch_id in ids:
+            await service.finalize(self.store, self.settings, batch_id, now=self.clock())
+        return bool(ids)
+
+
+async def run_worker(
+    settings: Settings,
+    options: WorkerOptions,
+    *,
+    store: Store | None = None,
+    on_progress: Callable[[], None] | None = None,
+    signals: bool = True,
+) -> None:
+    own = store is None
+    store = store or await Store.open(settings.db_path)
+    try:
+        worker = Worker(store, settings, options, on_progress=on_progress)
+        if signals:
+            worker.install_signal_handlers()
+        await worker.run()
+    finally:
+        if own:
+            await store.close()

@@ -1,0 +1,184 @@
+"""OpenAI request bodies ↔ engine requests: prompts through the model's tokenizer and chat
+template on the way in, completion bodies on the way out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchmlx.core.records import ClaimedRequest, RequestResult
+from batchmlx.core.lifecycle import RequestStatus
+from batchmlx.core.request import (
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    TokenLogprob,
+)
+from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.openai import (
+    ChoiceResult,
+    IdPrefix,
+    TokenLogprobText,
+    chat_completion_body,
+    new_id,
+    text_completion_body,
+)
+from batchmlx.formats.params import Endpoint, ParsedRequest, RequestError, parse_request
+
+
+@dataclass(slots=True)
+class PendingRequest:
+    """A claimed request whose n choices are running in the engine."""
+
+    claimed: ClaimedRequest
+    parsed: ParsedRequest
+    prompt_tokens: list[int]
+    prompt_text: str  # for echo
+    outputs: dict[int, GenerationOutput]  # choice index -> output, filled as choices finish
+
+    @property
+    def done(self) -> bool:
+        return len(self.outputs) == self.parsed.n
+
+
+def choice_id(row_id: int, index: int) -> str:
+    return f"{row_id}:{index}"
+
+
+def parse_choice_id(request_id: str) -> tuple[int, int]:
+    row, idx = request_id.split(":")
+    return int(row), int(idx)
+
+
+def error_result(err: RequestError) -> RequestResult:
+    return RequestResult(
+        status=RequestStatus.FAILED, status_code=err.status_code, body=err.body(), error=None
+    )
+
+
+def server_error_result(message: str) -> RequestResult:
+    body = {"error": {"message": message, "type": "server_error", "param": None,
+                      "code": "server_error"}}  # fmt: skip
+    return RequestResult(status=RequestStatus.FAILED, status_code=500, body=body)
+
+
+class Translator:
+    def __init__(self, tokenizer: Any, model_name: str, context_length: int, eos_ids) -> None:
+        self.tok = tokenizer
+        self.model_name = model_name
+        self.context_length = context_length
+        self.eos_ids = frozenset(eos_ids)
+
+    def prepare(
+        self, claimed: ClaimedRequest
+    ) -> tuple[PendingRequest | None, list[GenerationRequest], RequestResult | None]:
+        """A claimed row → its engine requests, or the 400 result it gets instead."""
+        parsed = parse_request(claimed.endpoint, claimed.body)
+        if isinstance(parsed, RequestError):
+            return None, [], error_result(parsed)
+        try:
+            tokens, text = self._prompt(parsed)
+        except Exception as exc:  # a template that rejects these messages, say
+            err = RequestError(400, ErrorCode.INVALID_VALUE.value, f"Invalid prompt: {exc}", None)
+            return None, [], error_result(err)
+        if len(tokens) >= self.context_length:
+            msg = (
+                f"This model's maximum context length is {self.context_length} tokens. "
+                f"However, your messages resulted in {len(tokens)} tokens. "
+                "Please reduce the length of the messages."
+            )
+            param = "messages" if parsed.endpoint is Endpoint.CHAT else "prompt"
+            err = RequestError(400, ErrorCode.CONTEXT_LENGTH_EXCEEDED.value, msg, param)
+            return None, [], error_result(err)
+        pending = PendingRequest(claimed, parsed, tokens, text, {})
+        gens = []
+        for i in range(parsed.n):
+            params = parsed.sampling
+            if params.seed is not None and i:
+                # distinct choices, each still reproducible from the request's seed
+                params = _replace_seed(params, params.seed + i)
+            gens.append(
+                GenerationRequest(
+                    request_id=choice_id(claimed.id, i),
+                    prompt_tokens=tokens,
+                    params=params,
+                    stop_token_ids=self.eos_ids,
+                )
+            )
+        return pending, gens, None
+
+    def _prompt(self, parsed: ParsedRequest) -> tuple[list[int], str]:
+        if parsed.endpoint is Endpoint.CHAT:
+            messages = [dict(m) for m in parsed.messages or ()]
+            text = self.tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            tokens = self.tok.encode(text, add_special_tokens=False)
+            return list(tokens), text
+        if parsed.prompt_token_ids is not None:
+            ids = list(parsed.prompt_token_ids)
+            return ids, self.tok.decode(ids)
+        text = parsed.prompt or ""
+        return list(self.tok.encode(text)), text
+
+    def result(self, p: PendingRequest, now: int) -> RequestResult:
+        choices = []
+        completion_tokens = 0
+        first = p.outputs[0]
+        for i in range(p.parsed.n):
+            out = p.outputs[i]
+            completion_tokens += len(out.token_ids)
+            text, finish = self._text(out, p.parsed.sampling.stop)
+            if p.parsed.echo:
+                text = p.prompt_text + text
+            lps = self._logprobs(out.logprobs) if p.parsed.logprobs else None
+            choices.append(ChoiceResult(i, text, finish, lps))
+        usage = dict(
+            prompt_tokens=len(p.prompt_tokens),
+            completion_tokens=completion_tokens,
+            cached_tokens=first.cached_tokens,
+        )
+        if p.parsed.endpoint is Endpoint.CHAT:
+            body = chat_completion_body(
+                id=new_id(IdPrefix.CHAT_COMPLETION), created=now, model=self.model_name,
+                choices=choices, **usage,
+            )  # fmt: skip
+        else:
+            body = text_completion_body(
+                id=new_id(IdPrefix.COMPLETION), created=now, model=self.model_name, choices=choices,
+                text_offset=0 if p.parsed.echo else len(p.prompt_text), **usage,
+            )  # fmt: skip
+        return RequestResult(
+            status=RequestStatus.SUCCEEDED,
+            status_code=200,
+            body=body,
+            prompt_tokens=len(p.prompt_tokens),
+            cached_tokens=first.cached_tokens,
+            completion_tokens=completion_tokens,
+            cache_outcome=first.cache_outcome.value,
+        )
+
+    def _text(self, out: GenerationOutput, stops: tuple[str, ...]) -> tuple[str, str]:
+        text = self.tok.decode(out.token_ids)
+        finish = out.finish_reason.value
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], FinishReason.STOP.value
+        return text, finish
+
+    def _logprobs(self, lps: list[TokenLogprob] | None) -> list[TokenLogprobText]:
+        out = []
+        for lp in lps or []:
+            tok = self._token_text(lp.token_id)
+            top = [(self._token_text(t), v, list(self._token_text(t).encode())) for t, v in lp.top]
+            out.append(TokenLogprobText(tok, lp.logprob, list(tok.encode()), top))
+        return out
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id])
+
+
+def _replace_seed(params, seed: int):
+    from dataclasses import replace
+
+    return replace(params, seed=seed)

@@ -1,0 +1,87 @@
+"""Helpers for store tests: real SQLite files under tmp_path, driven by asyncio.run."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchmlx.core.lifecycle import BatchStatus, RequestStatus
+from batchmlx.core.records import BatchRecord, RequestResult
+from batchmlx.store import NewRequest, Store
+
+StoreFn = Callable[[Store], Awaitable[Any]]
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "batchmlx.db"
+
+
+@pytest.fixture
+def with_store(db_path: Path) -> Callable[[StoreFn], Any]:
+    """Run `fn(store)` in a fresh event loop against the test's database file."""
+
+    def run(fn: StoreFn) -> Any:
+        async def main() -> Any:
+            store = await Store.open(db_path)
+            try:
+                return await fn(store)
+            finally:
+                await store.close()
+
+        return asyncio.run(main())
+
+    return run
+
+
+def batch(
+    batch_id: str,
+    created_at: int = 1000,
+    status: BatchStatus = BatchStatus.IN_PROGRESS,
+    **fields: Any,
+) -> BatchRecord:
+    return BatchRecord(
+        id=batch_id,
+        endpoint="/v1/chat/completions",
+        model="tiny",
+        input_file_id=f"file-{batch_id}",
+        completion_window="24h",
+        status=status,
+        created_at=created_at,
+        **fields,
+    )
+
+
+def new_requests(n: int, prefix: str = "req") -> list[NewRequest]:
+    return [
+        NewRequest(
+            line=i + 1,
+            custom_id=f"{prefix}-{i + 1}",
+            body={"model": "tiny", "messages": [{"role": "user", "content": f"q{i + 1}"}]},
+        )
+        for i in range(n)
+    ]
+
+
+def ok(prompt: int = 10, cached: int = 0, completion: int = 5) -> RequestResult:
+    return RequestResult(
+        status=RequestStatus.SUCCEEDED,
+        status_code=200,
+        body={"object": "chat.completion", "choices": []},
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion,
+        cache_outcome="MISS",
+    )
+
+
+def failed(code: int = 400) -> RequestResult:
+    return RequestResult(
+        status=RequestStatus.FAILED,
+        status_code=code,
+        body={"error": {"message": "bad", "type": "invalid_request_error"}},
+    )

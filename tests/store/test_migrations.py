@@ -1,0 +1,88 @@
+"""The schema comes from Alembic, on first open, and equals the declarative models."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine
+
+from batchmlx.store.migrate import alembic_config, upgrade_to_head
+from batchmlx.store.models import Base
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _head() -> str:
+    return ScriptDirectory.from_config(alembic_config("unused.db")).get_current_head()
+
+
+def _schema(path: Path) -> list[tuple[str, str, str, str]]:
+    with sqlite3.connect(path) as conn:
+        rows = conn.execute(
+            "SELECT type, name, tbl_name, sql FROM sqlite_master "
+            "WHERE name NOT LIKE 'alembic_version%' AND name NOT LIKE 'sqlite_%'"
+        ).fetchall()
+    return sorted((t, n, tbl, " ".join((sql or "").split())) for t, n, tbl, sql in rows)
+
+
+def test_open_creates_parent_folder_and_migrates_to_head(with_store, db_path):
+    assert not db_path.parent.exists()
+    with_store(lambda store: store.pragmas())
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [(_head(),)]
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"files", "batches", "requests", "workers"} <= tables
+    with_store(lambda store: store.pragmas())  # opening again is a no-op
+
+
+def test_migrated_schema_equals_models(tmp_path):
+    migrated, declared = tmp_path / "migrated.db", tmp_path / "declared.db"
+    upgrade_to_head(migrated)
+    engine = create_engine(f"sqlite:///{declared}")
+    Base.metadata.create_all(engine)
+    engine.dispose()
+
+    engine = create_engine(f"sqlite:///{migrated}")
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(
+            conn, opts={"compare_type": True, "compare_server_default": True}
+        )
+        assert compare_metadata(ctx, Base.metadata) == []
+    engine.dispose()
+
+    assert _schema(migrated) == _schema(declared)
+
+
+def test_concurrent_first_open_by_several_processes(tmp_path):
+    db = tmp_path / "fresh" / "batchmlx.db"
+    code = (
+        "import asyncio, sys\n"
+        "from batchmlx.store import Store\n"
+        "async def main():\n"
+        "    store = await Store.open(sys.argv[1])\n"
+        "    await store.heartbeat(sys.argv[2], now=1.0, lease_s=1.0)\n"
+        "    await store.close()\n"
+        "asyncio.run(main())\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(db), f"w{i}"],
+            cwd=REPO,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM workers").fetchone() == (4,)
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [(_head(),)]

@@ -1,0 +1,327 @@
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.validate import (
+    MAX_FILE_BYTES,
+    MAX_TASKS,
+    SUPPORTED_URLS,
+    BatchLine,
+    validate_batch_file,
+)
+
+CHAT = "/v1/chat/completions"
+COMPL = "/v1/completions"
+
+
+def chat(cid: str, model: str = "m", content="hi", **body) -> dict:
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": CHAT,
+        "body": {"model": model, "messages": [{"role": "user", "content": content}], **body},
+    }
+
+
+def compl(cid: str, prompt="hi", model: str = "m") -> dict:
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": COMPL,
+        "body": {"model": model, "prompt": prompt},
+    }
+
+
+def jsonl(*items, sep: bytes = b"\n", final: bool = True) -> bytes:
+    lines = [item if isinstance(item, bytes) else orjson.dumps(item) for item in items]
+    return sep.join(lines) + (sep if final else b"")
+
+
+def codes(result) -> list[tuple[str, int | None, str | None]]:
+    return [(e.code, e.line, e.param) for e in result.errors]
+
+
+def test_good_file():
+    r = validate_batch_file(jsonl(chat("a"), chat("b")))
+    assert r.ok
+    assert r.errors == ()
+    assert r.endpoint == CHAT
+    assert r.model == "m"
+    assert r.lines == (
+        BatchLine(1, "a", CHAT, chat("a")["body"]),
+        BatchLine(2, "b", CHAT, chat("b")["body"]),
+    )
+
+
+def test_completions_prompt_forms_accepted():
+    prompts = ["x", "", ["x"], ["x", "y"], [1, 2, 3], [[1, 2]]]
+    r = validate_batch_file(jsonl(*(compl(str(i), p) for i, p in enumerate(prompts))))
+    assert r.ok, r.errors
+    assert r.endpoint == COMPL
+    assert len(r.lines) == len(prompts)
+
+
+def test_odd_parameter_values_are_not_rejected_here():
+    item = chat("a", temperature=7, stream=True, foo=1, tools=[{}])
+    assert validate_batch_file(jsonl(item)).ok
+
+
+def test_bom_crlf_and_missing_final_newline():
+    data = b"\xef\xbb\xbf" + jsonl(chat("a"), chat("b"), sep=b"\r\n", final=False)
+    r = validate_batch_file(data)
+    assert r.ok
+    assert [ln.line for ln in r.lines] == [1, 2]
+
+
+def test_blank_lines_skipped_but_counted():
+    data = b"\n  \n" + orjson.dumps(chat("a")) + b"\n\t\r\n" + orjson.dumps(chat("a"))
+    r = validate_batch_file(data)
+    assert codes(r) == [("duplicate_custom_id", 5, "custom_id")]
+    assert [ln.line for ln in r.lines] == [3]
+
+
+def test_file_too_large():
+    data = jsonl(chat("a"))
+    r = validate_batch_file(data, max_bytes=len(data) - 1)
+    assert codes(r) == [("file_too_large", None, None)]
+    assert r.lines == ()
+    assert not r.ok
+    assert validate_batch_file(data, max_bytes=len(data)).ok
+    assert MAX_FILE_BYTES == 200 * 1024 * 1024
+
+
+@pytest.mark.parametrize("data", [b"", b"\n\n", b"  \r\n", b"\xef\xbb\xbf"])
+def test_empty_file(data):
+    r = validate_batch_file(data)
+    assert codes(r) == [("empty_file", None, None)]
+    assert not r.ok
+
+
+def test_too_many_tasks_reported_once_at_first_line_past_limit():
+    data = jsonl(chat("a"), b"", chat("b"), chat("c"), chat("d"))
+    r = validate_batch_file(data, max_tasks=2)
+    assert codes(r) == [("too_many_tasks", 4, None)]
+    assert MAX_TASKS == 50_000
+    assert validate_batch_file(jsonl(chat("a"), chat("b")), max_tasks=2).ok
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b'"str"', b"42", b"null", b"{} {}"])
+def test_invalid_json_line(raw):
+    r = validate_batch_file(jsonl(chat("a"), raw))
+    assert codes(r) == [("invalid_json_line", 2, None)]
+    assert r.errors[0].message == "Line 2 is not a valid JSON object."
+    assert [ln.line for ln in r.lines] == [1]
+
+
+def test_binary_garbage_and_bad_utf8_are_invalid_json_lines():
+    bad_utf8 = b'{"custom_id": "\xff\xfe", "method": "POST"}'
+    r = validate_batch_file(jsonl(b"\x00\x01\x89PNG\x1a", bad_utf8, chat("a")))
+    assert codes(r) == [("invalid_json_line", 1, None), ("invalid_json_line", 2, None)]
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"custom_id": None}, "custom_id"),
+        ({"custom_id": ""}, "custom_id"),
+        ({"custom_id": 7}, "custom_id"),
+        ({"method": "GET"}, "method"),
+        ({"url": 3}, "url"),
+        ({"body": "text"}, "body"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_invalid_envelope(change, param):
+    item = {**chat("a"), **change}
+    r = validate_batch_file(jsonl(chat("z"), item))
+    assert codes(r) == [("invalid_request", 2, param)]
+    assert r.errors[0].message.startswith("Line 2: ")
+
+
+@pytest.mark.parametrize("key", ["custom_id", "method", "url", "body"])
+def test_missing_envelope_key(key):
+    item = chat("a")
+    del item[key]
+    r = validate_batch_file(jsonl(item))
+    assert codes(r) == [("invalid_request", 1, key)]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "body.model"),
+        ({"model": "", "messages": [{"role": "user", "content": "x"}]}, "body.model"),
+        ({"model": 3, "messages": [{"role": "user", "content": "x"}]}, "body.model"),
+        ({"model": "m"}, "body.messages"),
+        ({"model": "m", "messages": []}, "body.messages"),
+        ({"model": "m", "messages": "hi"}, "body.messages"),
+        ({"model": "m", "messages": ["hi"]}, "body.messages[0]"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "a"}, {"content": "b"}]},
+            "body.messages[1].role",
+        ),
+        ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "body.messages[0].role"),
+        ({"model": "m", "messages": [{"role": ["x"], "content": "x"}]}, "body.messages[0].role"),
+        ({"model": "m", "messages": [{"role": "user"}]}, "body.messages[0].content"),
+        ({"model": "m", "messages": [{"role": "assistant"}]}, "body.messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "body.messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user", "content": []}]}, "body.messages[0].content"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": ["x"]}]},
+            "body.messages[0].content[0]",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"text": "x"}]}]},
+            "body.messages[0].content[0].type",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "body.messages[0].content[0].text",
+        ),
+    ],
+)
+def test_invalid_chat_body(body, param):
+    item = {"custom_id": "a", "method": "POST", "url": CHAT, "body": body}
+    r = validate_batch_file(jsonl(item))
+    assert codes(r) == [("invalid_request", 1, param)]
+
+
+def test_chat_content_forms_accepted():
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "developer", "content": "d"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]},
+        {"role": "tool", "content": "t", "tool_call_id": "x"},
+    ]
+    item = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": CHAT,
+        "body": {"model": "m", "messages": messages},
+    }
+    assert validate_batch_file(jsonl(item)).ok
+
+
+@pytest.mark.parametrize("prompt", [None, 3, [], [None], ["a", 1], [[]], {"a": 1}, [True]])
+def test_invalid_completions_prompt(prompt):
+    item = compl("a", prompt)
+    if prompt is None:
+        del item["body"]["prompt"]
+    r = validate_batch_file(jsonl(item))
+    assert codes(r) == [("invalid_request", 1, "body.prompt")]
+
+
+def test_invalid_url():
+    item = {**chat("a"), "url": "/v1/embeddings"}
+    r = validate_batch_file(jsonl(chat("z"), item))
+    assert codes(r) == [("invalid_url", 2, "url")]
+    msg = r.errors[0].message
+    assert "'/v1/embeddings'" in msg
+    assert all(url in msg for url in SUPPORTED_URLS)
+
+
+def test_url_mismatch_on_each_differing_line():
+    r = validate_batch_file(jsonl(compl("a"), chat("b"), compl("c"), chat("d")))
+    assert codes(r) == [("url_mismatch", 2, "url"), ("url_mismatch", 4, "url")]
+    assert r.endpoint == COMPL
+    assert [ln.line for ln in r.lines] == [1, 3]
+
+
+def test_url_mismatch_counts_from_first_valid_url():
+    bad = {**chat("a"), "url": "/v1/nope"}
+    r = validate_batch_file(jsonl(bad, chat("b"), compl("c")))
+    assert codes(r) == [("invalid_url", 1, "url"), ("url_mismatch", 3, "url")]
+    assert r.endpoint == CHAT
+
+
+def test_model_mismatch_on_each_differing_line():
+    r = validate_batch_file(jsonl(chat("a", "x"), chat("b", "y"), chat("c", "x"), chat("d", "z")))
+    assert codes(r) == [("model_mismatch", 2, "body.model"), ("model_mismatch", 4, "body.model")]
+    assert r.model == "x"
+
+
+def test_duplicate_custom_id_on_second_and_later():
+    r = validate_batch_file(jsonl(chat("a"), chat("b"), chat("a"), chat("a")))
+    assert codes(r) == [
+        ("duplicate_custom_id", 3, "custom_id"),
+        ("duplicate_custom_id", 4, "custom_id"),
+    ]
+    assert "line 1" in r.errors[0].message
+    assert "line 1" in r.errors[1].message
+
+
+def test_model_not_found_once_at_first_use():
+    asked: list[str] = []
+
+    def resolves(name: str) -> bool:
+        asked.append(name)
+        return False
+
+    data = jsonl(b"", chat("a", "ghost"), chat("b", "ghost"))
+    r = validate_batch_file(data, model_resolves=resolves)
+    assert codes(r) == [("model_not_found", 2, "body.model")]
+    assert "'ghost'" in r.errors[0].message
+    assert asked == ["ghost"]
+    assert validate_batch_file(data, model_resolves=lambda name: True).ok
+
+
+def test_override_ignores_body_models():
+    data = jsonl(chat("a", "gpt-4o-mini"), chat("b", "gpt-4o"), chat("c", ""))
+    r = validate_batch_file(data, model_override="local", model_resolves=lambda name: False)
+    assert r.ok, r.errors
+    assert r.model == "local"
+    plain = validate_batch_file(data, model_resolves=lambda name: False)
+    assert [e.code for e in plain.errors] == [
+        "model_not_found",
+        "model_mismatch",
+        "invalid_request",
+    ]
+
+
+def test_all_errors_reported_in_line_order():
+    data = jsonl(
+        chat("a"),
+        b"oops",
+        {**chat("b"), "method": "GET", "extra": 1},
+        chat("a", "other"),
+        compl("c"),
+        {**chat("d"), "url": "/v1/x"},
+    )
+    r = validate_batch_file(data)
+    assert codes(r) == [
+        ("invalid_json_line", 2, None),
+        ("invalid_request", 3, "method"),
+        ("invalid_request", 3, "extra"),
+        ("duplicate_custom_id", 4, "custom_id"),
+        ("model_mismatch", 4, "body.model"),
+        ("url_mismatch", 5, "url"),
+        ("invalid_url", 6, "url"),
+    ]
+    assert not r.ok
+    assert [ln.line for ln in r.lines] == [1]
+
+
+def test_every_file_code_is_produced():
+    produced = {
+        "file_too_large",
+        "empty_file",
+        "too_many_tasks",
+        "invalid_json_line",
+        "invalid_request",
+        "invalid_url",
+        "url_mismatch",
+        "model_mismatch",
+        "duplicate_custom_id",
+        "model_not_found",
+    }
+    assert produced <= {c.value for c in ErrorCode}
+
+
+def test_line_of_several_megabytes():
+    big = "word " * 1_000_000  # 5 MB of content
+    r = validate_batch_file(jsonl(chat("a", content=big), chat("b")))
+    assert r.ok
+    assert r.lines[0].body["messages"][0]["content"] == big

@@ -96,7 +96,7 @@ def _describe(rec: BatchRecord, settings: Settings) -> None:
         if fid:
             typer.echo(f"  {label}: {settings.files_dir / fid}  ({fid})")
     if rec.status.terminal and not rec.errors:
-        typer.echo(f"  download: batchmlx results {rec.id} -o {rec.id}.jsonl  (--errors for errors)")
+        typer.echo(f"  download: batchmlx results {rec.id} -o {rec.id}.jsonl  (--errors: errors)")
 
 
 # -- submit ----------------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def _wait(batch_id: str, flags: WorkerFlags, quiet: bool) -> BatchRecord:
             live = await store.live_workers(time.time(), settings.lease_s)
             progress = _Progress(store, batch_id, quiet)
             if live:
-                while not (rec := await store.get_batch(batch_id)).status.terminal:
+                while not (await store.get_batch(batch_id)).status.terminal:
                     await progress.show()
                     await asyncio.sleep(0.5)
             else:
@@ -245,7 +245,9 @@ def list_(
 @app.command()
 def results(
     batch_id: str,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write here, not stdout")] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write here, not stdout")
+    ] = None,
     errors: Annotated[bool, typer.Option("--errors", help="The error file instead")] = False,
 ) -> None:
     """Download a finished batch's output file (or, with --errors, its error file)."""
@@ -306,7 +308,9 @@ def worker(
     memory_aware_cache: Annotated[
         bool, typer.Option(help="Bound the cache by memory; off: by --cache-max-blocks")
     ] = True,
-    cache_max_blocks: Annotated[int, typer.Option(help="Block bound without memory awareness")] = 4096,
+    cache_max_blocks: Annotated[
+        int, typer.Option(help="Block bound without memory awareness")
+    ] = 4096,
     dtype: Annotated[str, typer.Option(help="auto, float32, float16, bfloat16")] = "auto",
 ) -> None:
     """Run a long-lived worker that processes queued batches."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 
-class BatchStatus(str, enum.Enum):
+class BatchStatus(enum.StrEnum):
     VALIDATING = "validating"
     FAILED = "failed"  # validation failed; nothing was enqueued
     IN_PROGRESS = "in_progress"
@@ -20,7 +20,7 @@ class BatchStatus(str, enum.Enum):
         return self in TERMINAL_BATCH
 
 
-class RequestStatus(str, enum.Enum):
+class RequestStatus(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"  # claimed by a worker holding a lease
     SUCCEEDED = "succeeded"  # goes to the output file

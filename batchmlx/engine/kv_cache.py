@@ -4,10 +4,10 @@ The block pool (`core/blocks.py`) decides which block ids a sequence owns; this 
 keys and values at those ids. Storage is one flat slot array per layer, slot = block_id * block_size
 + offset, so a block table becomes gather indices with one numpy expression.
 
-mlx-lm attention calls `cache.update_and_fetch(keys, values)` after RoPE with `cache.offset`, and
-builds its mask through `cache.make_mask`; a `PagedLayerCache` answers both for a whole ragged batch
-(per-sequence offsets as an array, a boolean mask over the gathered keys). That seam is what lets any
-mlx-lm architecture with the standard cache protocol run paged.
+mlx-lm attention calls `cache.update_and_fetch(keys, values)` after RoPE with `cache.offset`,
+and builds its mask through `cache.make_mask`; a `PagedLayerCache` answers both for a whole
+ragged batch (per-sequence offsets as an array, a boolean mask over the gathered keys). That seam
+lets any mlx-lm architecture with the standard cache protocol run paged.
 """
 
 from __future__ import annotations

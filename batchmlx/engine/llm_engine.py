@@ -170,7 +170,8 @@ class Engine:
             return []
         sampled, finished = self._run(step)
         done = self.scheduler.update(step, sampled, finished)
-        return [self._output(seq) for seq in done]
+        # sequences the scheduler ended itself (the pool cannot hold them even alone)
+        return [self._output(seq) for seq in [*step.finished, *done]]
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         """Run requests to completion (tests, benchmarks, scripts)."""

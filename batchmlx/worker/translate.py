@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.core.lifecycle import RequestStatus
+from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.core.request import (
     FinishReason,
     GenerationOutput,

@@ -1,4 +1,4 @@
-"""The block pool alone: exact block ids, ref counts and free-queue order (11 blocks x 16 tokens)."""
+"""The block pool alone: exact block ids, ref counts and free-queue order (11 x 16 tokens)."""
 
 from __future__ import annotations
 

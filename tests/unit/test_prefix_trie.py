@@ -35,6 +35,13 @@ def test_lower_bound_of_unrelated_and_partly_shared_prompts():
     assert block_prefix_lower_bound([a, d], BS) == 4 * 16 + 8 + 8
 
 
+def test_lower_bound_counts_a_block_computed_in_a_tail_once():
+    p = list(range(32))  # its block 1 holds its last token: computed by p itself
+    q = p + list(range(100, 108))  # can hit both of p's blocks
+    # Tails 16 (p) + 8 (q); block 0 costs 16; block 1 is already paid for by p's tail.
+    assert block_prefix_lower_bound([p, q], BS) == 16 + 8 + 16
+
+
 def test_lower_bound_rejects_empty_prompts():
     with pytest.raises(ValueError):
         block_prefix_lower_bound([[]], BS)

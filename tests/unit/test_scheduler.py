@@ -278,6 +278,19 @@ def test_prefix_grouping_computes_a_shared_prefix_once():
     assert ungrouped.stats.prefill_tokens_computed == 120 + 50 + 130 + 105  # prefix 3 times
 
 
+def test_a_prompt_ending_on_a_block_boundary_feeds_a_longer_one():
+    p = list(range(1, 33))
+    q = p + list(range(100, 108))
+    sched = Scheduler(SchedulerConfig(block_size=16, num_blocks=64))
+    sched.add(request("p", p, max_tokens=2))
+    seq_q = sched.add(request("q", q, max_tokens=2))
+    _, steps = drive(sched)
+    assert ids(steps[0]) == [("p", 0, 32, True)]  # q waits for p's blocks 0 and 1
+    assert ids(steps[1]) == [("q", 32, 8, True)]
+    assert seq_q.cache_outcome is CacheOutcome.HIT
+    assert sched.stats.prefill_tokens_computed == block_prefix_lower_bound([p, q], 16) == 40
+
+
 def test_grouping_places_later_arrivals_next_to_their_prefix_group():
     system = list(range(1000, 1032))
     sched = Scheduler(SchedulerConfig(block_size=16, num_blocks=128, max_batch_size=2))

@@ -1,0 +1,587 @@
+"""`python -m benchmarks.run`: measure every table of the report in one run, write markdown.
+
+Sections: 1 throughput (simple vs continuous vs mlx_lm.batch_generate), 2 TTFT and generation
+speed, 3 shared system prompt, 4 KV memory with and without block sharing, 5 prefix cache
+outcomes, 6 targets. Results are memoized per run, so sections that need the same measurement
+(2 and 6 reuse 1, 3 and 4) run it once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from batchmlx.core.prefix_trie import block_prefix_lower_bound
+from batchmlx.core.request import GenerationRequest, SamplingParams
+from batchmlx.engine.llm_engine import Engine, EngineConfig
+from benchmarks import workloads as wl
+from benchmarks.measure import RunResult, agreement, run_ours, run_peer, summary
+
+ALL_SECTIONS = (1, 2, 3, 4, 5, 6)
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = "default"
+    dtype: str = "auto"
+    concurrency: tuple[int, ...] = (1, 5, 16, 32)  # section 1 rows
+    max_tokens: int = 64  # sections 1 and 2
+    ttft_concurrency: int = 16  # section 2's workload and the 3x target's row
+    shared_requests: int = 64  # section 3
+    shared_system_tokens: int = 500
+    shared_max_tokens: int = 128
+    memory_requests: int = 16  # section 4
+    memory_system_tokens: int = 500
+    memory_max_tokens: int = 32
+    prefix_max_tokens: int = 8  # section 5
+    max_batch_size: int = 32  # ours (max running) and the peer (completion_batch_size)
+    block_size: int = 16
+    kv_grow_blocks: int = 64  # sections 1, 2, 5
+    memory_grow_blocks: int = 8  # sections 3 and 4: allocated KV tracks the blocks in use
+
+
+QUICK = Settings(
+    concurrency=(1, 4, 8),
+    max_tokens=16,
+    ttft_concurrency=8,
+    shared_requests=8,
+    shared_system_tokens=128,
+    shared_max_tokens=16,
+    memory_requests=8,
+    memory_system_tokens=128,
+    memory_max_tokens=8,
+    prefix_max_tokens=4,
+)
+
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+class Bench:
+    """The loaded model, the workloads and every measurement, each run at most once."""
+
+    def __init__(self, s: Settings, loaded: Any) -> None:
+        self.s = s
+        self.loaded = loaded
+        self.tok = loaded.tokenizer
+        self._memo: dict[tuple, Any] = {}
+        self.section_s: dict[int, float] = {}
+
+    def _once(self, key: tuple, fn, *args) -> Any:
+        if key not in self._memo:
+            log(f"running {key} ...")
+            t = time.perf_counter()
+            self._memo[key] = fn(*args)
+            res = self._memo[key]
+            extra = f", {res.tok_s:.1f} tok/s" if isinstance(res, RunResult) else ""
+            log(f"done {key} in {time.perf_counter() - t:.1f}s{extra}")
+        return self._memo[key]
+
+    # -- engine configurations -----------------------------------------------------------------
+    def config(self, *, simple: bool = False, sharing: bool = True, grow: int | None = None):
+        s = self.s
+        return EngineConfig(
+            simple=simple,
+            max_batch_size=s.max_batch_size,
+            block_size=s.block_size,
+            use_paged_cache=sharing,
+            kv_grow_blocks=grow or s.kv_grow_blocks,
+        )
+
+    # -- workloads -----------------------------------------------------------------------------
+    def unique(self, n: int) -> list[list[int]]:
+        return wl.unique_prompts(self.tok, n)
+
+    def shared(self) -> list[list[int]]:
+        return wl.shared_prompts(self.tok, self.s.shared_requests, self.s.shared_system_tokens)
+
+    def memory_prompts(self) -> list[list[int]]:
+        return wl.shared_prompts(self.tok, self.s.memory_requests, self.s.memory_system_tokens)
+
+    # -- measurements --------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        log("warm-up (ours and the peer, 2 requests x 4 tokens)")
+        prompts = self.unique(2)
+        run_ours(self.loaded, prompts, 4, self.config(), "warm-up")
+        run_ours(self.loaded, prompts[:1], 4, self.config(simple=True), "warm-up")
+        run_peer(self.loaded, prompts, 4, self.s.max_batch_size, "warm-up")
+
+    def simple_pass(self) -> RunResult:
+        """Simple mode over the largest row's prompts, one after another; row n is its first
+        n requests (they finish exactly as they would with only n submitted)."""
+        n = max(self.s.concurrency)
+        return self._once(
+            ("simple", n),
+            run_ours,
+            self.loaded,
+            self.unique(n),
+            self.s.max_tokens,
+            self.config(simple=True),
+            "simple",
+        )
+
+    def simple(self, n: int) -> RunResult:
+        return self.simple_pass().prefix(n)
+
+    def continuous(self, n: int) -> RunResult:
+        return self._once(
+            ("continuous", n),
+            run_ours,
+            self.loaded,
+            self.unique(n),
+            self.s.max_tokens,
+            self.config(),
+            "continuous",
+        )
+
+    def peer(self, n: int) -> RunResult:
+        return self._once(
+            ("batch_generate", n),
+            run_peer,
+            self.loaded,
+            self.unique(n),
+            self.s.max_tokens,
+            self.s.max_batch_size,
+            "batch_generate",
+        )
+
+    def shared_run(self, who: str) -> RunResult:
+        s = self.s
+        if who == "peer":
+            args = (self.shared(), s.shared_max_tokens, s.max_batch_size, who)
+            return self._once(("shared", who), run_peer, self.loaded, *args)
+        cfg = self.config(sharing=who == "ours", grow=s.memory_grow_blocks)
+        args = (self.shared(), s.shared_max_tokens, cfg, who)
+        return self._once(("shared", who), run_ours, self.loaded, *args)
+
+    def memory_run(self, sharing: bool) -> RunResult:
+        s = self.s
+        cfg = self.config(sharing=sharing, grow=s.memory_grow_blocks)
+        args = (self.memory_prompts(), s.memory_max_tokens, cfg, f"sharing={sharing}")
+        return self._once(("memory", sharing), run_ours, self.loaded, *args)
+
+    def prefix_steps(self) -> list[tuple[str, str, set[str], Any]]:
+        return self._once(("prefix-cache",), self._prefix_steps)
+
+    def _prefix_steps(self) -> list[tuple[str, str, set[str], Any]]:
+        a, b = self.unique(2)
+        eng = Engine(
+            self.loaded.model,
+            self.tok,
+            context_length=self.loaded.context_length,
+            config=self.config(),
+        )
+        params = SamplingParams(max_tokens=self.s.prefix_max_tokens, temperature=0.0)
+        plan = [
+            ("1a", "First request", a, {"MISS"}),
+            ("1b", "Same prompt", a, {"HIT"}),
+            ("1c", "Different prompt", b, {"MISS", "PREFIX_HIT"}),
+            ("1d", "Return to prompt 1", a, {"HIT"}),
+        ]
+        rows = []
+        for step, desc, prompt, expected in plan:
+            (out,) = eng.generate([GenerationRequest(f"p{step}", list(prompt), params)])
+            rows.append((step, desc, expected, out))
+        return rows
+
+
+# -- report sections ---------------------------------------------------------------------------
+
+
+def _f(x: float, nd: int = 1) -> str:
+    return f"{x:,.{nd}f}"
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out + [""]
+
+
+def section_throughput(b: Bench) -> list[str]:
+    s = b.s
+    lines = [
+        "## 1. Continuous batching throughput (the seed's table)",
+        "",
+        f"Unique prompts ({wl.length_summary(b.unique(max(s.concurrency)))}, different user "
+        f"questions through the chat template), {s.max_tokens} new tokens each, greedy, no "
+        "early stop. tok/s = generated tokens / wall time from submitting all requests to the "
+        "last token (prefill included). Simple mode runs the requests one after another; its "
+        f"row n is the first n requests of one sequential pass over {max(s.concurrency)}.",
+        "",
+    ]
+    rows = []
+    for n in s.concurrency:
+        simple, cont, peer = b.simple(n), b.continuous(n), b.peer(n)
+        rows.append(
+            [
+                f"{n}",
+                _f(simple.tok_s),
+                _f(cont.tok_s),
+                f"**{cont.tok_s / simple.tok_s:.2f}x**",
+                _f(peer.tok_s),
+                f"{cont.tok_s / peer.tok_s:.2f}x",
+                f"{agreement(cont, peer):.0%}",
+            ]
+        )
+    header = [
+        "Concurrent requests",
+        "Simple mode tok/s",
+        "Continuous tok/s",
+        "Speedup",
+        "batch_generate tok/s",
+        "Ours / batch_generate",
+        "Same tokens as batch_generate",
+    ]
+    return lines + _table(header, rows)
+
+
+def section_ttft(b: Bench) -> list[str]:
+    n = b.s.ttft_concurrency
+    lines = [
+        "## 2. Time to first token and generation speed",
+        "",
+        f"TTFT = submission to first token, per request, over the {n}-concurrent workload of "
+        "section 1 (all submitted at once, so simple mode's TTFT includes waiting for the "
+        "requests ahead). Generation speed = per request, (tokens - 1) / (last token - first "
+        "token): the speed one stream sees. The single-request row is the seed's streaming "
+        "table.",
+        "",
+    ]
+    rows = []
+    cases = [
+        ("Single request, simple mode", b.simple(1)),
+        ("Single request, continuous", b.continuous(1)),
+        (f"{n} concurrent, simple mode", b.simple(n)),
+        (f"{n} concurrent, continuous", b.continuous(n)),
+        (f"{n} concurrent, batch_generate", b.peer(n)),
+    ]
+    for name, r in cases:
+        mean, p50, mx_ = summary(r.ttft_s)
+        speed = summary(r.decode_speeds())[0] if r.decode_speeds() else float("nan")
+        rows.append(
+            [name, f"{mean * 1e3:,.0f}", f"{p50 * 1e3:,.0f}", f"{mx_ * 1e3:,.0f}", _f(speed)]
+        )
+    header = ["Workload", "TTFT mean ms", "TTFT p50 ms", "TTFT max ms", "Generation tok/s/stream"]
+    return lines + _table(header, rows)
+
+
+def section_shared(b: Bench) -> list[str]:
+    s = b.s
+    prompts = b.shared()
+    ours, unshared, peer = b.shared_run("ours"), b.shared_run("no-sharing"), b.shared_run("peer")
+    bound = block_prefix_lower_bound(prompts, s.block_size)
+    total = sum(len(p) for p in prompts)
+    computed = ours.sched["prefill_tokens_computed"]
+    lines = [
+        "## 3. Shared system prompt",
+        "",
+        f"{s.shared_requests} requests, one common system prompt of "
+        f"{s.shared_system_tokens}+ tokens and different user turns (prompts "
+        f"{wl.length_summary(prompts)}), {s.shared_max_tokens} new tokens each, "
+        f"kv_grow_blocks={s.memory_grow_blocks}.",
+        "",
+    ]
+    rows = []
+    for name, r in [
+        ("batchmlx (block sharing)", ours),
+        ("batchmlx (no sharing)", unshared),
+        ("mlx_lm batch_generate", peer),
+    ]:
+        rows.append(
+            [
+                name,
+                _f(r.tok_s),
+                f"{r.tok_s / peer.tok_s:.2f}x",
+                _f(r.wall_s),
+                _mib(r.engine["peak_kv_bytes"]) if r.engine else "n/a",
+                str(r.sched["peak_blocks_in_use"]) if r.sched else "n/a",
+                _mib(r.mlx_peak_bytes),
+                str(r.sched.get("preemptions", "n/a")) if r.sched else "n/a",
+            ]
+        )
+    header = [
+        "Engine",
+        "tok/s",
+        "vs batch_generate",
+        "wall s",
+        "Peak KV allocated",
+        "Peak blocks in use",
+        "MLX peak memory above weights",
+        "Preemptions",
+    ]
+    lines += _table(header, rows)
+    lines += [
+        "Prefill work (batchmlx with block sharing):",
+        "",
+    ]
+    lines += _table(
+        ["Prompt tokens", "Computed", "Reused", "Trie lower bound", "Computed / lower bound"],
+        [
+            [
+                f"{total:,}",
+                f"{computed:,}",
+                f"{ours.sched['prefill_tokens_reused']:,}",
+                f"{bound:,}",
+                f"**{computed / bound:.3f}**",
+            ]
+        ],
+    )
+    lines += [
+        f"Same tokens as batch_generate: {agreement(ours, peer):.0%} of requests; "
+        f"as batchmlx without sharing: {agreement(ours, unshared):.0%}.",
+        "",
+    ]
+    return lines
+
+
+def section_memory(b: Bench) -> list[str]:
+    s = b.s
+    on, off = b.memory_run(True), b.memory_run(False)
+    kv_on, kv_off = on.engine["peak_kv_bytes"], off.engine["peak_kv_bytes"]
+    blk_on, blk_off = on.sched["peak_blocks_in_use"], off.sched["peak_blocks_in_use"]
+    lines = [
+        "## 4. KV memory with and without block sharing",
+        "",
+        f"{s.memory_requests} concurrent requests sharing a {s.memory_system_tokens}+-token "
+        f"system prompt ({wl.length_summary(b.memory_prompts())}), {s.memory_max_tokens} new "
+        f"tokens each, kv_grow_blocks={s.memory_grow_blocks}. Peak KV = bytes of KV arrays "
+        "actually allocated (`eng.stats.peak_kv_bytes`).",
+        "",
+    ]
+    rows = [
+        [
+            "Block sharing (`use_paged_cache=True`)",
+            _mib(kv_on),
+            str(blk_on),
+            _mib(on.mlx_peak_bytes),
+            _f(on.tok_s),
+        ],
+        [
+            "No sharing (`use_paged_cache=False`)",
+            _mib(kv_off),
+            str(blk_off),
+            _mib(off.mlx_peak_bytes),
+            _f(off.tok_s),
+        ],
+        [
+            "**Saving**",
+            f"**{1 - kv_on / kv_off:.1%}**",
+            f"{1 - blk_on / blk_off:.1%}",
+            f"{1 - on.mlx_peak_bytes / off.mlx_peak_bytes:.1%}",
+            "",
+        ],
+    ]
+    header = ["Configuration", "Peak KV allocated", "Peak blocks in use", "MLX peak", "tok/s"]
+    return lines + _table(header, rows)
+
+
+def section_prefix(b: Bench) -> list[str]:
+    lines = [
+        "## 5. Prefix cache",
+        "",
+        "One engine, requests one after another, "
+        f"{b.s.prefix_max_tokens} new tokens each. HIT = the whole prompt but its last token "
+        "reused (block-granular); PREFIX_HIT = part of it (here the chat template's shared "
+        "system block).",
+        "",
+    ]
+    rows = []
+    for step, desc, expected, out in b.prefix_steps():
+        actual = out.cache_outcome.value
+        rows.append(
+            [
+                step,
+                desc,
+                " or ".join(sorted(expected, key=len)),
+                actual,
+                f"{out.cached_tokens}/{out.prompt_tokens}",
+                "PASS" if actual in expected else "**FAIL**",
+            ]
+        )
+    header = ["Step", "Description", "Expected", "Actual", "Cached/prompt tokens", "Status"]
+    return lines + _table(header, rows)
+
+
+def targets(b: Bench) -> list[tuple[str, str, bool]]:
+    s = b.s
+    n = s.ttft_concurrency
+    out = []
+    speedup = b.continuous(n).tok_s / b.simple(n).tok_s
+    out.append((f"Continuous >= 3x simple mode at {n} concurrent", f"{speedup:.2f}x", speedup >= 3))
+    for m in sorted({n, max(s.concurrency)}):
+        ratio = b.continuous(m).tok_s / b.peer(m).tok_s
+        out.append(
+            (
+                f">= 1.0x batch_generate on unique prompts, {m} concurrent",
+                f"{ratio:.2f}x",
+                ratio >= 1.0,
+            )
+        )
+    ratio = b.shared_run("ours").tok_s / b.shared_run("peer").tok_s
+    out.append((">= 2x batch_generate on the shared-prompt workload", f"{ratio:.2f}x", ratio >= 2))
+    on, off = b.memory_run(True), b.memory_run(False)
+    saving = 1 - on.engine["peak_kv_bytes"] / off.engine["peak_kv_bytes"]
+    out.append(("KV memory saving with block sharing >= 80%", f"{saving:.1%}", saving >= 0.8))
+    bound = block_prefix_lower_bound(b.shared(), s.block_size)
+    ratio = b.shared_run("ours").sched["prefill_tokens_computed"] / bound
+    out.append(
+        (
+            "Prefill tokens computed within 10% of the trie lower bound",
+            f"{ratio:.3f}x",
+            ratio <= 1.1,
+        )
+    )
+    return out
+
+
+def section_targets(b: Bench) -> list[str]:
+    rows = [[t, v, "MET" if ok else "**MISSED**"] for t, v, ok in targets(b)]
+    return ["## 6. Targets", ""] + _table(["Target", "Measured", "Status"], rows)
+
+
+SECTIONS = {
+    1: section_throughput,
+    2: section_ttft,
+    3: section_shared,
+    4: section_memory,
+    5: section_prefix,
+    6: section_targets,
+}
+
+
+# -- environment -------------------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory() -> str:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    size = mx.device_info().get("memory_size")
+    return f"{size / 2**30:.1f} GiB" if size else "unknown"
+
+
+def _active_blas() -> str:
+    try:
+        from batchmlx.accel import active_blas  # being written in parallel; optional
+    except Exception as e:  # noqa: BLE001 - any failure just means "not reported"
+        return f"unknown ({type(e).__name__})"
+    try:
+        return str(active_blas() if callable(active_blas) else active_blas)
+    except Exception as e:  # noqa: BLE001
+        return f"unknown ({type(e).__name__}: {e})"
+
+
+def environment(s: Settings, loaded: Any) -> list[str]:
+    import mlx_lm
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(loaded.model.parameters())
+    wdtype = str(params[0][1].dtype).removeprefix("mlx.core.") if params else "?"
+    return [
+        f"- Date: {dt.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- Machine: {_cpu_model()}, {os.cpu_count()} cores, {_memory()} memory, "
+        f"{platform.platform()}",
+        f"- Python {platform.python_version()}, MLX {mx.__version__} on {mx.default_device()}, "
+        f"mlx-lm {mlx_lm.__version__}",
+        f"- Active BLAS: {_active_blas()}",
+        f"- Model: {loaded.spec.name} ({loaded.spec.kind}), --dtype {s.dtype} -> weights "
+        f"{wdtype}, context {loaded.context_length}",
+        "- Settings: " + ", ".join(f"{k}={v}" for k, v in asdict(s).items()),
+        "- Peer: `mlx_lm.generate.BatchGenerator` with batch_generate's defaults "
+        f"(prefill_batch_size 8, completion_batch_size {s.max_batch_size}), greedy, "
+        "stop_tokens=[] so it generates max_tokens like ours",
+    ]
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    p.add_argument("--max-tokens", type=int, help="new tokens per request in sections 1-2")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/RESULTS.md"))
+    p.add_argument("--sections", default=",".join(map(str, ALL_SECTIONS)), help="e.g. 1,3,5")
+    p.add_argument("--model", default="default", help="model alias, GGUF file or MLX folder")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sections = sorted({int(x) for x in args.sections.split(",") if x.strip()})
+    if unknown := set(sections) - set(ALL_SECTIONS):
+        raise SystemExit(f"unknown sections: {sorted(unknown)}")
+    s = replace(QUICK if args.quick else Settings(), model=args.model, dtype=args.dtype)
+    if args.max_tokens:
+        s = replace(s, max_tokens=args.max_tokens)
+
+    from batchmlx.engine.loader import load_model, resolve_model
+
+    cache = Path(os.environ.get("BATCHMLX_CACHE_DIR", "~/.cache/batchmlx-test")).expanduser()
+    spec = resolve_model(s.model, cache_dir=cache)
+    if spec is None:
+        raise SystemExit(f"cannot resolve model {s.model!r}")
+    log(f"loading {spec.name} (dtype {s.dtype})")
+    loaded = load_model(spec, cache_dir=cache, dtype=s.dtype)
+    bench = Bench(s, loaded)
+    bench.warm_up()
+
+    body: list[str] = []
+    for n in sections:
+        t = time.perf_counter()
+        log(f"section {n}")
+        body += SECTIONS[n](bench)
+        bench.section_s[n] = time.perf_counter() - t
+    timing = ", ".join(f"section {n} {t:.0f}s" for n, t in bench.section_s.items())
+    total = time.perf_counter() - _T0
+    doc = [
+        "# batchmlx benchmark results" + (" (--quick)" if args.quick else ""),
+        "",
+        "Generated by `python -m benchmarks.run"
+        + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        + "`; every figure below comes from this one run.",
+        "",
+        *environment(s, loaded),
+        f"- Run time: {total:.0f}s in all ({timing}; a section reuses earlier measurements)",
+        "",
+        *body,
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(doc).rstrip() + "\n")
+    log(f"wrote {args.out} in {total:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

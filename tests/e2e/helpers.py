@@ -1,0 +1,111 @@
+"""End-to-end helpers: the real CLI in subprocesses against a fresh $BATCHMLX_HOME.
+
+Converted models live in $BATCHMLX_TEST_CACHE (default ~/.cache/batchmlx-test), shared with the
+engine tests, so CI converts the default model once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+
+
+def model_cache_dir() -> Path:
+    env = os.environ.get("BATCHMLX_TEST_CACHE")
+    path = Path(env).expanduser() if env else Path.home() / ".cache" / "batchmlx-test"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cli_env(home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["BATCHMLX_HOME"] = str(home)
+    env["BATCHMLX_CACHE_DIR"] = str(model_cache_dir())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+@dataclass
+class Cli:
+    """Runs `python -m batchmlx.cli ...` against one $BATCHMLX_HOME."""
+
+    home: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        return cli_env(self.home)
+
+    def __call__(
+        self, *args: str | Path, timeout: float = 600, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "batchmlx.cli", *map(str, args)],
+            env=self.env,
+            cwd=cwd or self.home.parent,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def popen(self, *args: str | Path, log: Path) -> subprocess.Popen[bytes]:
+        out = log.open("wb")
+        return subprocess.Popen(
+            [sys.executable, "-m", "batchmlx.cli", *map(str, args)],
+            env=self.env,
+            cwd=self.home.parent,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+    def json(self, *args: str | Path, timeout: float = 600, ok: bool = True) -> Any:
+        proc = self(*args, "--json", timeout=timeout)
+        if ok:
+            assert proc.returncode == 0, describe(proc)
+        return json.loads(proc.stdout)
+
+
+def describe(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def make_cli(base: Path) -> Cli:
+    home = base / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    return Cli(home)
+
+
+def request_line(
+    custom_id: str, body: dict[str, Any], *, url: str = CHAT_URL, method: str = "POST"
+) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": method, "url": url, "body": body}
+
+
+def chat_body(question: str, *, model: str = "gpt-4o-mini", **params: Any) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": question},
+        ],
+        **params,
+    }
+
+
+def write_jsonl(path: Path, lines: Iterable[dict[str, Any] | str]) -> Path:
+    text = "".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines)
+    path.write_text(text)
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]

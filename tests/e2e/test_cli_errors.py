@@ -1,0 +1,229 @@
+"""The CLI's failure paths, end to end and fast: nothing here loads the model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from openai.types import Batch
+
+from tests.e2e.helpers import (
+    COMPLETIONS_URL,
+    Cli,
+    chat_body,
+    describe,
+    read_jsonl,
+    request_line,
+    write_jsonl,
+)
+
+WORKER_IDLE_S = 30  # `worker --until-idle` on an empty queue: interpreter start-up and one poll
+
+
+def assert_worker_exits_without_work(cli: Cli) -> None:
+    """Nothing is queued: the worker finds no work and exits without loading a model."""
+    t0 = time.monotonic()
+    proc = cli("worker", "--until-idle", timeout=WORKER_IDLE_S)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, describe(proc)
+    assert elapsed < WORKER_IDLE_S
+    assert "SmolLM2" not in proc.stdout + proc.stderr
+
+
+def invalid_file(path: Path) -> Path:
+    return write_jsonl(
+        path,
+        [
+            request_line("a", chat_body("hi", max_tokens=4)),
+            '{"custom_id": "b", "method": "POST", "url": ',  # line 2: broken JSON
+            request_line("a", chat_body("again", max_tokens=4)),  # line 3: duplicate id
+            request_line("c", {"model": "gpt-4o-mini", "prompt": "x"}, url=COMPLETIONS_URL),
+            "",  # line 5: blank lines are fine (and still counted)
+            request_line("d", chat_body("fine", max_tokens=4)),
+        ],
+    )
+
+
+def test_invalid_file_fails_whole_with_every_error(cli: Cli, tmp_path: Path) -> None:
+    path = invalid_file(tmp_path / "bad.jsonl")
+    proc = cli("submit", path, "--model", "default", "--json")
+    assert proc.returncode == 1, describe(proc)
+    obj = json.loads(proc.stdout)
+    batch = Batch.model_validate(obj)
+    assert batch.status == "failed"
+    assert batch.failed_at is not None
+    assert batch.output_file_id is None and batch.error_file_id is None
+    assert batch.errors is not None and batch.errors.data is not None
+    got = [(e.line, e.code, e.param) for e in batch.errors.data]
+    assert got == [
+        (2, "invalid_json_line", None),
+        (3, "duplicate_custom_id", "custom_id"),
+        (4, "url_mismatch", "url"),
+    ]
+    for e in batch.errors.data:
+        assert e.message and f"Line {e.line}" in e.message
+    assert obj["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+
+    # the human form lists them too, with line numbers
+    human = cli("submit", path, "--model", "default")
+    assert human.returncode == 1, describe(human)
+    for n in (2, 3, 4):
+        assert f"line {n}:" in human.stdout
+    assert "validation failed with 3 error(s)" in human.stdout
+
+    # --wait does not wait for a file that failed
+    waited = cli("submit", path, "--model", "default", "--wait", "--json", timeout=60)
+    assert waited.returncode == 1, describe(waited)
+    assert json.loads(waited.stdout)["status"] == "failed"
+
+    # all three are recorded as failed batches; none left anything to run
+    listed = cli.json("list")
+    assert len(listed) == 3
+    assert {b["status"] for b in listed} == {"failed"}
+    assert_worker_exits_without_work(cli)
+    assert {b["status"] for b in cli.json("list")} == {"failed"}
+
+
+def test_cancel_of_a_failed_batch_is_an_error(cli: Cli, tmp_path: Path) -> None:
+    path = invalid_file(tmp_path / "bad.jsonl")
+    batch_id = cli.json("submit", path, ok=False)["id"]
+    proc = cli("cancel", batch_id)
+    assert proc.returncode != 0, describe(proc)
+    assert "failed" in proc.stderr and "cannot be cancelled" in proc.stderr
+    assert cli.json("status", batch_id)["status"] == "failed"
+
+
+def test_unresolvable_body_model_fails_with_model_not_found(cli: Cli, tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "openai.jsonl",
+        [request_line(f"r{i}", chat_body("hi", max_tokens=4)) for i in range(3)],
+    )
+    proc = cli("submit", path, "--json")
+    assert proc.returncode == 1, describe(proc)
+    batch = Batch.model_validate_json(proc.stdout)
+    assert batch.status == "failed"
+    assert batch.errors is not None and batch.errors.data is not None
+    codes = [e.code for e in batch.errors.data]
+    assert codes == ["model_not_found"]
+    err = batch.errors.data[0]
+    assert err.param == "body.model" and err.line == 1
+    assert "gpt-4o-mini" in (err.message or "")
+    assert_worker_exits_without_work(cli)
+
+
+def test_unresolvable_model_option_is_refused(cli: Cli, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "one.jsonl", [request_line("r", chat_body("hi"))])
+    proc = cli("submit", path, "--model", "no such model")
+    assert proc.returncode != 0, describe(proc)
+    assert "cannot be resolved" in proc.stderr
+    assert cli.json("list") == []
+
+
+def test_bad_completion_window_is_refused(cli: Cli, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "one.jsonl", [request_line("r", chat_body("hi"))])
+    proc = cli("submit", path, "--model", "default", "--completion-window", "soon")
+    assert proc.returncode != 0, describe(proc)
+    assert "completion window" in proc.stderr
+    assert cli.json("list") == []
+
+
+def test_missing_input_file(cli: Cli, tmp_path: Path) -> None:
+    missing = tmp_path / "nope.jsonl"
+    proc = cli("submit", missing, "--model", "default")
+    assert proc.returncode != 0, describe(proc)
+    assert "no such file" in proc.stderr and str(missing) in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_empty_file_fails(cli: Cli, tmp_path: Path) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    proc = cli("submit", path, "--model", "default", "--json")
+    assert proc.returncode == 1, describe(proc)
+    obj = json.loads(proc.stdout)
+    assert obj["status"] == "failed"
+    assert [e["code"] for e in obj["errors"]["data"]] == ["empty_file"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("status", "batch_doesnotexist"),
+        ("status", "batch_doesnotexist", "--json"),
+        ("results", "batch_doesnotexist"),
+        ("results", "batch_doesnotexist", "--errors"),
+        ("cancel", "batch_doesnotexist"),
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_unknown_batch_id(cli: Cli, args: tuple[str, ...]) -> None:
+    proc = cli(*args)
+    assert proc.returncode != 0, describe(proc)
+    assert "no batch with id 'batch_doesnotexist'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_cancel_without_a_worker_settles_at_once(cli: Cli, tmp_path: Path) -> None:
+    ids = ["x1", "x2", "x3"]
+    path = write_jsonl(
+        tmp_path / "three.jsonl", [request_line(i, chat_body("hi", max_tokens=4)) for i in ids]
+    )
+    submitted = cli.json("submit", path, "--model", "default")
+    batch = Batch.model_validate(submitted)
+    assert batch.status == "in_progress"
+    assert batch.request_counts is not None and batch.request_counts.total == 3
+
+    # results of an unfinished batch: a clear error, not an empty file
+    early = cli("results", batch.id)
+    assert early.returncode != 0, describe(early)
+    assert "in_progress" in early.stderr and "not finished" in early.stderr
+
+    cancelled = Batch.model_validate(cli.json("cancel", batch.id))
+    assert cancelled.status == "cancelled"
+    assert cancelled.cancelling_at is not None and cancelled.cancelled_at is not None
+    assert cancelled.output_file_id is None
+    assert cancelled.error_file_id is not None
+    assert cancelled.request_counts is not None
+    assert cancelled.request_counts.model_dump() == {"total": 3, "completed": 0, "failed": 3}
+
+    err_path = tmp_path / "err.jsonl"
+    proc = cli("results", batch.id, "--errors", "-o", err_path)
+    assert proc.returncode == 0, describe(proc)
+    lines = read_jsonl(err_path)
+    assert sorted(ln["custom_id"] for ln in lines) == ids
+    for ln in lines:
+        assert ln["id"].startswith("batch_req_")
+        assert ln["response"] is None
+        assert ln["error"]["code"] == "batch_cancelled"
+        assert ln["error"]["message"]
+    # no output file: `results` prints nothing
+    out = cli("results", batch.id)
+    assert out.returncode == 0, describe(out)
+    assert out.stdout == ""
+
+    # cancelling again is harmless; the status stays cancelled
+    again = cli("cancel", batch.id, "--json")
+    assert again.returncode == 0, describe(again)
+    assert json.loads(again.stdout)["status"] == "cancelled"
+    assert cli.json("status", batch.id)["status"] == "cancelled"
+    assert_worker_exits_without_work(cli)
+    # the worker did not redo the cancelled batch's files
+    assert cli.json("status", batch.id) == json.loads(again.stdout)
+
+
+def test_console_script_runs(cli: Cli) -> None:
+    exe = shutil.which("batchmlx")
+    if exe is None:
+        pytest.skip("the batchmlx console script is not on PATH")
+    proc = subprocess.run(
+        [exe, "list", "--json"], env=cli.env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+    usage = subprocess.run([exe], env=cli.env, capture_output=True, text=True, timeout=120)
+    assert "submit" in usage.stdout + usage.stderr

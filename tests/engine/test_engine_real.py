@@ -1,0 +1,120 @@
+"""The continuous-batching engine on the real default model: parity and the seed's prefix table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from batchmlx.core.request import CacheOutcome, GenerationRequest, SamplingParams
+from batchmlx.engine.llm_engine import Engine, EngineConfig
+
+pytestmark = pytest.mark.real_model
+
+SYSTEM = (
+    "You are a careful assistant for a public library. You answer questions about books, "
+    "opening hours and membership in one or two short sentences, politely and precisely."
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Who wrote Pride and Prejudice?",
+    "How many days are in a week?",
+    "Name a planet bigger than Earth.",
+]
+
+
+def chat_ids(tok, user: str, system: str | None = SYSTEM) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": user}
+    ]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def make_engine(loaded, **cfg) -> Engine:
+    return Engine(
+        loaded.model,
+        loaded.tokenizer,
+        context_length=loaded.context_length,
+        config=EngineConfig(**cfg),
+        seed=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model):
+    tok = default_model.tokenizer
+    shared = [chat_ids(tok, q) for q in QUESTIONS]  # share the system prompt
+    alone = [chat_ids(tok, "Say hello.", system=None), chat_ids(tok, QUESTIONS[0], system=None)]
+    return shared + alone
+
+
+def greedy_reqs(prompts, eos, n=12, tag="r"):
+    params = SamplingParams(max_tokens=n, temperature=0.0)
+    return [GenerationRequest(f"{tag}{i}", p, params, eos) for i, p in enumerate(prompts)]
+
+
+def test_greedy_tokens_identical_in_simple_and_continuous_mode(default_model, prompts):
+    eos = default_model.eos_token_ids
+    simple = make_engine(default_model, simple=True).generate(greedy_reqs(prompts, eos))
+    cont = make_engine(default_model, max_batch_size=8).generate(greedy_reqs(prompts, eos))
+    assert [o.token_ids for o in cont] == [o.token_ids for o in simple]
+    # the shared system prompt was computed once and reused by the others
+    assert sum(o.cached_tokens for o in cont) > 0
+    text = default_model.tokenizer.decode(simple[5].token_ids)
+    assert "Paris" in text
+
+
+def test_greedy_tokens_identical_under_preemption(default_model, prompts):
+    eos = default_model.eos_token_ids
+    simple = make_engine(default_model, simple=True).generate(greedy_reqs(prompts, eos))
+    # a pool far too small for six ~60-token sequences at once forces preemption
+    e = make_engine(
+        default_model, max_batch_size=8, memory_aware=False, cache_max_blocks=18, block_size=8
+    )
+    outs = e.generate(greedy_reqs(prompts, eos))
+    assert e.scheduler.stats.preemptions > 0
+    assert e.stats.bound_violations == 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
+
+
+def test_batched_and_single_logprobs_agree(default_model, prompts):
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=2)
+    single = [
+        make_engine(default_model).generate([GenerationRequest("s", p, params)])[0]
+        for p in prompts[:3]
+    ]
+    batch = make_engine(default_model).generate(
+        [GenerationRequest(f"b{i}", p, params) for i, p in enumerate(prompts[:3])]
+    )
+    for s, b in zip(single, batch, strict=True):
+        np.testing.assert_allclose(
+            [t.logprob for t in s.logprobs], [t.logprob for t in b.logprobs], atol=1e-3
+        )
+
+
+def test_seeded_sampling_same_alone_and_in_batch(default_model, prompts):
+    seeded = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=2024)
+    (alone,) = make_engine(default_model).generate([GenerationRequest("x", prompts[1], seeded)])
+    mixed = [GenerationRequest("x", prompts[1], seeded)] + greedy_reqs(prompts[2:], frozenset())
+    in_batch = make_engine(default_model, max_batch_size=8).generate(mixed)[0]
+    assert alone.token_ids == in_batch.token_ids
+
+
+def test_prefix_cache_table_of_the_seed(default_model):
+    """1a first request MISS, 1b same prompt HIT, 1c different prompt MISS or PREFIX_HIT,
+    1d back to the first prompt HIT."""
+    tok = default_model.tokenizer
+    e = make_engine(default_model)
+    p1 = chat_ids(tok, QUESTIONS[0])
+    p2 = chat_ids(tok, "Tell me about whales.", system="You are a marine biologist.")
+    eos = default_model.eos_token_ids
+
+    def run(tag, p):
+        return e.generate(greedy_reqs([p], eos, n=4, tag=tag))[0]
+
+    a, b, c, d = run("1a", p1), run("1b", p1), run("1c", p2), run("1d", p1)
+    assert a.cache_outcome is CacheOutcome.MISS
+    assert b.cache_outcome is CacheOutcome.HIT and b.cached_tokens == (len(p1) - 1) // 16 * 16
+    assert c.cache_outcome in (CacheOutcome.MISS, CacheOutcome.PREFIX_HIT)
+    assert d.cache_outcome is CacheOutcome.HIT
+    assert a.token_ids == b.token_ids == d.token_ids

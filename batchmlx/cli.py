@@ -120,6 +120,9 @@ def submit(
     """Validate a batch file and enqueue it (and run it with --wait)."""
     if not file.is_file():
         raise _fail(f"no such file: {file}")
+    bad = [m for m in metadata or [] if "=" not in m]
+    if bad:
+        raise _fail(f"--metadata expects key=value, got {bad[0]!r}")
     meta = dict(m.split("=", 1) for m in metadata or []) or None
     rec = _run(
         lambda store, settings: service.submit(
@@ -333,7 +336,22 @@ def worker(
     asyncio.run(run_worker(load_settings(), opts))
 
 
-def main() -> None:  # pragma: no cover
+@app.command()
+def doctor(
+    measure: Annotated[bool, typer.Option(help="Time a 1024x1024 float32 matmul")] = True,
+) -> None:
+    """Say which BLAS and device MLX runs with here, and how fast a matmul runs."""
+    from batchmlx.accel import doctor_report
+
+    _print_json(doctor_report(measure=measure))
+
+
+def main() -> None:  # pragma: no cover - the console script
+    """Entry point: first move onto a fast BLAS on Linux (re-executes once), then run the CLI.
+    Not inside `app`, so tests that call the app in-process never re-execute pytest."""
+    from batchmlx.accel import ensure_fast_blas
+
+    ensure_fast_blas()
     app()
 
 

@@ -227,3 +227,21 @@ def test_console_script_runs(cli: Cli) -> None:
     assert json.loads(proc.stdout) == []
     usage = subprocess.run([exe], env=cli.env, capture_output=True, text=True, timeout=120)
     assert "submit" in usage.stdout + usage.stderr
+
+
+def test_metadata_is_kept_on_the_batch(cli: Cli, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "one.jsonl", [request_line("r", chat_body("hi"))])
+    obj = cli.json(
+        "submit", path, "--model", "default", "--metadata", "team=e2e", "--metadata", "eq=a=b"
+    )
+    assert obj["metadata"] == {"team": "e2e", "eq": "a=b"}
+    assert cli.json("status", obj["id"])["metadata"] == obj["metadata"]
+
+
+def test_malformed_metadata_is_a_clear_error(cli: Cli, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "one.jsonl", [request_line("r", chat_body("hi"))])
+    proc = cli("submit", path, "--model", "default", "--metadata", "novalue")
+    assert proc.returncode != 0, describe(proc)
+    assert "Traceback" not in proc.stderr and "ValueError" not in proc.stderr
+    assert "metadata" in proc.stderr
+    assert cli.json("list") == []

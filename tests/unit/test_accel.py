@@ -1,0 +1,185 @@
+"""batchmlx.accel: core-type parsing, BLAS discovery on fake trees, the re-exec decision."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchmlx import accel
+
+CPUINFO_AVX512 = (
+    "processor\t: 0\nvendor_id\t: AuthenticAMD\n"
+    "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512bw\n\n"
+    "processor\t: 1\nflags\t\t: fpu sse2 avx avx2 fma avx512f\n"
+)
+CPUINFO_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+CPUINFO_OLD = "processor\t: 0\nflags\t\t: fpu sse2 sse4_2\n"
+CPUINFO_ARM = "processor\t: 0\nFeatures\t: fp asimd evtstrm\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (CPUINFO_AVX512, "SKYLAKEX"),
+        (CPUINFO_AVX2, "HASWELL"),
+        (CPUINFO_OLD, None),
+        (CPUINFO_ARM, None),
+        ("", None),
+    ],
+)
+def test_cpu_coretype_from_flags(text: str, expected: str | None) -> None:
+    assert accel.cpu_coretype(text) == expected
+
+
+def _touch(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
+    return path
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> dict[str, Path]:
+    """A fake interpreter prefix with the mkl wheel's lib, and a fake Debian multiarch dir."""
+    prefix = tmp_path / "venv"
+    lib_dir = tmp_path / "usr/lib/x86_64-linux-gnu"
+    return {
+        "prefix": prefix,
+        "lib_dir": lib_dir,
+        "mkl": prefix / "lib/libmkl_rt.so.3",
+        "openblas": lib_dir / "openblas-pthread/libopenblas.so.0",
+    }
+
+
+def _find(tree: dict[str, Path], **kwargs) -> accel.BlasChoice | None:
+    kwargs = {"prefer": "auto", "system": "linux", "cpuinfo": CPUINFO_AVX512, **kwargs}
+    return accel.find_fast_blas(prefixes=[tree["prefix"]], lib_dirs=[tree["lib_dir"]], **kwargs)
+
+
+def test_find_fast_blas_nothing_installed(tree) -> None:
+    assert _find(tree) is None
+
+
+def test_find_fast_blas_mkl_wheel(tree) -> None:
+    _touch(tree["mkl"])
+    assert _find(tree) == accel.BlasChoice(
+        name="mkl",
+        library=str(tree["mkl"]),
+        env={"MKL_THREADING_LAYER": "SEQUENTIAL"},
+        note=f"Intel MKL ({tree['mkl']}), sequential threading layer",
+    )
+
+
+def test_find_fast_blas_prefers_openblas_with_coretype(tree) -> None:
+    _touch(tree["mkl"])
+    _touch(tree["openblas"])
+    choice = _find(tree)
+    assert choice is not None
+    assert (choice.name, choice.library) == ("openblas", str(tree["openblas"]))
+    assert choice.env == {"OPENBLAS_CORETYPE": "SKYLAKEX"}
+    forced = _find(tree, prefer="mkl")
+    assert forced is not None and forced.name == "mkl"
+
+
+def test_find_fast_blas_openblas_unknown_cpu_sets_no_coretype(tree) -> None:
+    _touch(tree["openblas"])
+    choice = accel.find_fast_blas(
+        prefixes=[], lib_dirs=[tree["lib_dir"]], cpuinfo=CPUINFO_OLD, system="linux", prefer="auto"
+    )
+    assert choice is not None and choice.env == {}
+
+
+def test_find_fast_blas_none_on_macos(tree) -> None:
+    _touch(tree["mkl"])
+    assert _find(tree, system="darwin") is None
+
+
+@pytest.fixture
+def recorded_exec(monkeypatch, tree) -> list[tuple[str, list[str], dict[str, str]]]:
+    """Linux with a fake mkl found, a clean environment, and os.execve recording its call."""
+    calls: list[tuple[str, list[str], dict[str, str]]] = []
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(os, "execve", lambda exe, args, env: calls.append((exe, args, env)))
+    monkeypatch.setattr(accel, "_default_prefixes", lambda: [tree["prefix"]])
+    monkeypatch.setattr(accel, "_default_lib_dirs", lambda: [tree["lib_dir"]])
+    for key in ("LD_PRELOAD", accel.REEXEC_MARKER, accel.SWITCH):
+        monkeypatch.delenv(key, raising=False)
+    _touch(tree["mkl"])
+    return calls
+
+
+def test_ensure_fast_blas_reexecs_with_preload(recorded_exec, tree) -> None:
+    accel.ensure_fast_blas(["-m", "batchmlx.cli", "run"])
+    [(exe, args, env)] = recorded_exec
+    assert exe == sys.executable
+    assert args == [sys.executable, "-m", "batchmlx.cli", "run"]
+    assert env["LD_PRELOAD"] == str(tree["mkl"])
+    assert env[accel.REEXEC_MARKER] == "mkl"
+    assert env["MKL_THREADING_LAYER"] == "SEQUENTIAL"
+
+
+def test_ensure_fast_blas_keeps_other_preloads(recorded_exec, tree, monkeypatch) -> None:
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libjemalloc.so")
+    accel.ensure_fast_blas(["x"])
+    assert recorded_exec[0][2]["LD_PRELOAD"] == f"/opt/libjemalloc.so:{tree['mkl']}"
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {accel.SWITCH: "0"},
+        {accel.REEXEC_MARKER: "mkl"},
+        {"LD_PRELOAD": "/somewhere/libopenblas.so.0"},
+    ],
+    ids=["disabled", "already-reexeced", "already-preloaded"],
+)
+def test_ensure_fast_blas_noop(recorded_exec, monkeypatch, env: dict[str, str]) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    accel.ensure_fast_blas(["x"])
+    assert recorded_exec == []
+    assert accel.reexec_env() is None
+
+
+def test_ensure_fast_blas_noop_when_nothing_found(recorded_exec, tree) -> None:
+    tree["mkl"].unlink()
+    accel.ensure_fast_blas(["x"])
+    assert recorded_exec == []
+
+
+def test_active_blas_reads_ld_preload(monkeypatch) -> None:
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert accel.active_blas({}).name == "reference (slow)"
+    env = {"LD_PRELOAD": "/p/lib/libmkl_rt.so.3", "MKL_THREADING_LAYER": "SEQUENTIAL"}
+    mkl = accel.active_blas(env)
+    assert (mkl.name, mkl.library, mkl.env) == (
+        "mkl",
+        "/p/lib/libmkl_rt.so.3",
+        {"MKL_THREADING_LAYER": "SEQUENTIAL"},
+    )
+    ob = accel.active_blas({"LD_PRELOAD": "/usr/lib/x/openblas-pthread/libopenblas.so.0"})
+    assert ob.name == "openblas"
+
+
+def test_module_does_not_import_mlx() -> None:
+    code = "import sys, batchmlx.accel; print('mlx' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_doctor_cli_prints_json() -> None:
+    # Real path: re-executes onto whatever fast BLAS this machine has, then measures a matmul.
+    out = subprocess.run(
+        [sys.executable, "-m", "batchmlx.accel"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    report = json.loads(out.stdout)
+    assert set(report["active_blas"]) == {"name", "library", "env", "note"}
+    assert report["matmul_gflops_1024_f32"] > 0

@@ -111,7 +111,9 @@ def chat_prompt(tokenizer: Any, user: str, system: str | None = None) -> list[in
     messages = [{"role": "user", "content": user}]
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
     return [int(t) for t in ids]
 
 

@@ -42,6 +42,7 @@ class GenerationRequest:
     prompt_tokens: list[int]
     params: SamplingParams
     stop_token_ids: frozenset[int] = frozenset()  # eos and friends
+    priority: int = 1  # lower is admitted first: online requests 0, batch work 1
 
 
 @dataclass(frozen=True, slots=True)

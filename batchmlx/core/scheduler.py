@@ -84,19 +84,23 @@ class _Admission(enum.Enum):
 class _WaitingQueue:
     """Waiting sequences in admission order.
 
-    Preempted sequences come first (the earliest admitted first). New arrivals follow in groups
-    keyed by their first full block, so requests sharing a system prompt sit together; groups
-    keep the FIFO order of their first member, and members keep FIFO order within a group.
+    Preempted sequences come first (the earliest admitted first). New arrivals follow by
+    priority (online requests before batch work), and within a priority in groups keyed by
+    their first full block, so requests sharing a system prompt sit together; groups keep the
+    FIFO order of their first member, and members keep FIFO order within a group.
     """
 
     def __init__(self, block_size: int, grouping: bool) -> None:
         self._block_size = block_size
         self._grouping = grouping
         self._front: list[Sequence] = []
-        self._groups: dict[object, dict[Sequence, None]] = {}  # dicts as ordered sets
+        # priority -> group key -> members (dicts as ordered sets)
+        self._groups: dict[int, dict[object, dict[Sequence, None]]] = {}
 
     def __len__(self) -> int:
-        return len(self._front) + sum(len(g) for g in self._groups.values())
+        return len(self._front) + sum(
+            len(g) for groups in self._groups.values() for g in groups.values()
+        )
 
     def __bool__(self) -> bool:
         return bool(self._front or self._groups)
@@ -107,7 +111,8 @@ class _WaitingQueue:
         return seq  # a group of its own
 
     def push(self, seq: Sequence) -> None:
-        self._groups.setdefault(self._key(seq), {})[seq] = None
+        groups = self._groups.setdefault(seq.request.priority, {})
+        groups.setdefault(self._key(seq), {})[seq] = None
 
     def push_front(self, seq: Sequence) -> None:
         self._front.insert(0, seq)
@@ -116,17 +121,32 @@ class _WaitingQueue:
         if seq in self._front:
             self._front.remove(seq)
             return
+        prio = seq.request.priority
         key = self._key(seq)
-        group = self._groups[key]
+        group = self._groups[prio][key]
         del group[seq]
         if not group:
-            del self._groups[key]
+            del self._groups[prio][key]
+            if not self._groups[prio]:
+                del self._groups[prio]
 
     def groups(self) -> Iterator[list[Sequence] | dict[Sequence, None]]:
-        """Groups in admission order; do not mutate the queue while iterating."""
-        for seq in self._front:
-            yield [seq]
-        yield from self._groups.values()
+        """Groups in admission order; do not mutate the queue while iterating.
+
+        Per priority, most urgent first: its preempted sequences, then its groups."""
+        prios = sorted({s.request.priority for s in self._front} | set(self._groups))
+        for prio in prios:
+            for seq in self._front:
+                if seq.request.priority == prio:
+                    yield [seq]
+            yield from self._groups.get(prio, {}).values()
+
+    def count_new(self, priority: int) -> int:
+        """New (never preempted) sequences waiting at `priority`."""
+        return sum(len(g) for g in self._groups.get(priority, {}).values())
+
+    def most_urgent_priority(self) -> int | None:
+        return min(self._groups) if self._groups else None
 
     def __iter__(self) -> Iterator[Sequence]:
         for group in self.groups():
@@ -258,8 +278,32 @@ class Scheduler:
             budget -= n
             pending.update(self._inflight_hashes(seq))
         if budget > 0 and not preempted:  # memory is short: do not admit what was just evicted
+            preempted.extend(self._make_room_for_urgent(out))
             self._admit_waiting(out, budget, pending, finished)
         return out
+
+    def _make_room_for_urgent(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
+        """Online work outranks batch work: with the running batch full, each waiting urgent
+        sequence takes the slot of the most recently admitted less urgent one, which is
+        recomputed later with the same output."""
+        urgent = self.waiting.most_urgent_priority()
+        if urgent is None:
+            return []
+        busy = {s.seq for s in scheduled}  # already fed this step: keep
+        wanted = self.waiting.count_new(urgent)
+        victims: list[Sequence] = []
+        while wanted > 0 and len(self.running) >= self.config.max_batch_size:
+            victim = next(
+                (s for s in reversed(self.running)
+                 if s.request.priority > urgent and s not in busy),
+                None,
+            )  # fmt: skip
+            if victim is None:
+                break
+            self._preempt(victim)
+            victims.append(victim)
+            wanted -= 1
+        return victims
 
     def _admit_waiting(
         self, out: list[ScheduledSeq], budget: int, pending: set[int], finished: list[Sequence]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +134,8 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.storage)
         self._live: dict[str, _Live] = {}
+        # called with (request_id, token_id) for every token a request emits (streaming)
+        self.on_token: Callable[[str, int], None] | None = None
 
     # -- the interface the worker uses ---------------------------------------------------------
     def add(self, req: GenerationRequest) -> None:
@@ -246,6 +249,8 @@ class Engine:
                 continue
             if lp is not None:
                 live.logprobs.append(lp)
+            if self.on_token is not None:
+                self.on_token(seq.seq_id, tok)
             if n_gen >= live.max_tokens:
                 finished.add(seq.seq_id)
             elif live.request.params.stop and self._hits_stop(seq, tok, live):

@@ -23,6 +23,7 @@ from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.store import Store
+from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
 from batchmlx.worker.translate import (
     PendingRequest,
     Translator,
@@ -69,6 +70,8 @@ class Worker:
         self.worker_id = f"w-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.loaded: _Loaded | None = None
         self.pending: dict[int, PendingRequest] = {}  # row id -> request in the engine
+        self.online = OnlineQueue()  # the HTTP API's requests, ahead of batch work
+        self.online_pending: dict[int, PendingRequest] = {}  # ticket id (< 0) -> request
         self.ready: list[tuple[int, RequestResult]] = []  # results waiting for a flush
         self.stop_requested = False
         self._last_flush = 0.0
@@ -83,7 +86,7 @@ class Worker:
                 if not busy:
                     if self.opts.until_idle:
                         break
-                    await asyncio.sleep(self.settings.poll_s)
+                    await self.online.wait(self.settings.poll_s)
         finally:
             await self._flush(force=True)
             if self.pending:
@@ -106,6 +109,7 @@ class Worker:
         """One round: returns False when there was nothing to do."""
         await self._heartbeat()
         did = await self._settle_batches()
+        did |= self._admit_online()
         did |= await self._claim()
         running = self.loaded is not None and self.loaded.engine.has_unfinished()
         if running:
@@ -115,6 +119,49 @@ class Worker:
         if not self.pending:
             did |= await self._finalize_ready()
         return did or running
+
+    # -- online requests -----------------------------------------------------------------------
+    def _admit_online(self) -> bool:
+        """Admit the server's tickets (priority over batch work); drop abandoned ones."""
+        if self.loaded is not None:
+            live = set(self.online.live_ids)
+            for row in [r for r in self.online_pending if r not in live]:
+                p = self.online_pending.pop(row)
+                for i in range(p.parsed.n):
+                    self.loaded.engine.abort(f"{row}:{i}")
+        tickets = self.online.drain()
+        if not tickets:
+            return False
+        if self.loaded is None:
+            self._ensure_model(self._model_for(None))
+        loaded = self.loaded
+        for t in tickets:
+            t.decode = loaded.translator.tok.decode
+            claimed = ClaimedRequest(
+                id=t.id, batch_id="", custom_id="", line=0, endpoint=t.endpoint,
+                model=loaded.name, body=t.body, attempts=1,
+            )  # fmt: skip
+            pending, gens, error = loaded.translator.prepare(claimed)
+            if error is not None:
+                self.online.done(t.id, error.status_code, error.body)
+                continue
+            try:
+                for g in gens:
+                    g.priority = ONLINE_PRIORITY
+                    loaded.engine.add(g)
+            except ValueError as exc:
+                for g in gens:
+                    loaded.engine.abort(g.request_id)
+                err = server_error_result(str(exc))
+                self.online.done(t.id, err.status_code, err.body)
+                continue
+            self.online_pending[t.id] = pending
+        return True
+
+    def _on_token(self, request_id: str, token_id: int) -> None:
+        row, idx = parse_choice_id(request_id)
+        if OnlineQueue.owns(row):
+            self.online.token(row, idx, token_id)
 
     # -- claiming ------------------------------------------------------------------------------
     async def _claim(self) -> bool:
@@ -126,7 +173,8 @@ class Worker:
         did = False
         for b in await self.store.active_batches():
             model = self._model_for(b.model)
-            if self.loaded is not None and model != self.loaded.name and self.pending:
+            busy = self.pending or self.online_pending
+            if self.loaded is not None and model != self.loaded.name and busy:
                 continue  # one engine holds one model; come back when this one drains
             claimed = await self.store.claim(
                 self.worker_id, room, self.clock(), self.settings.lease_s, batch_id=b.id
@@ -166,13 +214,14 @@ class Worker:
     def _ensure_model(self, name: str) -> _Loaded:
         if self.loaded is not None and self.loaded.name == name:
             return self.loaded
-        if self.pending:
+        if self.pending or self.online_pending:
             raise RuntimeError("cannot switch models while requests run")
         from batchmlx.worker.build import build_engine
 
         engine, translator = build_engine(
             name, cache_dir=self.settings.cache_dir, dtype=self.opts.dtype, **self.opts.engine
         )
+        engine.on_token = self._on_token
         self.loaded = _Loaded(name, engine, translator)
         return self.loaded
 
@@ -187,13 +236,19 @@ class Worker:
         now = int(self.clock())
         for out in loaded.engine.step():
             row, idx = parse_choice_id(out.request_id)
-            p = self.pending.get(row)
+            table = self.online_pending if OnlineQueue.owns(row) else self.pending
+            p = table.get(row)
             if p is None:
                 continue  # aborted
             p.outputs[idx] = out
-            if p.done:
-                del self.pending[row]
-                self.ready.append((row, loaded.translator.result(p, now)))
+            if not p.done:
+                continue
+            del table[row]
+            result = loaded.translator.result(p, now)
+            if table is self.online_pending:
+                self.online.done(row, result.status_code, result.body)
+            else:
+                self.ready.append((row, result))
 
     async def _flush(self, force: bool = False) -> None:
         now = self.clock()

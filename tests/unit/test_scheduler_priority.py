@@ -1,0 +1,48 @@
+"""Online requests outrank batch work inside one running batch."""
+
+from __future__ import annotations
+
+from batchmlx.core.request import GenerationRequest, SamplingParams
+from batchmlx.core.scheduler import Scheduler, SchedulerConfig
+from tests.unit.test_scheduler import alone, assert_all_free, drive, runner_for
+
+
+def req(rid: str, prompt: list[int], max_tokens: int, priority: int) -> GenerationRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return GenerationRequest(rid, prompt, params, priority=priority)
+
+
+def test_an_online_request_takes_a_full_batch_slot_at_once():
+    sched = Scheduler(SchedulerConfig(max_batch_size=2, block_size=4, num_blocks=64))
+    sched.add(req("b0", [1, 2, 3, 4, 5], 12, priority=1))
+    sched.add(req("b1", [6, 7, 8, 9], 12, priority=1))
+    runner = runner_for(sched)
+    for _ in range(3):  # both batch requests admitted and decoding
+        step = sched.schedule()
+        sched.update(step, *runner.run(step))
+    assert [s.seq_id for s in sched.running] == ["b0", "b1"]
+
+    sched.add(req("o0", [9, 9, 9], 3, priority=0))
+    step = sched.schedule()
+    # the most recently admitted batch request gave its slot; the online one runs this step
+    assert [s.seq_id for s in step.preempted] == ["b1"]
+    assert [s.seq.seq_id for s in step.seqs] == ["o0"]
+    sched.update(step, *runner.run(step))
+
+    outputs, _ = drive(sched)
+    # the preempted batch request was recomputed and produced the same tokens
+    assert outputs["b1"] == alone([6, 7, 8, 9], 12)
+    assert outputs["o0"] == alone([9, 9, 9], 3)
+    assert_all_free(sched)
+
+
+def test_waiting_online_requests_are_admitted_before_older_batch_work():
+    sched = Scheduler(SchedulerConfig(max_batch_size=1, block_size=4, num_blocks=64))
+    sched.add(req("b0", [1, 2, 3], 2, priority=1))
+    sched.add(req("b1", [4, 5, 6], 2, priority=1))
+    sched.add(req("o0", [7, 8, 9], 2, priority=0))
+    order = []
+    while (step := sched.schedule()) is not None:
+        order += [s.seq.seq_id for s in step.seqs if s.seq.seq_id not in order]
+        sched.update(step, *runner_for(sched).run(step))
+    assert order == ["o0", "b0", "b1"]

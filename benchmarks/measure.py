@@ -29,7 +29,7 @@ class RunResult:
     finish_s: list[float]  # per request: t0 to its last token
     mlx_peak_bytes: int  # mx.get_peak_memory() above the memory active before the run
     sched: dict[str, int] = field(default_factory=dict)  # ours: scheduler stats
-    engine: dict[str, int] = field(default_factory=dict)  # ours: engine stats
+    engine: dict[str, int] = field(default_factory=dict)  # ours: engine stats, storage_blocks
     cached_tokens: list[int] = field(default_factory=list)  # ours: prompt tokens reused
 
     @property
@@ -98,7 +98,7 @@ def run_ours(
         finish_s=[finish[r.request_id] for r in reqs],
         mlx_peak_bytes=peak,
         sched=_as_dict(eng.scheduler.stats),
-        engine=eng.stats.as_dict(),
+        engine={**eng.stats.as_dict(), "storage_blocks": eng.storage.capacity_blocks},
         cached_tokens=[o.cached_tokens for o in ordered],
     )
 

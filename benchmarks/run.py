@@ -311,6 +311,7 @@ def section_shared(b: Bench) -> list[str]:
                 f"{r.tok_s / peer.tok_s:.2f}x",
                 _f(r.wall_s),
                 _mib(r.engine["peak_kv_bytes"]) if r.engine else "n/a",
+                str(r.engine["storage_blocks"]) if r.engine else "n/a",
                 str(r.sched["peak_blocks_in_use"]) if r.sched else "n/a",
                 _mib(r.mlx_peak_bytes),
                 str(r.sched.get("preemptions", "n/a")) if r.sched else "n/a",
@@ -322,11 +323,19 @@ def section_shared(b: Bench) -> list[str]:
         "vs batch_generate",
         "wall s",
         "Peak KV allocated",
+        "Blocks allocated",
         "Peak blocks in use",
         "MLX peak memory above weights",
         "Preemptions",
     ]
     lines += _table(header, rows)
+    if ours.engine["storage_blocks"] > ours.sched["peak_blocks_in_use"] + s.memory_grow_blocks + 1:
+        lines += [
+            "Blocks allocated exceed the peak in use with sharing: blocks of finished requests "
+            "stay in the prefix cache (back of the free queue) and never-used blocks are handed "
+            "out before them, so the KV arrays grow rather than reuse them.",
+            "",
+        ]
     lines += [
         "Prefill work (batchmlx with block sharing):",
         "",
@@ -388,7 +397,13 @@ def section_memory(b: Bench) -> list[str]:
             "",
         ],
     ]
-    header = ["Configuration", "Peak KV allocated", "Peak blocks in use", "MLX peak", "tok/s"]
+    header = [
+        "Configuration",
+        "Peak KV allocated",
+        "Peak blocks in use",
+        "MLX peak above weights",
+        "tok/s",
+    ]
     return lines + _table(header, rows)
 
 

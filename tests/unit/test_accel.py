@@ -106,6 +106,7 @@ def recorded_exec(monkeypatch, tree) -> list[tuple[str, list[str], dict[str, str
     monkeypatch.setattr(os, "execve", lambda exe, args, env: calls.append((exe, args, env)))
     monkeypatch.setattr(accel, "_default_prefixes", lambda: [tree["prefix"]])
     monkeypatch.setattr(accel, "_default_lib_dirs", lambda: [tree["lib_dir"]])
+    monkeypatch.setattr(accel, "_site_dirs", lambda: [])  # no pip-installed OpenBLAS
     for key in ("LD_PRELOAD", accel.REEXEC_MARKER, accel.SWITCH):
         monkeypatch.delenv(key, raising=False)
     _touch(tree["mkl"])
@@ -183,3 +184,13 @@ def test_doctor_cli_prints_json() -> None:
     report = json.loads(out.stdout)
     assert set(report["active_blas"]) == {"name", "library", "env", "note"}
     assert report["matmul_gflops_1024_f32"] > 0
+
+
+@pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and os.uname().machine == "x86_64"),
+    reason="cmeel-openblas is a dependency on Linux x86_64 only",
+)
+def test_the_pip_installed_openblas_is_found_and_loads() -> None:
+    choice = accel.find_fast_blas(prefer="openblas")
+    assert choice is not None and choice.name == "openblas"
+    assert "cmeel.prefix" in choice.library

@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from batchmlx.config import Settings
-from batchmlx.core.lifecycle import BatchStatus, RequestStatus
+from batchmlx.core.lifecycle import BatchStatus, RequestStatus, is_expired
 from batchmlx.core.records import BatchRecord, FileRecord, RequestResult
+from batchmlx.faults import crash_point
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import (
     BATCH_CANCELLED_MESSAGE,
+    BATCH_EXPIRED_MESSAGE,
     IdPrefix,
     dumps_line,
     error_line,
@@ -25,6 +27,7 @@ from batchmlx.formats.openai import (
     output_line,
 )
 from batchmlx.formats.validate import validate_batch_file
+from batchmlx.ingest.layout import result_paths
 from batchmlx.store import NewRequest, Store
 
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -62,13 +65,22 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 async def store_file(
-    store: Store, settings: Settings, data: bytes, *, filename: str, purpose: str, now: float
+    store: Store,
+    settings: Settings,
+    data: bytes,
+    *,
+    filename: str,
+    purpose: str,
+    now: float,
+    file_id: str | None = None,
 ) -> FileRecord:
-    file_id = new_id(IdPrefix.FILE)
+    """Write `data` under files/ and record it; a given `file_id` replaces that file."""
+    replace = file_id is not None
+    file_id = file_id or new_id(IdPrefix.FILE)
     path = settings.files_dir / file_id
     write_atomic(path, data)
     rec = FileRecord(file_id, filename, purpose, len(data), int(now), str(path))
-    await store.add_file(rec)
+    await store.add_file(rec, replace=replace)
     return rec
 
 
@@ -148,16 +160,29 @@ async def finalize(
 ) -> BatchRecord:
     """Write the output and error files of a batch whose every request has a result.
 
-    in_progress → finalizing → completed; cancelling → cancelled (files written the same way).
-    Files are written atomically; redoing a finalize after a crash writes the same bytes.
+    in_progress → finalizing → completed; cancelling → cancelled; in_progress → expired when
+    requests carry `batch_expired` (see `expire`). Idempotent and resumable: file ids and line
+    ids are derived from the batch, files are written atomically, and the status moves last, so
+    redoing a finalize a crash interrupted writes the same bytes; a finished batch is returned.
     """
     rec = await get_batch(store, batch_id)
-    if rec.status is BatchStatus.IN_PROGRESS:
-        rec = await store.set_batch_status(batch_id, BatchStatus.FINALIZING, now)
-    end = BatchStatus.CANCELLED if rec.status is BatchStatus.CANCELLING else BatchStatus.COMPLETED
+    if rec.status.terminal:
+        return rec
+    rows = await store.iter_results(batch_id)
+    if rec.status is BatchStatus.CANCELLING:
+        end = BatchStatus.CANCELLED
+    elif rec.status is BatchStatus.IN_PROGRESS and any(
+        (r.error or {}).get("code") == ErrorCode.BATCH_EXPIRED.value for r in rows
+    ):
+        end = BatchStatus.EXPIRED
+    else:
+        end = BatchStatus.COMPLETED
+        if rec.status is BatchStatus.IN_PROGRESS:
+            rec = await store.set_batch_status(batch_id, BatchStatus.FINALIZING, now)
+    crash_point("before_finalize")
     out, err = bytearray(), bytearray()
     outcomes = {"hits": 0, "prefix_hits": 0, "misses": 0}
-    for row in await store.iter_results(batch_id):
+    for row in rows:
         if row.cache_outcome in _OUTCOME_KEYS:
             outcomes[_OUTCOME_KEYS[row.cache_outcome]] += 1
         line_id = _line_id(batch_id, row.custom_id, IdPrefix.BATCH_REQUEST)
@@ -182,10 +207,26 @@ async def finalize(
         if data:
             f = await store_file(
                 store, settings, bytes(data), filename=f"{batch_id}_{suffix}.jsonl",
-                purpose="batch_output", now=now,
+                purpose="batch_output", now=now, file_id=_line_id(batch_id, suffix, "file-"),
             )  # fmt: skip
             fields[key] = f.id
+        if suffix == "output":
+            crash_point("mid_finalize")
+    await _write_inbox_results(store, batch_id, bytes(out), bytes(err))
+    crash_point("after_finalize_files")
     return await store.set_batch_status(batch_id, end, now, **fields)
+
+
+async def _write_inbox_results(store: Store, batch_id: str, out: bytes, err: bytes) -> None:
+    """A batch from an inbox also gets DIR/results/NAME.output.jsonl (and .errors.jsonl)."""
+    paths = result_paths(await store.batch_source(batch_id))
+    if paths is None:
+        return
+    write_atomic(paths[0], out)
+    if err:
+        write_atomic(paths[1], err)
+    else:
+        paths[1].unlink(missing_ok=True)
 
 
 async def cancel(store: Store, batch_id: str, *, now: float) -> BatchRecord:
@@ -213,6 +254,28 @@ async def settle_cancelling(store: Store, settings: Settings, batch_id: str, *, 
     return await finalize(store, settings, batch_id, now=now)
 
 
+EXPIRED_RESULT = RequestResult(
+    status=RequestStatus.FAILED,
+    status_code=0,
+    body=None,
+    error={"code": ErrorCode.BATCH_EXPIRED.value, "message": BATCH_EXPIRED_MESSAGE},
+)
+
+
+async def expire(store: Store, settings: Settings, batch_id: str, *, now: float) -> BatchRecord:
+    """End a batch whose completion window has passed: finished results are kept, every
+    unfinished request gets a `batch_expired` line, and the batch ends `expired` (or
+    `completed`, if everything had finished in time). The worker aborts the batch's running
+    requests first; with no worker, `status` calls this itself. Safe to redo after a crash."""
+    rec = await get_batch(store, batch_id)
+    if rec.status is not BatchStatus.IN_PROGRESS or not is_expired(
+        rec.status, rec.expires_at, now
+    ):
+        return rec
+    await store.finish_unfinished(batch_id, EXPIRED_RESULT, now)
+    return await finalize(store, settings, batch_id, now=now)
+
+
 async def file_content(store: Store, file_id: str | None) -> bytes:
     if file_id is None:
         return b""
@@ -220,3 +283,96 @@ async def file_content(store: Store, file_id: str | None) -> bytes:
     if f is None:
         raise ServiceError(f"no file with id {file_id!r}")
     return Path(f.path).read_bytes()
+
+
+# -- the HTTP API: batches from uploaded files, validated after create (as OpenAI does) --------
+
+
+async def create_batch(
+    store: Store,
+    settings: Settings,
+    *,
+    input_file_id: str,
+    endpoint: str,
+    now: float,
+    completion_window: str = "24h",
+    metadata: dict[str, str] | None = None,
+    source: str | None = "api",
+) -> BatchRecord:
+    """Create a `validating` batch from an uploaded file; `validate_batch` runs it or fails it."""
+    from batchmlx.formats.validate import SUPPORTED_URLS
+
+    if endpoint not in SUPPORTED_URLS:
+        raise ServiceError(
+            f"unsupported endpoint {endpoint!r}; supported: {', '.join(SUPPORTED_URLS)}"
+        )
+    window_s = parse_window(completion_window)
+    f = await store.get_file(input_file_id)
+    if f is None:
+        raise ServiceError(f"no file with id {input_file_id!r}")
+    if f.purpose != "batch":
+        raise ServiceError(f"file {input_file_id} has purpose {f.purpose!r}, not 'batch'")
+    created = int(now)
+    rec = BatchRecord(
+        id=new_id(IdPrefix.BATCH), endpoint=endpoint, model=None, input_file_id=input_file_id,
+        completion_window=completion_window, status=BatchStatus.VALIDATING, created_at=created,
+        expires_at=created + window_s, metadata=metadata,
+    )  # fmt: skip
+    await store.create_batch(rec, [], source=source)
+    return await store.get_batch(rec.id)
+
+
+async def validate_batch(
+    store: Store, settings: Settings, batch_id: str, *, now: float, model: str | None = None
+) -> BatchRecord:
+    """validating → in_progress (requests enqueued) or failed (with its errors). `model` serves
+    the whole file whatever its bodies name, like `submit --model`. Safe to race: one wins."""
+    import asyncio
+
+    from batchmlx.core.lifecycle import TransitionError
+    from batchmlx.core.records import BatchErrorRecord
+
+    rec = await get_batch(store, batch_id)
+    if rec.status is not BatchStatus.VALIDATING:
+        return rec
+    f = await store.get_file(rec.input_file_id)
+    data = Path(f.path).read_bytes() if f is not None and Path(f.path).is_file() else None
+    if data is None:
+        missing = f"The input file {rec.input_file_id} no longer exists."
+        errors = (BatchErrorRecord(ErrorCode.INVALID_REQUEST.value, missing),)
+        result = None
+    else:
+        result = await asyncio.to_thread(
+            validate_batch_file, data, model_resolves=_model_resolves(settings),
+            model_override=model,
+        )  # fmt: skip
+        errors = tuple(result.errors)
+        if result.ok and result.endpoint != rec.endpoint:
+            errors = (
+                BatchErrorRecord(
+                    ErrorCode.URL_MISMATCH.value,
+                    f"The input file's requests use {result.endpoint!r}, but the batch was "
+                    f"created for {rec.endpoint!r}.",
+                    param="endpoint",
+                ),
+            )
+    if not errors and result is not None:
+        reqs = [NewRequest(line.line, line.custom_id, line.body) for line in result.lines]
+        await store.start_validated_batch(
+            batch_id, reqs, now, model=result.model, content_hash=hashlib.sha256(data).hexdigest()
+        )
+    else:
+        try:
+            await store.set_batch_status(batch_id, BatchStatus.FAILED, now, errors=errors)
+        except TransitionError:
+            pass  # another process validated it meanwhile
+    return await get_batch(store, batch_id)
+
+
+async def delete_file(store: Store, file_id: str) -> bool:
+    """Forget a file and remove its bytes; False when there is no such file."""
+    rec = await store.delete_file(file_id)
+    if rec is None:
+        return False
+    Path(rec.path).unlink(missing_ok=True)
+    return True

@@ -60,3 +60,13 @@ def check_transition(current: BatchStatus, new: BatchStatus) -> None:
 
 def can_transition(current: BatchStatus, new: BatchStatus) -> bool:
     return new in BATCH_TRANSITIONS[current]
+
+
+# Batches the completion window still applies to: once finalizing, every request has a result.
+EXPIRABLE = frozenset({BatchStatus.IN_PROGRESS})
+
+
+def is_expired(status: BatchStatus, expires_at: float | None, now: float) -> bool:
+    """A batch still running when its completion window ends (`now >= expires_at`) expires:
+    its finished results are kept and the rest get `batch_expired` lines."""
+    return status in EXPIRABLE and expires_at is not None and now >= expires_at

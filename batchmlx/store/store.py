@@ -198,10 +198,13 @@ class Store:
 
     # -- files -------------------------------------------------------------------------------
 
-    async def add_file(self, rec: FileRecord) -> None:
+    async def add_file(self, rec: FileRecord, *, replace: bool = False) -> None:
+        """Record a stored file; with `replace`, a record with the same id is overwritten
+        (finalize redone after a crash derives the same file ids)."""
+        stmt = insert(F).prefix_with("OR REPLACE") if replace else insert(F)
         async with self._engine.begin() as conn:
             await conn.execute(
-                insert(F).values(
+                stmt.values(
                     id=rec.id,
                     filename=rec.filename,
                     purpose=rec.purpose,
@@ -306,6 +309,11 @@ class Store:
             }
         return [_batch_record(r, progress.get(r["id"])) for r in rows]
 
+    async def batch_source(self, batch_id: str) -> str | None:
+        """Where the batch came from: "cli", "inbox:/dir/name.jsonl", … (None if unknown)."""
+        async with self._reader.connect() as conn:
+            return (await conn.execute(select(B.c.source).where(B.c.id == batch_id))).scalar()
+
     async def find_batch_by_hash(self, content_hash: str) -> BatchRecord | None:
         """The newest batch made from a file with this content hash."""
         async with self._reader.connect() as conn:
@@ -358,14 +366,15 @@ class Store:
     async def batches_with_status(self, *statuses: BatchStatus) -> list[BatchRef]:
         """Batches in any of `statuses`, oldest first (claim order); no request counts."""
         query = (
-            select(B.c.id, B.c.status, B.c.endpoint, B.c.model, B.c.created_at)
+            select(B.c.id, B.c.status, B.c.endpoint, B.c.model, B.c.created_at, B.c.expires_at)
             .where(B.c.status.in_([s.value for s in statuses]))
             .order_by(B.c.created_at, _B_SEQ)
         )
         async with self._reader.connect() as conn:
             rows = (await conn.execute(query)).all()
         return [
-            BatchRef(r.id, BatchStatus(r.status), r.endpoint, r.model, r.created_at) for r in rows
+            BatchRef(r.id, BatchStatus(r.status), r.endpoint, r.model, r.created_at, r.expires_at)
+            for r in rows
         ]
 
     async def active_batches(self) -> list[BatchRef]:
@@ -380,11 +389,13 @@ class Store:
         return _progress(row)[0]
 
     async def batches_to_finalize(self) -> list[str]:
-        """In-progress batches whose every request is done (succeeded or failed), oldest first."""
+        """Batches to finalize, oldest first: in-progress ones whose every request is done
+        (succeeded or failed), and finalizing ones a crash left half-finalized."""
         pending = select(R.c.id).where(R.c.batch_id == B.c.id, R.c.status.in_(_NOT_DONE))
+        ready = and_(B.c.status == BatchStatus.IN_PROGRESS.value, ~pending.exists())
         query = (
             select(B.c.id)
-            .where(B.c.status == BatchStatus.IN_PROGRESS.value, ~pending.exists())
+            .where(or_(ready, B.c.status == BatchStatus.FINALIZING.value))
             .order_by(B.c.created_at, _B_SEQ)
         )
         async with self._reader.connect() as conn:
@@ -580,6 +591,26 @@ class Store:
         async with self._reader.connect() as conn:
             return list((await conn.execute(query)).scalars())
 
+    async def workers_on_host(self, hostname: str) -> list[tuple[str, int | None]]:
+        """(worker id, pid) of every registered worker of `hostname`."""
+        query = select(W.c.id, W.c.pid).where(W.c.hostname == hostname).order_by(W.c.id)
+        async with self._reader.connect() as conn:
+            return [(r.id, r.pid) for r in await conn.execute(query)]
+
+    async def abandon_worker(self, worker_id: str) -> int:
+        """A worker known dead (its process is gone): end its leases now, so its requests are
+        claimed again at once rather than when the leases run out, and forget the worker.
+        `attempts` stays counted: the run died. Returns how many leases ended."""
+        stmt = (
+            update(R)
+            .where(R.c.worker_id == worker_id, R.c.status == _RUNNING)
+            .values(lease_expires_at=0.0)
+        )
+        async with self._engine.begin() as conn:
+            n = (await conn.execute(stmt)).rowcount
+            await conn.execute(delete(W).where(W.c.id == worker_id))
+        return n
+
     async def remove_worker(self, worker_id: str) -> None:
         async with self._engine.begin() as conn:
             await conn.execute(delete(W).where(W.c.id == worker_id))
@@ -595,3 +626,89 @@ class Store:
             await conn.execute(select(*_PROGRESS_COLUMNS).where(R.c.batch_id == batch_id))
         ).first()
         return _batch_record(row, progress)
+
+    # -- the HTTP API ------------------------------------------------------------------------
+
+    async def list_files_page(
+        self,
+        *,
+        purpose: str | None = None,
+        limit: int = 10_000,
+        order: str = "desc",
+        after: str | None = None,
+    ) -> list[FileRecord]:
+        """A page of files by creation time (`order` "asc" or "desc"); `after` is the id of the
+        last file of the previous page. An unknown `after` gives an empty page."""
+        seq = literal_column("files.rowid")
+        desc = order == "desc"
+        query = select(F).order_by(
+            *((F.c.created_at.desc(), seq.desc()) if desc else (F.c.created_at, seq))
+        )
+        if purpose is not None:
+            query = query.where(F.c.purpose == purpose)
+        async with self._reader.connect() as conn:
+            if after is not None:
+                cursor = (
+                    await conn.execute(select(F.c.created_at, seq).where(F.c.id == after))
+                ).first()
+                if cursor is None:
+                    return []
+                created, rowid = cursor
+                if desc:
+                    beyond = or_(
+                        F.c.created_at < created, and_(F.c.created_at == created, seq < rowid)
+                    )
+                else:
+                    beyond = or_(
+                        F.c.created_at > created, and_(F.c.created_at == created, seq > rowid)
+                    )
+                query = query.where(beyond)
+            rows = (await conn.execute(query.limit(limit))).mappings().all()
+        return [_file_record(r) for r in rows]
+
+    async def delete_file(self, file_id: str) -> FileRecord | None:
+        """Forget a file's record; returns it (None when unknown). The bytes are the caller's."""
+        async with self._engine.begin() as conn:
+            row = (await conn.execute(select(F).where(F.c.id == file_id))).mappings().first()
+            if row is None:
+                return None
+            await conn.execute(delete(F).where(F.c.id == file_id))
+        return _file_record(row)
+
+    async def start_validated_batch(
+        self,
+        batch_id: str,
+        requests: Sequence[NewRequest],
+        now: float,
+        *,
+        model: str | None,
+        content_hash: str | None = None,
+    ) -> bool:
+        """validating → in_progress with its requests enqueued, in one transaction. False (and
+        nothing written) when the batch is no longer validating: another process got there."""
+        rows = [
+            {
+                "batch_id": batch_id,
+                "line": r.line,
+                "custom_id": r.custom_id,
+                "body": orjson.dumps(r.body).decode(),
+                "status": _QUEUED,
+            }
+            for r in requests
+        ]
+        move = (
+            update(B)
+            .where(B.c.id == batch_id, B.c.status == BatchStatus.VALIDATING.value)
+            .values(
+                status=BatchStatus.IN_PROGRESS.value,
+                in_progress_at=int(now),
+                model=model,
+                content_hash=content_hash,
+            )
+        )
+        async with self._engine.begin() as conn:
+            if (await conn.execute(move)).rowcount != 1:
+                return False
+            if rows:
+                await conn.execute(insert(R), rows)
+        return True

@@ -45,3 +45,4 @@ class BatchRef:
     endpoint: str
     model: str | None
     created_at: int
+    expires_at: int | None = None  # end of the completion window (unix seconds)

@@ -20,8 +20,9 @@ from typing import Any
 
 from batchmlx import service
 from batchmlx.config import Settings
-from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.lifecycle import BatchStatus, is_expired
 from batchmlx.core.records import ClaimedRequest, RequestResult
+from batchmlx.faults import crash_point
 from batchmlx.store import Store
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
 from batchmlx.worker.translate import (
@@ -42,7 +43,7 @@ class WorkerOptions:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     claim_factor: int = 4  # hold up to this many times max_batch_size requests
     flush_s: float = 0.5  # results wait at most this long before their transaction
-    max_attempts: int = 3
+    max_attempts: int = 3  # claims of one request before it is given up (error file)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class Worker:
         """One round: returns False when there was nothing to do."""
         await self._heartbeat()
         did = await self._settle_batches()
+        did |= await self._expire_batches()
         did |= self._admit_online()
         did |= await self._claim()
         running = self.loaded is not None and self.loaded.engine.has_unfinished()
@@ -137,6 +139,7 @@ class Worker:
         loaded = self.loaded
         for t in tickets:
             t.decode = loaded.translator.tok.decode
+            t.model = loaded.translator.model_name
             claimed = ClaimedRequest(
                 id=t.id, batch_id="", custom_id="", line=0, endpoint=t.endpoint,
                 model=loaded.name, body=t.body, attempts=1,
@@ -179,6 +182,8 @@ class Worker:
             claimed = await self.store.claim(
                 self.worker_id, room, self.clock(), self.settings.lease_s, batch_id=b.id
             )
+            if claimed:
+                crash_point("after_claim")
             for c in claimed:
                 self._admit(c)
             room -= len(claimed)
@@ -192,9 +197,12 @@ class Worker:
 
     def _admit(self, c: ClaimedRequest) -> None:
         if c.attempts > self.opts.max_attempts:
-            self.ready.append(
-                (c.id, server_error_result(f"gave up after {c.attempts - 1} attempts"))
+            # every earlier run of it ended with its worker gone (killed, crashed): stop trying
+            message = (
+                f"gave up after {c.attempts - 1} attempts: the worker stopped while running "
+                "this request each time"
             )
+            self.ready.append((c.id, server_error_result(message)))
             return
         loaded = self._ensure_model(self._model_for(c.model))
         pending, gens, error = loaded.translator.prepare(c)
@@ -210,6 +218,11 @@ class Worker:
             self.ready.append((c.id, server_error_result(str(exc))))
             return
         self.pending[c.id] = pending
+
+    def load(self, model: str | None = None) -> str:
+        """Load the serving model now (the server does, before it listens); returns the name
+        response bodies give it."""
+        return self._ensure_model(self._model_for(model)).translator.model_name
 
     def _ensure_model(self, name: str) -> _Loaded:
         if self.loaded is not None and self.loaded.name == name:
@@ -249,6 +262,7 @@ class Worker:
                 self.online.done(row, result.status_code, result.body)
             else:
                 self.ready.append((row, result))
+        crash_point("mid_generation")
 
     async def _flush(self, force: bool = False) -> None:
         now = self.clock()
@@ -257,6 +271,7 @@ class Worker:
             return
         batch, self.ready = self.ready, []
         await self.store.complete(self.worker_id, batch, now)
+        crash_point("after_result_write")
         self._last_flush = now
         if self.on_progress:
             self.on_progress()
@@ -266,27 +281,62 @@ class Worker:
         if force or now - self._last_beat >= self.settings.lease_s / 3:
             await self.store.heartbeat(self.worker_id, now, self.settings.lease_s, pid=os.getpid())
             self._last_beat = now
+            await self._recover_dead_workers()
+
+    async def _recover_dead_workers(self) -> None:
+        """Workers of this host whose process is gone (SIGKILL, crash, power loss) hold leases
+        nobody renews: end them now instead of waiting `lease_s`."""
+        for wid, pid in await self.store.workers_on_host(socket.gethostname()):
+            if wid != self.worker_id and pid is not None and not _pid_alive(pid):
+                n = await self.store.abandon_worker(wid)
+                log.info("worker %s (pid %s) is gone; %d requests claimable again", wid, pid, n)
 
     # -- batches -------------------------------------------------------------------------------
     async def _settle_batches(self) -> bool:
         """Cancelled batches: abort their running requests, write their files."""
         did = False
         for b in await self.store.batches_with_status(BatchStatus.CANCELLING):
-            for row, p in list(self.pending.items()):
-                if p.claimed.batch_id == b.id:
-                    for i in range(p.parsed.n):
-                        self.loaded.engine.abort(f"{row}:{i}")
-                    del self.pending[row]
+            self._abort_batch(b.id)
             await self._flush(force=True)
             await service.settle_cancelling(self.store, self.settings, b.id, now=self.clock())
             did = True
         return did
+
+    async def _expire_batches(self) -> bool:
+        """Batches past their completion window: stop their requests, keep what finished."""
+        now = self.clock()
+        active = await self.store.active_batches()
+        due = [b for b in active if is_expired(b.status, b.expires_at, now)]
+        for b in due:
+            self._abort_batch(b.id)
+            await self._flush(force=True)
+            rec = await service.expire(self.store, self.settings, b.id, now=now)
+            log.info("batch %s: completion window ended; %s", b.id, rec.status.value)
+        return bool(due)
+
+    def _abort_batch(self, batch_id: str) -> None:
+        """Drop the batch's requests from the engine; their leases go with the batch's end."""
+        for row, p in list(self.pending.items()):
+            if p.claimed.batch_id == batch_id:
+                for i in range(p.parsed.n):
+                    self.loaded.engine.abort(f"{row}:{i}")
+                del self.pending[row]
 
     async def _finalize_ready(self) -> bool:
         ids = await self.store.batches_to_finalize()
         for batch_id in ids:
             await service.finalize(self.store, self.settings, batch_id, now=self.clock())
         return bool(ids)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 async def run_worker(
@@ -296,14 +346,26 @@ async def run_worker(
     store: Store | None = None,
     on_progress: Callable[[], None] | None = None,
     signals: bool = True,
+    inbox: Any = None,
 ) -> None:
+    """Run a worker until it stops; with `inbox` (an ingest.inbox.Inbox), watch its folder in
+    the same event loop and stop watching when the worker stops."""
     own = store is None
     store = store or await Store.open(settings.db_path)
     try:
         worker = Worker(store, settings, options, on_progress=on_progress)
         if signals:
             worker.install_signal_handlers()
-        await worker.run()
+        if inbox is None:
+            await worker.run()
+            return
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(inbox.run(store, stop))
+        try:
+            await worker.run()
+        finally:
+            stop.set()
+            await watcher
     finally:
         if own:
             await store.close()

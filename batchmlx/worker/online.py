@@ -39,6 +39,7 @@ class OnlineTicket:
     body: dict[str, Any]
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     decode: Any = None  # set by the worker: token ids -> text, with the serving tokenizer
+    model: str = ""  # set by the worker: the model name response bodies give
     submitted_at: float = 0.0
 
 

@@ -175,6 +175,9 @@ def test_batches_to_finalize_and_iter_results(with_store):
         )
         assert await store.batches_to_finalize() == ["batch_a", "batch_b"]
         await store.set_batch_status("batch_b", BatchStatus.FINALIZING, now=3.0)
+        # still listed: a finalize a crash interrupted is redone
+        assert await store.batches_to_finalize() == ["batch_a", "batch_b"]
+        await store.set_batch_status("batch_b", BatchStatus.COMPLETED, now=4.0)
         assert await store.batches_to_finalize() == ["batch_a"]
 
         results = await store.iter_results("batch_a")

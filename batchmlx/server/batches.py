@@ -1,0 +1,133 @@
+"""/v1/batches: create (answered `validating`, validated afterwards), retrieve, cancel, list."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from batchmlx import service
+from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.records import BatchRecord
+from batchmlx.formats.openai import batch_object
+from batchmlx.server.context import ServerContext
+from batchmlx.server.errors import ApiError, not_found
+from batchmlx.server.pages import page_params, page_response
+
+MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The body must be a JSON object.", code="invalid_type")
+    return body
+
+
+def _required_str(body: dict[str, Any], key: str) -> str:
+    value = body.get(key)
+    if value is None:
+        raise ApiError(400, f"Missing required parameter: '{key}'.",
+                       code="missing_required_parameter", param=key)  # fmt: skip
+    if not isinstance(value, str):
+        raise ApiError(400, f"Invalid type for '{key}': expected a string.",
+                       code="invalid_type", param=key)  # fmt: skip
+    return value
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    ok = (
+        isinstance(value, dict)
+        and len(value) <= MAX_METADATA_KEYS
+        and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY for k in value)
+        and all(isinstance(v, str) and len(v) <= MAX_METADATA_VALUE for v in value.values())
+    )
+    if not ok:
+        raise ApiError(400, f"Invalid 'metadata': up to {MAX_METADATA_KEYS} string keys "
+                       f"(≤{MAX_METADATA_KEY} chars) with string values "
+                       f"(≤{MAX_METADATA_VALUE} chars).", code="invalid_value",
+                       param="metadata")  # fmt: skip
+    return value or None
+
+
+def _respond(rec: BatchRecord) -> JSONResponse:
+    return JSONResponse(batch_object(rec))
+
+
+async def create(request: Request) -> JSONResponse:
+    ctx: ServerContext = request.app.state.ctx
+    body = await json_body(request)
+    input_file_id = _required_str(body, "input_file_id")
+    endpoint = _required_str(body, "endpoint")
+    window = _required_str(body, "completion_window")
+    metadata = _metadata(body.get("metadata"))
+    if await ctx.store.get_file(input_file_id) is None:
+        raise ApiError(400, f"No file found with id '{input_file_id}'.",
+                       code="invalid_value", param="input_file_id")  # fmt: skip
+    try:
+        rec = await service.create_batch(
+            ctx.store, ctx.settings, input_file_id=input_file_id, endpoint=endpoint,
+            now=time.time(), completion_window=window, metadata=metadata,
+        )  # fmt: skip
+    except service.ServiceError as exc:
+        param = "endpoint" if "endpoint" in str(exc) else (
+            "completion_window" if "window" in str(exc) else "input_file_id")  # fmt: skip
+        raise ApiError(400, str(exc), code="invalid_value", param=param) from None
+    ctx.validator.wake.set()
+    return _respond(rec)
+
+
+async def _batch(ctx: ServerContext, batch_id: str) -> BatchRecord:
+    rec = await ctx.store.get_batch(batch_id)
+    if rec is None:
+        raise not_found("batch", batch_id)
+    return rec
+
+
+async def retrieve(request: Request) -> JSONResponse:
+    ctx: ServerContext = request.app.state.ctx
+    return _respond(await _batch(ctx, request.path_params["batch_id"]))
+
+
+async def cancel(request: Request) -> JSONResponse:
+    ctx: ServerContext = request.app.state.ctx
+    batch_id = request.path_params["batch_id"]
+    rec = await _batch(ctx, batch_id)
+    if rec.status is BatchStatus.VALIDATING:
+        # the lifecycle has no validating → cancelling move: finish validating it first
+        await ctx.validator.validate(batch_id)
+    now = time.time()
+    try:
+        rec = await service.cancel(ctx.store, batch_id, now=now)
+    except service.ServiceError as exc:
+        raise ApiError(400, str(exc), code="invalid_state") from None
+    if rec.status is BatchStatus.CANCELLING and not ctx.worker_alive:
+        if not await ctx.store.live_workers(now, ctx.settings.lease_s):
+            rec = await service.settle_cancelling(ctx.store, ctx.settings, batch_id, now=now)
+    return _respond(rec)
+
+
+async def list_batches(request: Request) -> JSONResponse:
+    ctx: ServerContext = request.app.state.ctx
+    limit, after, _ = page_params(request, default_limit=20, max_limit=100)
+    recs = await ctx.store.list_batches(limit=limit + 1, after=after)
+    return page_response([batch_object(r) for r in recs], limit)
+
+
+ROUTES = [
+    Route("/v1/batches", create, methods=["POST"]),
+    Route("/v1/batches", list_batches, methods=["GET"]),
+    Route("/v1/batches/{batch_id}", retrieve, methods=["GET"]),
+    Route("/v1/batches/{batch_id}/cancel", cancel, methods=["POST"]),
+]

@@ -1,0 +1,156 @@
+"""/v1/files: upload (multipart, bounded), list with cursor pagination, retrieve, content, delete.
+
+Output and error files of batches are files too, with purpose `batch_output`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Message, Receive
+
+from batchmlx import service
+from batchmlx.core.records import FileRecord
+from batchmlx.server.context import ServerContext
+from batchmlx.server.errors import ApiError, not_found
+from batchmlx.server.pages import page_params, page_response
+
+UPLOAD_PURPOSES = ("batch",)
+LIST_LIMIT_MAX = 10_000
+
+
+def file_object(f: FileRecord) -> dict[str, Any]:
+    """openai.types.FileObject."""
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": f.bytes,
+        "created_at": f.created_at,
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": None,
+    }
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"The upload is larger than the server's limit of {limit} bytes "
+        f"({limit // (1024 * 1024)} MB).",
+        code="file_too_large",
+        param="file",
+    )
+
+
+def _bounded(receive: Receive, limit: int) -> Receive:
+    """Count body bytes as they arrive (covers uploads without a Content-Length)."""
+    seen = 0
+
+    async def wrapped() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _TooLarge
+        return message
+
+    return wrapped
+
+
+async def upload(request: Request) -> JSONResponse:
+    ctx: ServerContext = request.app.state.ctx
+    limit = ctx.options.max_upload_bytes
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit + 64 * 1024:
+        raise _too_large(limit)  # room for the multipart framing around the file
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise ApiError(400, "Expected a multipart/form-data body with 'file' and 'purpose'.",
+                       code="invalid_request")  # fmt: skip
+    bounded = Request(request.scope, _bounded(request.receive, limit + 64 * 1024))
+    try:
+        async with bounded.form(max_files=1, max_fields=8) as form:
+            purpose = form.get("purpose")
+            upload = form.get("file")
+            if not isinstance(purpose, str) or not purpose:
+                raise ApiError(400, "Missing required parameter: 'purpose'.",
+                               code="missing_required_parameter", param="purpose")  # fmt: skip
+            if purpose not in UPLOAD_PURPOSES:
+                raise ApiError(400, f"Invalid value for 'purpose': {purpose!r}. batchmlx stores "
+                               "files for the Batch API: use 'batch'.", code="invalid_value",
+                               param="purpose")  # fmt: skip
+            if upload is None or isinstance(upload, str):
+                raise ApiError(400, "Missing required parameter: 'file' (a file part).",
+                               code="missing_required_parameter", param="file")  # fmt: skip
+            data = await upload.read()
+            filename = upload.filename or "upload.jsonl"
+    except _TooLarge:
+        raise _too_large(limit) from None
+    except (HTTPException, MultiPartException) as exc:  # starlette's word for a malformed body
+        detail = getattr(exc, "detail", None) or getattr(exc, "message", str(exc))
+        raise ApiError(400, f"Malformed multipart body: {detail}", code="invalid_request") from None
+    if len(data) > limit:
+        raise _too_large(limit)
+    rec = await service.store_file(
+        ctx.store, ctx.settings, data, filename=filename, purpose=purpose, now=time.time()
+    )
+    return JSONResponse(file_object(rec))
+
+
+async def list_files(request: Request) -> JSONResponse:
+    ctx: ServerContext = request.app.state.ctx
+    limit, after, order = page_params(request, default_limit=LIST_LIMIT_MAX,
+                                      max_limit=LIST_LIMIT_MAX, orders=True)  # fmt: skip
+    purpose = request.query_params.get("purpose") or None
+    recs = await ctx.store.list_files_page(
+        purpose=purpose, limit=limit + 1, order=order, after=after
+    )
+    return page_response([file_object(r) for r in recs], limit)
+
+
+async def _file(request: Request) -> FileRecord:
+    ctx: ServerContext = request.app.state.ctx
+    file_id = request.path_params["file_id"]
+    rec = await ctx.store.get_file(file_id)
+    if rec is None:
+        raise not_found("file", file_id)
+    return rec
+
+
+async def retrieve(request: Request) -> JSONResponse:
+    return JSONResponse(file_object(await _file(request)))
+
+
+async def content(request: Request) -> Response:
+    rec = await _file(request)
+    data = await service.file_content(request.app.state.ctx.store, rec.id)
+    return Response(data, media_type="application/octet-stream")
+
+
+async def delete(request: Request) -> JSONResponse:
+    ctx: ServerContext = request.app.state.ctx
+    file_id = request.path_params["file_id"]
+    if not await service.delete_file(ctx.store, file_id):
+        raise not_found("file", file_id)
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
+ROUTES = [
+    Route("/v1/files", upload, methods=["POST"]),
+    Route("/v1/files", list_files, methods=["GET"]),
+    Route("/v1/files/{file_id}", retrieve, methods=["GET"]),
+    Route("/v1/files/{file_id}", delete, methods=["DELETE"]),
+    Route("/v1/files/{file_id}/content", content, methods=["GET"]),
+]

@@ -13,7 +13,7 @@ import typer
 
 from batchmlx import service
 from batchmlx.config import Settings, load_settings
-from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.lifecycle import BatchStatus, is_expired
 from batchmlx.core.records import BatchRecord
 from batchmlx.formats.openai import batch_object
 
@@ -222,7 +222,18 @@ def status(
     if batch_id is None:
         list_(as_json=as_json, limit=limit)
         return
-    rec = _run(lambda store, settings: service.get_batch(store, batch_id))
+
+    async def current(store, settings) -> BatchRecord:
+        # with no worker running, nobody else applies the completion window
+        now = time.time()
+        rec = await service.get_batch(store, batch_id)
+        if is_expired(rec.status, rec.expires_at, now) and not await store.live_workers(
+            now, settings.lease_s
+        ):
+            rec = await service.expire(store, settings, batch_id, now=now)
+        return rec
+
+    rec = _run(current)
     if as_json:
         _print_json(batch_object(rec))
     else:
@@ -315,6 +326,15 @@ def worker(
         int, typer.Option(help="Block bound without memory awareness")
     ] = 4096,
     dtype: Annotated[str, typer.Option(help="auto, float32, float16, bfloat16")] = "auto",
+    max_attempts: Annotated[
+        int, typer.Option(help="Runs of one request (each ended by a crash) before giving up")
+    ] = 3,
+    inbox: Annotated[
+        Path | None, typer.Option(help="Also watch this folder: each *.jsonl becomes a batch")
+    ] = None,
+    inbox_settle: Annotated[
+        float, typer.Option(help="Seconds an inbox file must stay unchanged to be complete")
+    ] = 1.0,
 ) -> None:
     """Run a long-lived worker that processes queued batches."""
     import logging
@@ -332,8 +352,52 @@ def worker(
         memory_aware=memory_aware_cache,
         cache_max_blocks=cache_max_blocks,
     )
-    opts = WorkerOptions(until_idle=until_idle, model=model, dtype=dtype, engine=engine)
-    asyncio.run(run_worker(load_settings(), opts))
+    opts = WorkerOptions(
+        until_idle=until_idle, model=model, dtype=dtype, engine=engine, max_attempts=max_attempts
+    )
+    settings = load_settings()
+    box = None
+    if inbox is not None:
+        from batchmlx.ingest.inbox import Inbox
+
+        box = Inbox(settings, inbox, settle_s=inbox_settle)
+    asyncio.run(run_worker(settings, opts, inbox=box))
+
+
+@app.command()
+def watch(
+    folder: Annotated[Path, typer.Argument(help="The inbox folder (created if missing)")],
+    settle: Annotated[
+        float, typer.Option(help="Seconds a file must stay unchanged to be complete")
+    ] = 1.0,
+    force: Annotated[bool, typer.Option(help="Submit files whose content was seen before")] = False,
+    model: Annotated[str | None, typer.Option(help="Submit every file with this model")] = None,
+    completion_window: Annotated[str, typer.Option(help="e.g. 24h, 90m, 2d")] = "24h",
+) -> None:
+    """Watch a folder and turn each *.jsonl dropped there into a batch (no worker)."""
+    import logging
+    import signal
+
+    from batchmlx.ingest.inbox import Inbox
+    from batchmlx.store import Store
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = load_settings()
+    box = Inbox(settings, folder, settle_s=settle, force=force, model=model,
+                completion_window=completion_window)  # fmt: skip
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        store = await Store.open(settings.db_path)
+        try:
+            await box.run(store, stop)
+        finally:
+            await store.close()
+
+    asyncio.run(main())
 
 
 @app.command()
@@ -344,6 +408,67 @@ def doctor(
     from batchmlx.accel import doctor_report
 
     _print_json(doctor_report(measure=measure))
+
+
+# -- serve -----------------------------------------------------------------------------------
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="BATCHMLX_API_KEY", help="Require 'Authorization: Bearer KEY'"),
+    ] = None,
+    allow_remote: Annotated[
+        bool, typer.Option(help="Bind a non-loopback address without an API key")
+    ] = False,
+    worker: Annotated[
+        bool, typer.Option(help="Run the worker in this process (--no-worker: API only)")
+    ] = True,
+    model: Annotated[
+        str, typer.Option(help="Serve every batch and online request with this model")
+    ] = "default",
+    stream_interval: Annotated[
+        int, typer.Option(min=1, help="Streamed tokens per chunk (1: every token)")
+    ] = 1,
+    max_upload_mb: Annotated[int, typer.Option(min=1, help="Largest file upload")] = 200,
+    simple: Annotated[bool, typer.Option(help="Simple mode: one request at a time")] = False,
+    max_batch_size: Annotated[int, typer.Option(help="Bound on the running batch")] = 32,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block")] = 16,
+    use_paged_cache: Annotated[
+        bool, typer.Option(help="Share prefix blocks between requests (on by default)")
+    ] = True,
+    cache_memory_mb: Annotated[int | None, typer.Option(help="Explicit KV memory bound")] = None,
+    dtype: Annotated[str, typer.Option(help="auto, float32, float16, bfloat16")] = "auto",
+) -> None:
+    """Serve the OpenAI-compatible HTTP API (Files, Batches, chat/completions, models)."""
+    from batchmlx.server.auth import RemoteBindError, check_bind
+
+    try:
+        check_bind(host, api_key, allow_remote)
+    except RemoteBindError as exc:
+        raise _fail(str(exc)) from None
+    from batchmlx.server.app import serve as run_server
+    from batchmlx.server.context import ServerOptions
+    from batchmlx.worker import WorkerOptions
+
+    engine = dict(
+        simple=simple, max_batch_size=max_batch_size, block_size=block_size,
+        use_paged_cache=use_paged_cache, cache_memory_mb=cache_memory_mb,
+    )  # fmt: skip
+    options = ServerOptions(
+        model=model,
+        api_key=api_key,
+        max_upload_bytes=max_upload_mb * 1024 * 1024,
+        stream_interval=stream_interval,
+        worker=WorkerOptions(model=model, dtype=dtype, engine=engine) if worker else None,
+    )
+    try:
+        run_server(load_settings(), options, host=host, port=port)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
 
 
 def main() -> None:  # pragma: no cover - the console script

@@ -1,12 +1,16 @@
-"""Suite-wide set-up: run the tests on the fast BLAS, as the `batchmlx` command does."""
+"""Fixtures shared by the test layers."""
 
 from __future__ import annotations
 
+from pathlib import Path
 
-def pytest_configure(config) -> None:
-    # MLX's Linux CPU wheel links a reference BLAS; batchmlx preloads an optimized one by
-    # re-executing the process once (batchmlx.accel). Do the same for pytest, before any test
-    # imports MLX, so the engine tests run at the speed users get. No-op where none is found.
-    from batchmlx.accel import ensure_fast_blas
+import pytest
 
-    ensure_fast_blas()
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight 2-layer llama MLX folder with the real tokenizer (see tests/tiny_model)."""
+    from tests.e2e.helpers import model_cache_dir
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", model_cache_dir())

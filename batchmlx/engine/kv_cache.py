@@ -93,7 +93,7 @@ class BatchLayout:
     tokens: mx.array  # [B, Q] int32
     offsets: mx.array  # [B] position of each sequence's first new token
     write_slots: mx.array  # [B*Q] slot of each new token's KV (padding -> scratch)
-    gather_slots: mx.array  # [B, K] slots of the keys each sequence attends to
+    gather_blocks: mx.array  # [B, K / block_size] blocks of the keys each sequence attends to
     mask: mx.array  # [B, 1, Q, K] bool, True = attend
     last_index: mx.array  # [B] index in Q of each sequence's last real token
 
@@ -133,9 +133,15 @@ class BatchLayout:
         qvalid = np.arange(q)[None, :] < lens[:, None]
         write = slots_for(qpos, qvalid)
 
+        # keys are gathered whole blocks at a time (16x fewer indices than per token); the
+        # tail of the last block is masked out
+        nkb = -(-k // block_size)
+        k = nkb * block_size
+        gather = table[:, :nkb]  # entries past a sequence's own blocks are 0: scratch, masked
+        if gather.shape[1] < nkb:
+            gather = np.pad(gather, ((0, 0), (0, nkb - gather.shape[1])))
         kpos = np.broadcast_to(np.arange(k)[None, :], (b, k))
         kvalid = kpos < ends[:, None]
-        gather = slots_for(kpos, kvalid)
 
         # causal over absolute positions; padded query rows see key 0 so softmax stays finite
         mask = (kpos[:, None, :] <= qpos[:, :, None]) & kvalid[:, None, :]
@@ -144,7 +150,7 @@ class BatchLayout:
             tokens=mx.array(tokens),
             offsets=mx.array(st.astype(np.int32)),
             write_slots=mx.array(write.reshape(-1).astype(np.int32)),
-            gather_slots=mx.array(gather.astype(np.int32)),
+            gather_blocks=mx.array(gather.astype(np.int32)),
             mask=mx.array(mask[:, None, :, :]),
             last_index=mx.array((lens - 1).astype(np.int32)),
         )
@@ -170,8 +176,11 @@ class PagedLayerCache:
         vpool[lay.write_slots] = flat_v
         s.keys[self.layer] = kpool
         s.values[self.layer] = vpool
-        gk = kpool[lay.gather_slots].transpose(0, 2, 1, 3)  # [B, H, K, D]
-        gv = vpool[lay.gather_slots].transpose(0, 2, 1, 3)
+        bs = s.block_size
+        nb = kpool.shape[0] // bs
+        shape = (b, -1, h, d)
+        gk = kpool.reshape(nb, bs, h, d)[lay.gather_blocks].reshape(shape).transpose(0, 2, 1, 3)
+        gv = vpool.reshape(nb, bs, h, d)[lay.gather_blocks].reshape(shape).transpose(0, 2, 1, 3)
         return gk.astype(keys.dtype), gv.astype(values.dtype)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):

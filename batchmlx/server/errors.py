@@ -35,7 +35,8 @@ class ApiError(Exception):
         self.message = message
         self.code = code
         self.param = param
-        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        fallback = "server_error" if status >= 500 else "invalid_request_error"
+        self.type = type or _TYPES.get(status, fallback)
 
 
 def envelope(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:

@@ -1,0 +1,174 @@
+"""Online /v1/chat/completions and /v1/completions on the worker's engine, ahead of batch work,
+and `stream: true` as server-sent events in OpenAI's chunk format."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from batchmlx.formats.openai import IdPrefix, new_id
+from batchmlx.formats.params import Endpoint, ParsedRequest, RequestError, parse_request
+from batchmlx.server.batches import json_body
+from batchmlx.server.context import ServerContext
+from batchmlx.server.errors import ApiError
+from batchmlx.server.streaming import ChoiceStream
+
+# Streaming is the server's business; the engine sees a plain request.
+_STREAM_KEYS = ("stream", "stream_options")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class _Chunks:
+    """Builds the chunk objects of one streamed response."""
+
+    def __init__(self, endpoint: Endpoint, model: str) -> None:
+        self.chat = endpoint is Endpoint.CHAT
+        self.id = new_id(IdPrefix.CHAT_COMPLETION if self.chat else IdPrefix.COMPLETION)
+        self.created = int(time.time())
+        self.model = model
+
+    def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            **extra,
+        }
+
+    def text(self, index: int, text: str, finish: str | None = None, role: bool = False):
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else (
+                {"content": text} if text or finish is None else {})  # fmt: skip
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        return self._wrap([choice])
+
+    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return self._wrap([], usage=usage)
+
+
+def _final_text(body: dict[str, Any], index: int, chat: bool) -> tuple[str, str]:
+    c = body["choices"][index]
+    return (c["message"]["content"] if chat else c["text"]), c["finish_reason"]
+
+
+def _echo_prefix(parsed: ParsedRequest, decode) -> str:
+    if not parsed.echo:
+        return ""
+    if parsed.prompt is not None:
+        return parsed.prompt
+    return decode(list(parsed.prompt_token_ids or ()))
+
+
+async def _stream(
+    ctx: ServerContext, ticket, parsed: ParsedRequest, first, include_usage: bool
+) -> AsyncIterator[bytes]:
+    from batchmlx.worker.online import DoneEvent
+
+    chunks = _Chunks(parsed.endpoint, ticket.model or ctx.model_name)
+    interval = ctx.options.stream_interval
+    prefix = _echo_prefix(parsed, ticket.decode)
+    streams = [
+        ChoiceStream(ticket.decode, parsed.sampling.stop, prefix) for _ in range(parsed.n)
+    ]
+    done = False
+    try:
+        if chunks.chat:
+            for i in range(parsed.n):
+                yield _sse(chunks.text(i, "", role=True))
+        event = first
+        while True:
+            if isinstance(event, DoneEvent):
+                done = True
+                break
+            s = streams[event.choice]
+            s.add(event.token_id)
+            if s.unsent >= interval:
+                delta = s.flush()
+                if delta:
+                    yield _sse(chunks.text(event.choice, delta))
+            event = await ticket.events.get()
+        if event.status_code != 200:
+            yield _sse(event.body)  # an engine error after the stream began
+        else:
+            for i, s in enumerate(streams):
+                text, finish = _final_text(event.body, i, chunks.chat)
+                delta = s.finish(text)
+                if delta:
+                    yield _sse(chunks.text(i, delta))
+                yield _sse(chunks.text(i, "", finish=finish))
+            if include_usage:
+                yield _sse(chunks.usage(event.body["usage"]))
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not done:
+            ctx.worker.online.cancel(ticket)  # the client went away
+
+
+async def _complete(request: Request, endpoint: Endpoint) -> Response:
+    ctx: ServerContext = request.app.state.ctx
+    body = await json_body(request)
+    stream = body.get("stream") is True
+    opts = body.get("stream_options")
+    include_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True
+    engine_body = {k: v for k, v in body.items() if k not in _STREAM_KEYS}
+    if body.get("stream") not in (None, True, False):
+        raise ApiError(400, "Invalid type for 'stream': expected a boolean.",
+                       code="invalid_type", param="stream")  # fmt: skip
+    parsed = parse_request(endpoint.value, engine_body)
+    if isinstance(parsed, RequestError):
+        return JSONResponse(parsed.body(), parsed.status_code)
+    if not ctx.worker_alive:
+        raise ApiError(503, "This server runs no worker (--no-worker): online requests need "
+                       "one.", code="no_worker")  # fmt: skip
+    ticket = ctx.worker.online.submit(endpoint.value, engine_body, time.time())
+    try:
+        first = await ticket.events.get()
+    except asyncio.CancelledError:
+        ctx.worker.online.cancel(ticket)
+        raise
+    from batchmlx.worker.online import DoneEvent
+
+    if isinstance(first, DoneEvent) and (first.status_code != 200 or not stream):
+        return JSONResponse(first.body, first.status_code)
+    if not stream:
+        try:
+            while not isinstance(event := await ticket.events.get(), DoneEvent):
+                pass
+        except asyncio.CancelledError:
+            ctx.worker.online.cancel(ticket)
+            raise
+        return JSONResponse(event.body, event.status_code)
+    return StreamingResponse(
+        _stream(ctx, ticket, parsed, first, include_usage),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, Endpoint.CHAT)
+
+
+async def completions(request: Request) -> Response:
+    return await _complete(request, Endpoint.COMPLETIONS)
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+]

@@ -77,6 +77,8 @@ class Worker:
         self.stop_requested = False
         self._last_flush = 0.0
         self._last_beat = 0.0
+        self._next_housekeeping = 0.0  # monotonic time of the next look for other work
+        self._queue_dry = False  # the last claim found nothing: wait for housekeeping
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -107,18 +109,31 @@ class Worker:
             loop.add_signal_handler(sig, handler)
 
     async def tick(self) -> bool:
-        """One round: returns False when there was nothing to do."""
+        """One round: returns False when there was nothing to do.
+
+        While the engine runs, the queries that look for other work (cancelled or expired
+        batches, finished batches, new requests) run at most every poll_s, not every step:
+        they are SQL round trips on the engine's hot path, and claims take the write lock."""
         await self._heartbeat()
-        did = await self._settle_batches()
-        did |= await self._expire_batches()
+        running = self.loaded is not None and self.loaded.engine.has_unfinished()
+        now = time.monotonic()
+        housekeeping = not running or now >= self._next_housekeeping
+        did = False
+        if housekeeping:
+            self._next_housekeeping = now + self.settings.poll_s
+            did |= await self._settle_batches()
+            did |= await self._expire_batches()
         did |= self._admit_online()
-        did |= await self._claim()
+        if housekeeping or (len(self.pending) < self._max_batch() and not self._queue_dry):
+            claimed = await self._claim()
+            self._queue_dry = not claimed
+            did |= claimed
         running = self.loaded is not None and self.loaded.engine.has_unfinished()
         if running:
             self._step()
         # nothing left to step: write what is ready now rather than wait for the timer
         await self._flush(force=not running)
-        if not self.pending:
+        if housekeeping or not running:
             did |= await self._finalize_ready()
         return did or running
 

@@ -23,7 +23,7 @@ app = typer.Typer(
     help="Local, OpenAI-Batch-compatible job processor for LLM requests on MLX.",
 )
 
-ENGINE_HELP = "Engine"
+DTYPE_HELP = "Weights: auto (float32 on the CPU, as stored on Metal/CUDA), stored, float32, …"
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
@@ -82,6 +82,14 @@ def _stats_lines(rec: BatchRecord) -> list[str]:
     return lines
 
 
+def _show(rec: BatchRecord, as_json: bool) -> None:
+    """The OpenAI Batch object for scripts, or a description for people."""
+    if as_json:
+        _print_json(batch_object(rec))
+    else:
+        _describe(rec, load_settings())
+
+
 def _describe(rec: BatchRecord, settings: Settings) -> None:
     typer.echo(_summary(rec))
     for line in _stats_lines(rec):
@@ -131,17 +139,11 @@ def submit(
         )
     )  # fmt: skip
     if rec.status is BatchStatus.FAILED:
-        if as_json:
-            _print_json(batch_object(rec))
-        else:
-            _describe(rec, load_settings())
+        _show(rec, as_json)
         raise typer.Exit(1)
     if wait:
         rec = _wait(rec.id, WorkerFlags(simple=simple, max_batch_size=max_batch_size), as_json)
-    if as_json:
-        _print_json(batch_object(rec))
-    else:
-        _describe(rec, load_settings())
+    _show(rec, as_json)
     if wait and rec.status is not BatchStatus.COMPLETED:
         raise typer.Exit(1)
 
@@ -234,10 +236,7 @@ def status(
         return rec
 
     rec = _run(current)
-    if as_json:
-        _print_json(batch_object(rec))
-    else:
-        _describe(rec, load_settings())
+    _show(rec, as_json)
 
 
 @app.command("list")
@@ -296,10 +295,7 @@ def cancel(batch_id: str, as_json: Annotated[bool, typer.Option("--json")] = Fal
         return rec
 
     rec = _run(do)
-    if as_json:
-        _print_json(batch_object(rec))
-    else:
-        _describe(rec, load_settings())
+    _show(rec, as_json)
 
 
 # -- worker ----------------------------------------------------------------------------------
@@ -325,7 +321,7 @@ def worker(
     cache_max_blocks: Annotated[
         int, typer.Option(help="Block bound without memory awareness")
     ] = 4096,
-    dtype: Annotated[str, typer.Option(help="auto, float32, float16, bfloat16")] = "auto",
+    dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
     max_attempts: Annotated[
         int, typer.Option(help="Runs of one request (each ended by a crash) before giving up")
     ] = 3,
@@ -342,6 +338,9 @@ def worker(
     from batchmlx.worker import WorkerOptions, run_worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from batchmlx.accel import active_blas
+
+    logging.getLogger("batchmlx.worker").info("BLAS: %s", active_blas().note)
     engine = dict(
         simple=simple,
         max_batch_size=max_batch_size,
@@ -441,7 +440,7 @@ def serve(
         bool, typer.Option(help="Share prefix blocks between requests (on by default)")
     ] = True,
     cache_memory_mb: Annotated[int | None, typer.Option(help="Explicit KV memory bound")] = None,
-    dtype: Annotated[str, typer.Option(help="auto, float32, float16, bfloat16")] = "auto",
+    dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
 ) -> None:
     """Serve the OpenAI-compatible HTTP API (Files, Batches, chat/completions, models)."""
     from batchmlx.server.auth import RemoteBindError, check_bind

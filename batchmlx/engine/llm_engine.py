@@ -83,6 +83,9 @@ class EngineStats:
     peak_kv_bytes: int = 0  # largest KV storage actually allocated
     kv_bound_bytes: int = 0
     bound_violations: int = 0  # steps where allocated KV exceeded the bound (should stay 0)
+    model_s: float = 0.0  # wall time in the model forward (graph built and evaluated)
+    sample_s: float = 0.0  # wall time choosing tokens from the logits
+    step_s: float = 0.0  # wall time of whole steps (scheduling, layout, forward, sampling)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -169,11 +172,13 @@ class Engine:
         return self.storage.max_blocks
 
     def step(self) -> list[GenerationOutput]:
+        t0 = time.perf_counter()
         step = self.scheduler.schedule()
         if step is None:
             return []
         sampled, finished = self._run(step)
         done = self.scheduler.update(step, sampled, finished)
+        self.stats.step_s += time.perf_counter() - t0
         # sequences the scheduler ended itself (the pool cannot hold them even alone)
         return [self._output(seq) for seq in [*step.finished, *done]]
 
@@ -215,13 +220,14 @@ class Engine:
             block_tables=tables,
         )
         rows = [i for i, s in enumerate(step.seqs) if s.samples]
+        t0 = time.perf_counter()
         logits = self.runner.forward(layout, rows)
+        mx.eval(logits, self.storage.keys, self.storage.values)
+        st.model_s += time.perf_counter() - t0
         st.peak_kv_bytes = max(st.peak_kv_bytes, self.storage.nbytes)
         if self.storage.nbytes > st.kv_bound_bytes:
             st.bound_violations += 1
-        if not rows:
-            # a prompt chunk that samples nothing: still materialize its KV writes
-            mx.eval(self.storage.keys, self.storage.values)
+        if not rows:  # a prompt chunk that samples nothing
             return {}, set()
 
         sample_rows = []
@@ -231,8 +237,9 @@ class Engine:
             sample_rows.append(
                 SampleRow(live.request.params, seq.num_tokens - seq.num_prompt_tokens, live.entropy)
             )
+        t0 = time.perf_counter()
         tokens, lps = sample(logits, sample_rows)
-        # the sampled tokens depend on the KV writes, so those are materialized too
+        st.sample_s += time.perf_counter() - t0
 
         now = self.clock()
         sampled: dict[str, int] = {}

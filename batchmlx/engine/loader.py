@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from batchmlx.models import (  # noqa: F401  (re-exported)
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _FALLBACK_CONTEXT = 2048
+log = logging.getLogger("batchmlx.engine")
 
 
 @dataclass
@@ -54,14 +56,17 @@ def model_folder(spec: ModelSpec, *, cache_dir: Path) -> Path | str:
 def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> LoadedModel:
     """Load `spec` with mlx-lm. dtype "auto" keeps weights as stored (quantized stays
     quantized); "float32"/"float16"/"bfloat16" dequantize every layer to that dtype."""
-    if dtype != "auto" and dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in ("auto", "stored") and dtype not in _DTYPES:
+        raise ValueError(
+            f"dtype must be 'auto', 'stored' or one of {sorted(_DTYPES)}, got {dtype!r}"
+        )
     import mlx_lm  # heavy import (transformers); keep it off module import
 
     folder = model_folder(spec, cache_dir=cache_dir)
     model, tokenizer, config = mlx_lm.load(str(folder), return_config=True)
     dtype = effective_dtype(dtype, quantized="quantization" in config)
-    if dtype != "auto":
+    log.info("model %s: weights as %s", spec.name, dtype)
+    if dtype in _DTYPES:
         dequantize_model(model, _DTYPES[dtype])
         config = {
             k: v for k, v in config.items() if k not in ("quantization", "quantization_config")
@@ -82,11 +87,12 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
 def effective_dtype(dtype: str, *, quantized: bool) -> str:
     """"auto": quantized weights become float32 on MLX's CPU backend, whose quantized matmul
     runs several times slower than float32 (measured: 9 vs 12.5 tok/s decode for SmolLM2-135M
-    at batch 1); on Metal or CUDA quantized weights stay as they are."""
+    at batch 1, before the fast BLAS); on Metal or CUDA they stay as stored. "stored" keeps
+    them as stored anywhere."""
     if dtype != "auto":
         return dtype
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
-    return "float32" if (quantized and on_cpu) else "auto"
+    return "float32" if (quantized and on_cpu) else "stored"
 
 
 def _hub_path(tokenizer: Any, folder: Path | str) -> Path:

@@ -178,7 +178,9 @@ async def finalize(
     else:
         end = BatchStatus.COMPLETED
         if rec.status is BatchStatus.IN_PROGRESS:
-            rec = await store.set_batch_status(batch_id, BatchStatus.FINALIZING, now)
+            rec = await _move(store, batch_id, BatchStatus.FINALIZING, now)
+            if rec.status.terminal:
+                return rec
     crash_point("before_finalize")
     out, err = bytearray(), bytearray()
     outcomes = {"hits": 0, "prefix_hits": 0, "misses": 0}
@@ -214,7 +216,21 @@ async def finalize(
             crash_point("mid_finalize")
     await _write_inbox_results(store, batch_id, bytes(out), bytes(err))
     crash_point("after_finalize_files")
-    return await store.set_batch_status(batch_id, end, now, **fields)
+    return await _move(store, batch_id, end, now, **fields)
+
+
+async def _move(store: Store, batch_id: str, status: BatchStatus, now: float, **fields: Any):
+    """Move a batch on; when another worker finalizing the same batch got there first (its
+    files are the same bytes: ids are derived), take the batch as that worker left it."""
+    from batchmlx.core.lifecycle import TransitionError
+
+    try:
+        return await store.set_batch_status(batch_id, status, now, **fields)
+    except TransitionError:
+        current = await get_batch(store, batch_id)
+        if current.status is status or current.status.terminal:
+            return current
+        raise
 
 
 async def _write_inbox_results(store: Store, batch_id: str, out: bytes, err: bytes) -> None:

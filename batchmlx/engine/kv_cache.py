@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-SCRATCH_ROW = 0  # block 0 is never handed out; padding writes land there
+SCRATCH_BLOCK = 0  # block 0 is never handed out by the pool ...
+SCRATCH_ROW = 0  # ... so padding writes land in its first row
 
 
 class PagedKVStorage:
@@ -177,7 +178,7 @@ def _shared_prefix_blocks(table: np.ndarray, lens: np.ndarray, computed: int) ->
         return 0
     same = np.all(table[:, :computed] == table[:1, :computed], axis=0)
     n = int(np.argmin(same)) if not same.all() else computed
-    return n if n and table[0, 0] != SCRATCH_ROW else 0
+    return n if n and table[0, 0] != SCRATCH_BLOCK else 0
 
 
 class PagedLayerCache:

@@ -24,6 +24,15 @@ app = typer.Typer(
 )
 
 DTYPE_HELP = "Weights: auto (float32 on the CPU, as stored on Metal/CUDA), stored, float32, …"
+# engine options shared by `worker` and `serve`
+SimpleOpt = Annotated[bool, typer.Option(help="Simple mode: one request at a time")]
+MaxBatchOpt = Annotated[int, typer.Option(help="Bound on the running batch")]
+BlockSizeOpt = Annotated[int, typer.Option(help="Tokens per KV block")]
+PagedCacheOpt = Annotated[
+    bool, typer.Option(help="Share prefix blocks between requests (on by default)")
+]
+CacheMemoryMbOpt = Annotated[int | None, typer.Option(help="Explicit KV memory bound")]
+DtypeOpt = Annotated[str, typer.Option(help=DTYPE_HELP)]
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
@@ -305,13 +314,11 @@ def cancel(batch_id: str, as_json: Annotated[bool, typer.Option("--json")] = Fal
 def worker(
     until_idle: Annotated[bool, typer.Option(help="Exit when nothing is left to do")] = False,
     model: Annotated[str | None, typer.Option(help="Serve every batch with this model")] = None,
-    simple: Annotated[bool, typer.Option(help="Simple mode: one request at a time")] = False,
-    max_batch_size: Annotated[int, typer.Option(help="Bound on the running batch")] = 32,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block")] = 16,
-    use_paged_cache: Annotated[
-        bool, typer.Option(help="Share prefix blocks between requests (on by default)")
-    ] = True,
-    cache_memory_mb: Annotated[int | None, typer.Option(help="Explicit KV memory bound")] = None,
+    simple: SimpleOpt = False,
+    max_batch_size: MaxBatchOpt = 32,
+    block_size: BlockSizeOpt = 16,
+    use_paged_cache: PagedCacheOpt = True,
+    cache_memory_mb: CacheMemoryMbOpt = None,
     cache_memory_percent: Annotated[
         float, typer.Option(help="KV memory bound as a share of available memory")
     ] = 0.20,
@@ -321,7 +328,7 @@ def worker(
     cache_max_blocks: Annotated[
         int, typer.Option(help="Block bound without memory awareness")
     ] = 4096,
-    dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
+    dtype: DtypeOpt = "auto",
     max_attempts: Annotated[
         int, typer.Option(help="Runs of one request (each ended by a crash) before giving up")
     ] = 3,
@@ -433,14 +440,12 @@ def serve(
         int, typer.Option(min=1, help="Streamed tokens per chunk (1: every token)")
     ] = 1,
     max_upload_mb: Annotated[int, typer.Option(min=1, help="Largest file upload")] = 200,
-    simple: Annotated[bool, typer.Option(help="Simple mode: one request at a time")] = False,
-    max_batch_size: Annotated[int, typer.Option(help="Bound on the running batch")] = 32,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block")] = 16,
-    use_paged_cache: Annotated[
-        bool, typer.Option(help="Share prefix blocks between requests (on by default)")
-    ] = True,
-    cache_memory_mb: Annotated[int | None, typer.Option(help="Explicit KV memory bound")] = None,
-    dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "auto",
+    simple: SimpleOpt = False,
+    max_batch_size: MaxBatchOpt = 32,
+    block_size: BlockSizeOpt = 16,
+    use_paged_cache: PagedCacheOpt = True,
+    cache_memory_mb: CacheMemoryMbOpt = None,
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Serve the OpenAI-compatible HTTP API (Files, Batches, chat/completions, models)."""
     from batchmlx.server.auth import RemoteBindError, check_bind

@@ -3,7 +3,6 @@ per-line errors) and a good batch submitted before them is left exactly as it wa
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from batchmlx import service
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.store import Store
+from tests.store_scenario import run_with_store
 
 URL = "/v1/chat/completions"
 
@@ -40,19 +40,6 @@ CORPUS: dict[str, bytes] = {
 }
 
 
-def _run(tmp_path: Path, scenario) -> None:
-    settings = Settings(home=tmp_path / "home", cache_dir=tmp_path / "cache")
-
-    async def main() -> None:
-        store = await Store.open(settings.db_path)
-        try:
-            await scenario(store, settings)
-        finally:
-            await store.close()
-
-    asyncio.run(main())
-
-
 def test_bad_inputs_give_clear_results_and_touch_nothing_else(tmp_path: Path) -> None:
     outcomes: dict[str, str] = {}
 
@@ -75,7 +62,7 @@ def test_bad_inputs_give_clear_results_and_touch_nothing_else(tmp_path: Path) ->
         assert after.status is BatchStatus.IN_PROGRESS
         assert after.request_counts.total == 2 and after.request_counts.completed == 0
 
-    _run(tmp_path, scenario)
+    run_with_store(tmp_path, scenario)
     print(json.dumps(outcomes, indent=1))
     for name in ("broken_json", "missing_fields", "duplicate_ids", "mixed_models", "binary",
                  "empty"):  # fmt: skip

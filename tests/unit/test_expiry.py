@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from batchmlx.core.records import RequestResult
 from batchmlx.formats.openai import BATCH_EXPIRED_MESSAGE
 from batchmlx.store import Store
 from batchmlx.worker import Worker, WorkerOptions
+from tests.store_scenario import run_with_store
 
 T0 = 1_000_000.0
 
@@ -39,19 +39,6 @@ def _file(n: int) -> bytes:
 
 def _ok() -> RequestResult:
     return RequestResult(RequestStatus.SUCCEEDED, 200, {"object": "chat.completion"})
-
-
-def _run(tmp_path: Path, scenario) -> None:
-    settings = Settings(home=tmp_path / "home", cache_dir=tmp_path / "cache")
-
-    async def main() -> None:
-        store = await Store.open(settings.db_path)
-        try:
-            await scenario(store, settings)
-        finally:
-            await store.close()
-
-    asyncio.run(main())
 
 
 def _lines(settings: Settings, file_id: str | None) -> list[dict]:
@@ -90,7 +77,7 @@ def test_worker_expires_a_batch_past_its_window(tmp_path: Path) -> None:
         again = await service.expire(store, settings, rec.id, now=T0 + 9000)
         assert again.status is BatchStatus.EXPIRED and again.error_file_id == done.error_file_id
 
-    _run(tmp_path, scenario)
+    run_with_store(tmp_path, scenario)
 
 
 def test_everything_finished_in_time_completes(tmp_path: Path) -> None:
@@ -102,7 +89,7 @@ def test_everything_finished_in_time_completes(tmp_path: Path) -> None:
         out = await service.expire(store, settings, rec.id, now=T0 + 61)
         assert out.status is BatchStatus.COMPLETED
 
-    _run(tmp_path, scenario)
+    run_with_store(tmp_path, scenario)
 
 
 def test_expire_resumes_after_a_crash_between_results_and_files(tmp_path: Path) -> None:
@@ -117,7 +104,7 @@ def test_expire_resumes_after_a_crash_between_results_and_files(tmp_path: Path) 
         assert out.status is BatchStatus.EXPIRED
         assert len(_lines(settings, out.error_file_id)) == 2
 
-    _run(tmp_path, scenario)
+    run_with_store(tmp_path, scenario)
 
 
 def test_window_option_and_cancel_of_a_finished_batch(tmp_path: Path) -> None:
@@ -131,4 +118,4 @@ def test_window_option_and_cancel_of_a_finished_batch(tmp_path: Path) -> None:
         with pytest.raises(service.ServiceError, match="is expired; it cannot be cancelled"):
             await service.cancel(store, rec.id, now=T0 + 5 * 86400)
 
-    _run(tmp_path, scenario)
+    run_with_store(tmp_path, scenario)

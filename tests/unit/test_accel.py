@@ -194,3 +194,12 @@ def test_the_pip_installed_openblas_is_found_and_loads() -> None:
     choice = accel.find_fast_blas(prefer="openblas")
     assert choice is not None and choice.name == "openblas"
     assert "cmeel.prefix" in choice.library
+
+
+def test_an_openblas_that_cannot_load_is_skipped(tmp_path: Path) -> None:
+    # e.g. its libgfortran is missing on a bare machine: keep the slow BLAS rather than fail
+    lib = tmp_path / "cmeel.prefix" / "lib" / "libopenblas.so.0"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"not a library")
+    assert accel._find_openblas([lib], "", accel._loads) is None
+    assert accel._find_openblas([lib], "", lambda _p: True) is not None

@@ -151,18 +151,13 @@ def submit(
         _show(rec, as_json)
         raise typer.Exit(1)
     if wait:
-        rec = _wait(rec.id, WorkerFlags(simple=simple, max_batch_size=max_batch_size), as_json)
+        rec = _wait(rec.id, {"simple": simple, "max_batch_size": max_batch_size}, as_json)
     _show(rec, as_json)
     if wait and rec.status is not BatchStatus.COMPLETED:
         raise typer.Exit(1)
 
 
-class WorkerFlags:
-    def __init__(self, **engine: Any) -> None:
-        self.engine = engine
-
-
-def _wait(batch_id: str, flags: WorkerFlags, quiet: bool) -> BatchRecord:
+def _wait(batch_id: str, engine: dict[str, Any], quiet: bool) -> BatchRecord:
     """Follow a batch to its end; with no live worker, run one in this process."""
     from batchmlx.store import Store
     from batchmlx.worker import WorkerOptions, run_worker
@@ -179,7 +174,7 @@ def _wait(batch_id: str, flags: WorkerFlags, quiet: bool) -> BatchRecord:
                     await progress.show()
                     await asyncio.sleep(0.5)
             else:
-                opts = WorkerOptions(until_idle=True, engine=flags.engine)
+                opts = WorkerOptions(until_idle=True, engine=engine)
                 task = asyncio.create_task(progress.run())
                 try:
                     await run_worker(settings, opts, store=store)

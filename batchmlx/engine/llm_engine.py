@@ -21,7 +21,6 @@ from batchmlx.core.request import (
     FinishReason,
     GenerationOutput,
     GenerationRequest,
-    SamplingParams,
     TokenLogprob,
 )
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
@@ -303,5 +302,3 @@ def _kv_dtype(model: Any) -> mx.Dtype:
     keys = cache[0].state[0]
     return keys.dtype
 
-
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "GenerationRequest"]

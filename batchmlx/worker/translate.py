@@ -3,7 +3,7 @@ template on the way in, completion bodies on the way out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from batchmlx.core.lifecycle import RequestStatus
@@ -96,7 +96,7 @@ class Translator:
             params = parsed.sampling
             if params.seed is not None and i:
                 # distinct choices, each still reproducible from the request's seed
-                params = _replace_seed(params, params.seed + i)
+                params = replace(params, seed=params.seed + i)
             gens.append(
                 GenerationRequest(
                     request_id=choice_id(claimed.id, i),
@@ -176,9 +176,3 @@ class Translator:
 
     def _token_text(self, token_id: int) -> str:
         return self.tok.decode([token_id])
-
-
-def _replace_seed(params, seed: int):
-    from dataclasses import replace
-
-    return replace(params, seed=seed)

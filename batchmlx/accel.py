@@ -11,6 +11,11 @@ with it set (`ensure_fast_blas`). Candidates, in order of preference:
 - Intel's `mkl` wheel (pip, ~650 MB installed): `libmkl_rt` under sys.prefix/lib, with
   MKL_THREADING_LAYER=SEQUENTIAL (no OpenMP runtime needed; faster at small decode matmuls).
 
+cmeel-openblas needs the Fortran runtime (`libgfortran.so.5`, which needs libquadmath) and a fresh
+machine may lack it. numpy's wheel vendors both under hashed names in `numpy.libs/`; a private
+folder in the cache links `libgfortran.so.5` and the hashed libquadmath name to them, and goes on
+LD_LIBRARY_PATH for the re-executed process (`fortran_runtime_dir`), so no system package is needed.
+
 PyPI's scipy-openblas wheels prefix their symbols (`scipy_cblas_sgemm`), so they cannot stand
 in. This module imports no MLX at import time; only `measure_matmul_gflops` and
 `doctor_report` do, lazily.
@@ -106,16 +111,74 @@ def _site_dirs() -> list[Path]:
     return [Path(d) for d in sorted(dirs)]
 
 
-def _loads(lib: Path) -> bool:
-    """Whether the dynamic linker can load `lib` (its own dependencies, libgfortran for one,
-    may be missing on a bare machine: then we keep the slow BLAS rather than fail at exec)."""
-    import ctypes
+def _loads(lib: Path, lib_dir: Path | None = None) -> bool:
+    """Whether the dynamic linker can load `lib`, with `lib_dir` first on its search path (its
+    own dependencies, libgfortran for one, may be missing on a bare machine: then we keep the
+    slow BLAS rather than fail at exec). A child process, since LD_LIBRARY_PATH is read only
+    when a process starts."""
+    import subprocess
 
+    env = dict(os.environ)
+    if lib_dir is not None:
+        env["LD_LIBRARY_PATH"] = _prepend_path(str(lib_dir), env.get("LD_LIBRARY_PATH", ""))
+    env.pop("LD_PRELOAD", None)
+    code = "import ctypes, sys; ctypes.CDLL(sys.argv[1])"
     try:
-        ctypes.CDLL(str(lib))
-    except OSError:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", code, str(lib)], env=env, capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
         return False
-    return True
+    return done.returncode == 0
+
+
+def _prepend_path(first: str, rest: str) -> str:
+    kept = [p for p in rest.split(":") if p and p != first]
+    return ":".join([first, *kept])
+
+
+def _numpy_runtime_libs(site_dirs: Sequence[Path]) -> tuple[Path, Path] | None:
+    """numpy's vendored (libgfortran, libquadmath), or None where numpy has none."""
+    for d in site_dirs:
+        libs = d / "numpy.libs"
+        gfortran = sorted(libs.glob("libgfortran-*.so.5*"))
+        quadmath = sorted(libs.glob("libquadmath-*.so.0*"))
+        if gfortran and quadmath:
+            return gfortran[0], quadmath[0]
+    return None
+
+
+def fortran_runtime_dir(
+    cache_dir: Path | None = None, site_dirs: Sequence[Path] | None = None
+) -> Path | None:
+    """A private folder that makes numpy's vendored Fortran runtime loadable under its usual
+    soname: `libgfortran.so.5` links to numpy's hashed copy, which itself names its libquadmath
+    by the hashed file name, so that name is linked too. None where numpy vendors none or the
+    cache cannot be written."""
+    found = _numpy_runtime_libs(_site_dirs() if site_dirs is None else site_dirs)
+    if found is None:
+        return None
+    gfortran, quadmath = found
+    if cache_dir is None:
+        from batchmlx.config import load_settings  # no MLX, no SQL
+
+        cache_dir = load_settings().cache_dir
+    # one folder per numpy build, so an upgraded numpy never meets stale links
+    folder = Path(cache_dir) / "fortran-runtime" / gfortran.name.split("-")[1]
+    links = {"libgfortran.so.5": gfortran, quadmath.name: quadmath}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, target in links.items():
+            link = folder / name
+            if link.is_symlink() and Path(os.readlink(link)) == target:
+                continue
+            tmp = folder / f".{name}.{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(target)
+            tmp.replace(link)  # atomic: a concurrent process sees the old link or the new one
+    except OSError:
+        return None
+    return folder
 
 
 def _default_openblas_candidates() -> list[Path]:
@@ -131,18 +194,35 @@ def _openblas_in(lib_dirs: Sequence[Path]) -> list[Path]:
 
 
 def _find_openblas(
-    candidates: Sequence[Path], cpuinfo: str | None, loads: Callable[[Path], bool]
+    candidates: Sequence[Path],
+    cpuinfo: str | None,
+    loads: Callable[[Path, Path | None], bool],
+    runtime_dir: Callable[[], Path | None] = lambda: None,
 ) -> BlasChoice | None:
+    """The first candidate that loads. With a Fortran runtime folder it is tried first, so the
+    same libgfortran (numpy's) serves on every machine, with or without the system's."""
+    runtime: Path | None = None
     for lib in candidates:
-        if lib.exists() and loads(lib):
+        if not lib.exists():
+            continue
+        if runtime is None:
+            runtime = runtime_dir()
+        for lib_dir in ([runtime] if runtime is not None else []) + [None]:
+            if not loads(lib, lib_dir):
+                continue
             core = cpu_coretype(cpuinfo)
             # Overrides an inherited OPENBLAS_CORETYPE too: a mismatched one halves GEMM speed.
             env = {"OPENBLAS_CORETYPE": core} if core else {}
+            if lib_dir is not None:
+                env["LD_LIBRARY_PATH"] = _prepend_path(
+                    str(lib_dir), os.environ.get("LD_LIBRARY_PATH", "")
+                )
+            via = f", Fortran runtime from numpy ({lib_dir})" if lib_dir else ""
             return BlasChoice(
                 name="openblas",
                 library=str(lib),
                 env=env,
-                note=f"OpenBLAS ({lib}), core type {core or 'auto-detected'}",
+                note=f"OpenBLAS ({lib}), core type {core or 'auto-detected'}{via}",
             )
     return None
 
@@ -164,10 +244,12 @@ def find_fast_blas(
         return None  # macOS: MLX already uses Accelerate / Metal
     prefer = (prefer if prefer is not None else os.environ.get(SWITCH, "auto")).lower()
     finders = {
-        "openblas": lambda: _find_openblas(
-            _openblas_in(lib_dirs) if lib_dirs is not None else _default_openblas_candidates(),
-            cpuinfo,
-            (lambda _lib: True) if lib_dirs is not None else _loads,  # fakes in tests
+        "openblas": lambda: (
+            _find_openblas(_openblas_in(lib_dirs), cpuinfo, lambda _lib, _dir: True)  # fakes
+            if lib_dirs is not None
+            else _find_openblas(
+                _default_openblas_candidates(), cpuinfo, _loads, fortran_runtime_dir
+            )
         ),
         "mkl": lambda: _find_mkl(prefixes if prefixes is not None else _default_prefixes()),
     }
@@ -233,10 +315,29 @@ def active_blas(environ: Mapping[str, str] | None = None) -> BlasChoice:
         hint = "install libopenblas0-pthread (apt) or mkl (pip) to speed up CPU matmuls"
         return BlasChoice("reference (slow)", None, {}, f"netlib reference BLAS; {hint}")
     name = "mkl" if "mkl" in Path(lib).name else "openblas" if "openblas" in lib else "other"
-    keys = ("MKL_THREADING_LAYER", "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS")
+    keys = ("MKL_THREADING_LAYER", "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS",
+            "LD_LIBRARY_PATH")  # fmt: skip
     env = {k: environ[k] for k in keys if k in environ}
     how = "re-executed by batchmlx" if environ.get(REEXEC_MARKER) else "preloaded by caller"
     return BlasChoice(name, lib, env, f"{name} via LD_PRELOAD ({how})")
+
+
+def slow_blas_warning(environ: Mapping[str, str] | None = None) -> str | None:
+    """One loud line when MLX runs on the reference BLAS on Linux, else None."""
+    blas = active_blas(environ)
+    if blas.name != "reference (slow)":
+        return None
+    environ = os.environ if environ is None else environ
+    if environ.get(SWITCH) == "0":
+        why, fix = f"{SWITCH}=0 is set", f"unset {SWITCH}"
+    else:
+        why = "no fast BLAS could be loaded"
+        fix = ("`pip install --force-reinstall cmeel-openblas numpy` (or apt install "
+               "libopenblas0-pthread)")  # fmt: skip
+    return (
+        f"WARNING: MLX is on the slow reference BLAS ({why}); CPU matmuls run ~50x slower. "
+        f"Fix: {fix}, then check with `batchmlx doctor`."
+    )
 
 
 def measure_matmul_gflops(n: int = 1024, repeats: int = 5) -> float:

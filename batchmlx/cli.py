@@ -40,6 +40,15 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _warn_if_slow_blas() -> None:
+    """One loud line on stderr when MLX would run on the reference BLAS (see batchmlx.accel)."""
+    from batchmlx.accel import slow_blas_warning
+
+    line = slow_blas_warning()
+    if line:
+        typer.secho(line, fg=typer.colors.YELLOW, bold=True, err=True)
+
+
 def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
     """Open the store, run one service coroutine, close the store."""
     from batchmlx.store import Store
@@ -151,6 +160,7 @@ def submit(
         _show(rec, as_json)
         raise typer.Exit(1)
     if wait:
+        _warn_if_slow_blas()
         rec = _wait(rec.id, {"simple": simple, "max_batch_size": max_batch_size}, as_json)
     _show(rec, as_json)
     if wait and rec.status is not BatchStatus.COMPLETED:
@@ -343,6 +353,7 @@ def worker(
     from batchmlx.accel import active_blas
 
     logging.getLogger("batchmlx.worker").info("BLAS: %s", active_blas().note)
+    _warn_if_slow_blas()
     engine = dict(
         simple=simple,
         max_batch_size=max_batch_size,
@@ -445,6 +456,7 @@ def serve(
     """Serve the OpenAI-compatible HTTP API (Files, Batches, chat/completions, models)."""
     from batchmlx.server.auth import RemoteBindError, check_bind
 
+    _warn_if_slow_blas()
     try:
         check_bind(host, api_key, allow_remote)
     except RemoteBindError as exc:

@@ -202,4 +202,74 @@ def test_an_openblas_that_cannot_load_is_skipped(tmp_path: Path) -> None:
     lib.parent.mkdir(parents=True)
     lib.write_bytes(b"not a library")
     assert accel._find_openblas([lib], "", accel._loads) is None
-    assert accel._find_openblas([lib], "", lambda _p: True) is not None
+    assert accel._find_openblas([lib], "", lambda _p, _d: True) is not None
+
+
+def test_fortran_runtime_dir_links_numpys_vendored_libs(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    libs = site / "numpy.libs"
+    libs.mkdir(parents=True)
+    gf = libs / "libgfortran-040039e1-0352e75f.so.5.0.0"
+    qm = libs / "libquadmath-96973f99-934c22de.so.0.0.0"
+    for f in (gf, qm):
+        f.write_bytes(b"")
+    folder = accel.fortran_runtime_dir(tmp_path / "cache", [site])
+    assert folder == tmp_path / "cache" / "fortran-runtime" / "040039e1"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["libgfortran.so.5", qm.name])
+    assert (folder / "libgfortran.so.5").resolve() == gf
+    assert (folder / qm.name).resolve() == qm
+    assert accel.fortran_runtime_dir(tmp_path / "cache", [site]) == folder  # idempotent
+    assert accel.fortran_runtime_dir(tmp_path / "cache", [tmp_path / "empty"]) is None
+
+
+def test_the_runtime_folder_is_tried_first(tmp_path: Path) -> None:
+    lib = tmp_path / "libopenblas.so.0"
+    lib.write_bytes(b"")
+    tried: list[Path | None] = []
+
+    def loads(_lib: Path, lib_dir: Path | None) -> bool:
+        tried.append(lib_dir)
+        return lib_dir is not None
+
+    choice = accel._find_openblas([lib], "", loads, lambda: tmp_path / "rt")
+    assert tried == [tmp_path / "rt"]
+    assert choice is not None
+    assert choice.env["LD_LIBRARY_PATH"].split(":")[0] == str(tmp_path / "rt")
+
+
+@pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and os.uname().machine == "x86_64"),
+    reason="cmeel-openblas is a dependency on Linux x86_64 only",
+)
+def test_fast_blas_loads_without_any_system_libgfortran(tmp_path: Path) -> None:
+    # The re-executed process must not depend on a system libgfortran: the chosen OpenBLAS runs
+    # MLX's matmul with numpy's vendored Fortran runtime, whatever /usr/lib holds.
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", accel.REEXEC_MARKER)}
+    env["BATCHMLX_CACHE_DIR"] = str(tmp_path / "cache")
+    env[accel.SWITCH] = "openblas"
+    code = (
+        "import mlx.core as mx, sys; a = mx.ones((256, 256));"
+        "mx.eval(mx.matmul(a, a, stream=mx.cpu));"
+        "from batchmlx.accel import active_blas; print(active_blas().name);"
+        "sys.stdout.write(open('/proc/self/maps').read())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", f"from batchmlx.accel import ensure_fast_blas; "
+         f"ensure_fast_blas(['-c', {code!r}])"],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    first, maps = out.stdout.split("\n", 1)
+    assert first == "openblas", out.stderr
+    assert "cmeel.prefix/lib/libopenblas" in maps
+    gfortran = {line.split()[-1] for line in maps.splitlines() if "libgfortran" in line}
+    # numpy's copy serves OpenBLAS (mlx_cpu.libs may map its own for MLX's LAPACK); no system one
+    assert any("numpy.libs" in path for path in gfortran), gfortran
+    assert not any(path.startswith(("/usr/", "/lib")) for path in gfortran), gfortran
+
+
+def test_slow_blas_warning(monkeypatch) -> None:
+    monkeypatch.setattr(sys, "platform", "linux")
+    line = accel.slow_blas_warning({accel.SWITCH: "0"})
+    assert line is not None and line.startswith("WARNING") and "BATCHMLX_FAST_BLAS=0" in line
+    assert "batchmlx doctor" in (accel.slow_blas_warning({}) or "")
+    assert accel.slow_blas_warning({"LD_PRELOAD": "/x/libopenblas.so.0"}) is None

@@ -1,4 +1,5 @@
-"""Apply the Alembic migrations in the repository's `migrations/` folder, once, on first use.
+"""Apply the Alembic migrations (the top-level `migrations/` folder, installed as the package
+`batchmlx.migrations`), once, on first use.
 
 Alembic is configured in code (no alembic.ini at run time). Two processes opening a fresh
 database at once are serialised by an exclusive `flock` on `<db>.migrate.lock`.
@@ -13,8 +14,20 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-# The package lives at <repo>/batchmlx/store/; migrations at <repo>/migrations (editable install).
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+
+def _migrations_dir() -> Path:
+    # Installed (wheel or editable): setup.py maps <repo>/migrations to batchmlx.migrations. A
+    # checkout run without installing (PYTHONPATH=<repo>) has only the folder beside the package.
+    try:
+        import batchmlx.migrations as package
+
+        return Path(package.__file__).resolve().parent
+    except ImportError:
+        return Path(__file__).resolve().parents[2] / "migrations"
+
+
+MIGRATIONS_DIR = _migrations_dir()
 
 
 def alembic_config(db_path: str | Path) -> Config:

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from batchmlx.config import Settings
+from batchmlx.config import Settings, private_dir
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus, is_expired
 from batchmlx.core.records import BatchRecord, FileRecord, RequestResult
 from batchmlx.faults import crash_point
@@ -50,8 +50,9 @@ def parse_window(window: str) -> int:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file, flush it to disk, then rename: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write to a temporary file, flush it to disk, then rename: readers see all or nothing.
+    The file is the owner's alone (mkstemp's 0600), and so is a folder made for it."""
+    private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -26,10 +26,14 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 def host_name(netloc: str) -> str | None:
     """'Example.org:8000' → 'example.org', '[::1]:8000' → '::1'; None when malformed."""
+    if "@" in netloc:
+        return None  # urlsplit would drop 'a.example@' and answer for what follows it
     try:
-        return urlsplit(f"//{netloc}").hostname
+        parts = urlsplit(f"//{netloc}")
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
     except ValueError:
         return None
+    return parts.hostname
 
 
 def _is_ip(name: str) -> bool:

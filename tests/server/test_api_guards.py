@@ -25,7 +25,8 @@ MAX_JSON_BYTES = 16 * 1024 * 1024  # ServerOptions' default
 def server(tmp_path_factory):
     old = os.umask(0o022)  # the usual umask: the data directory must be private anyway
     try:
-        s = start_server(tmp_path_factory.mktemp("guards"), "--no-worker")
+        s = start_server(tmp_path_factory.mktemp("guards"), "--no-worker",
+                         "--allowed-host", "box.lan", "--allowed-host", "proxy.example")
     finally:
         os.umask(old)
     yield s
@@ -55,11 +56,12 @@ JSON = {"Content-Type": "application/json"}
 
 
 def test_foreign_host_is_refused(server):
-    for host in ("attacker.example", f"attacker.example:{server.port}", "127.0.0.1.nip.io"):
+    for host in ("attacker.example", f"attacker.example:{server.port}", "127.0.0.1.nip.io",
+                 "attacker.example@127.0.0.1"):  # fmt: skip
         status, body = server.raw("GET", "/files", headers={"Host": host})
         assert status == 400 and _error(body)["code"] == "invalid_host", (host, body)
     for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", f"[::1]:{server.port}",
-                 "localhost"):  # fmt: skip
+                 "localhost", f"box.lan:{server.port}", "proxy.example"):  # fmt: skip
         status, body = server.raw("GET", "/files", headers={"Host": host})
         assert status == 200 and body["object"] == "list", (host, body)
 

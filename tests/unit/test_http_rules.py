@@ -34,6 +34,8 @@ def test_host_names():
     assert host_name("[::1]:8000") == "::1"
     assert host_name("127.0.0.1") == "127.0.0.1"
     assert host_name("[::1") is None
+    assert host_name("attacker.example@127.0.0.1") is None
+    assert host_name("localhost:http") is None
 
 
 def test_loopback_bind_answers_loopback_names_and_addresses_only():

@@ -14,11 +14,11 @@ import time
 
 import pytest
 
+from batchmlx.server.context import DEFAULT_MAX_JSON_BYTES as MAX_JSON_BYTES
 from tests.e2e.helpers import Cli, chat_body, request_line
 from tests.server.helpers import jsonl, start_server
 
 CHUNK = 1024 * 1024
-MAX_JSON_BYTES = 16 * 1024 * 1024  # ServerOptions' default
 
 
 @pytest.fixture(scope="module")

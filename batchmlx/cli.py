@@ -13,7 +13,7 @@ import typer
 
 from batchmlx import service
 from batchmlx.config import Settings, load_settings
-from batchmlx.core.lifecycle import BatchStatus, is_expired
+from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchRecord
 from batchmlx.formats.openai import batch_object
 
@@ -240,14 +240,8 @@ def status(
         return
 
     async def current(store, settings) -> BatchRecord:
-        # with no worker running, nobody else applies the completion window
-        now = time.time()
         rec = await service.get_batch(store, batch_id)
-        if is_expired(rec.status, rec.expires_at, now) and not await store.live_workers(
-            now, settings.lease_s
-        ):
-            rec = await service.expire(store, settings, batch_id, now=now)
-        return rec
+        return await service.expire_unattended(store, settings, rec, now=time.time())
 
     rec = _run(current)
     _show(rec, as_json)
@@ -436,6 +430,10 @@ def serve(
     allow_remote: Annotated[
         bool, typer.Option(help="Bind a non-loopback address without an API key")
     ] = False,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(help="Also answer to this Host name (a proxy's, the machine's); repeatable"),
+    ] = None,
     worker: Annotated[
         bool, typer.Option(help="Run the worker in this process (--no-worker: API only)")
     ] = True,
@@ -473,6 +471,7 @@ def serve(
         model=model,
         api_key=api_key,
         max_upload_bytes=max_upload_mb * 1024 * 1024,
+        allowed_hosts=tuple(allowed_host or ()),
         stream_interval=stream_interval,
         worker=WorkerOptions(model=model, dtype=dtype, engine=engine) if worker else None,
     )

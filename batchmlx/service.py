@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from batchmlx.config import Settings
+from batchmlx.config import Settings, private_dir
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus, is_expired
 from batchmlx.core.records import BatchRecord, FileRecord, RequestResult
 from batchmlx.faults import crash_point
@@ -31,6 +32,10 @@ from batchmlx.ingest.layout import result_paths
 from batchmlx.store import NewRequest, Store
 
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+OPENAI_COMPLETION_WINDOW = "24h"  # the only window OpenAI's API accepts (and so ours)
+MAX_WINDOW_S = 365 * 86400  # a longer window is a typo
+# ASCII digits only: int() would also take "1_0" and "٣"
+_WINDOW = re.compile(r"([0-9]{1,9})([smhd])")
 
 
 class ServiceError(Exception):
@@ -38,20 +43,24 @@ class ServiceError(Exception):
 
 
 def parse_window(window: str) -> int:
-    """'24h' → 86400. OpenAI accepts only 24h; locally any positive s/m/h/d window works."""
-    try:
-        value, unit = int(window[:-1]), window[-1]
-        seconds = value * WINDOW_UNITS[unit]
-    except (ValueError, KeyError, IndexError):
-        raise ServiceError(f"invalid completion window {window!r}; use e.g. 24h, 90m, 2d") from None
-    if seconds <= 0:
-        raise ServiceError(f"invalid completion window {window!r}: must be positive")
+    """'24h' → 86400. OpenAI accepts only 24h; locally (the CLI, the inbox) any window of
+    digits and one unit s/m/h/d, positive and at most a year, works."""
+    match = _WINDOW.fullmatch(window)
+    if match is None:
+        raise ServiceError(f"invalid completion window {window!r}; use e.g. 24h, 90m, 2d")
+    seconds = int(match[1]) * WINDOW_UNITS[match[2]]
+    if not 0 < seconds <= MAX_WINDOW_S:
+        raise ServiceError(
+            f"invalid completion window {window!r}: must be positive and at most "
+            f"{MAX_WINDOW_S // 86400}d"
+        )
     return seconds
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file, flush it to disk, then rename: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write to a temporary file, flush it to disk, then rename: readers see all or nothing.
+    The file is the owner's alone (mkstemp's 0600), and so is a folder made for it."""
+    private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -80,7 +89,12 @@ async def store_file(
     path = settings.files_dir / file_id
     write_atomic(path, data)
     rec = FileRecord(file_id, filename, purpose, len(data), int(now), str(path))
-    await store.add_file(rec, replace=replace)
+    try:
+        await store.add_file(rec, replace=replace)
+    except BaseException:
+        if not replace:
+            path.unlink(missing_ok=True)  # no record will ever name these bytes
+        raise
     return rec
 
 
@@ -290,6 +304,18 @@ async def expire(store: Store, settings: Settings, batch_id: str, *, now: float)
         return rec
     await store.finish_unfinished(batch_id, EXPIRED_RESULT, now)
     return await finalize(store, settings, batch_id, now=now)
+
+
+async def expire_unattended(
+    store: Store, settings: Settings, rec: BatchRecord, *, now: float
+) -> BatchRecord:
+    """`rec` as a reader should show it: past its window with no worker running, nobody else
+    applies the window, so the reader expires it (`status`, GET /v1/batches/{id})."""
+    if not is_expired(rec.status, rec.expires_at, now):
+        return rec
+    if await store.live_workers(now, settings.lease_s):
+        return rec  # a worker aborts the batch's running requests, then expires it
+    return await expire(store, settings, rec.id, now=now)
 
 
 async def file_content(store: Store, file_id: str | None) -> bytes:

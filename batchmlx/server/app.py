@@ -20,6 +20,7 @@ from batchmlx.server import batches, files, online
 from batchmlx.server.auth import BearerAuth
 from batchmlx.server.context import ServerContext, ServerOptions, Validator, log
 from batchmlx.server.errors import EXCEPTION_HANDLERS
+from batchmlx.server.guard import HostPolicy, RequestGuard
 from batchmlx.store import Store
 
 
@@ -34,7 +35,8 @@ def _log_crash(task: asyncio.Task) -> None:
         log.error("the worker stopped", exc_info=task.exception())
 
 
-def create_app(settings: Settings, options: ServerOptions) -> Starlette:
+def create_app(settings: Settings, options: ServerOptions, *, host: str) -> Starlette:
+    """The app for a server bound to `host` (which decides the Host names it answers to)."""
     spec = resolve_model(options.model, cache_dir=settings.cache_dir)
     if spec is None:
         raise ValueError(f"model {options.model!r} cannot be resolved")
@@ -73,7 +75,10 @@ def create_app(settings: Settings, options: ServerOptions) -> Starlette:
         *online.ROUTES,
         Route("/v1/models", list_models, methods=["GET"]),
     ]
-    middleware = [Middleware(BearerAuth, api_key=options.api_key)] if options.api_key else []
+    hosts = HostPolicy.for_bind(host, api_key=options.api_key, extra=options.allowed_hosts)
+    middleware = [Middleware(RequestGuard, policy=hosts)]
+    if options.api_key:
+        middleware.append(Middleware(BearerAuth, api_key=options.api_key))
     return Starlette(
         routes=routes,
         middleware=middleware,
@@ -86,7 +91,7 @@ def serve(settings: Settings, options: ServerOptions, *, host: str, port: int) -
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_app(settings, options)
+    app = create_app(settings, options, host=host)
     # one process, one event loop: the worker's engine steps and the handlers share it
     uvicorn.run(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,

@@ -36,19 +36,29 @@ def check_bind(host: str, api_key: str | None, allow_remote: bool) -> None:
     )
 
 
+def bearer_token(header: bytes) -> bytes | None:
+    """The credentials of `Authorization: Bearer <token>`; the scheme is case-insensitive
+    (RFC 7235), so `bearer KEY` works as it does with OpenAI."""
+    scheme, _, token = header.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.strip()
+
+
 class BearerAuth:
     """ASGI middleware: 401 with OpenAI's envelope unless `Authorization: Bearer <key>`."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         got = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(got, self.expected):
+        token = bearer_token(got)
+        if token is not None and hmac.compare_digest(token, self.expected):
             await self.app(scope, receive, send)
             return
         from starlette.responses import JSONResponse

@@ -14,6 +14,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
+from batchmlx.config import PRIVATE_FILE_MODE
 
 
 def _migrations_dir() -> Path:
@@ -44,7 +45,7 @@ def upgrade_to_head(db_path: str | Path) -> None:
     """Bring the database at `db_path` to the newest revision; a no-op when it is there already."""
     db_path = Path(db_path)
     lock_path = db_path.with_name(db_path.name + ".migrate.lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         command.upgrade(alembic_config(db_path), "head")

@@ -33,6 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from batchmlx.config import private_dir, private_file
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus, check_transition
 from batchmlx.core.records import (
     BatchErrorRecord,
@@ -179,7 +180,7 @@ class Store:
     ) -> Store:
         """Create the parent folder, apply pending migrations, and connect."""
         path = Path(db_path).expanduser().resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_file(private_dir(path.parent) / path.name)
         await asyncio.to_thread(upgrade_to_head, path)
         engine = create_async_engine(f"sqlite+aiosqlite:///{path}")
         install_sqlite_setup(engine.sync_engine, busy_timeout_s)

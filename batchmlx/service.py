@@ -80,7 +80,12 @@ async def store_file(
     path = settings.files_dir / file_id
     write_atomic(path, data)
     rec = FileRecord(file_id, filename, purpose, len(data), int(now), str(path))
-    await store.add_file(rec, replace=replace)
+    try:
+        await store.add_file(rec, replace=replace)
+    except Exception:
+        if not replace:
+            path.unlink(missing_ok=True)  # no bytes under files/ without their record
+        raise
     return rec
 
 
@@ -112,6 +117,29 @@ async def submit(
     file = await store_file(
         store, settings, data, filename=filename, purpose="batch", now=now
     )
+    try:
+        return await _submit_stored(
+            store, settings, data, file, now=now, model=model, window_s=window_s,
+            completion_window=completion_window, metadata=metadata, source=source,
+        )  # fmt: skip
+    except Exception:
+        await delete_file(store, file.id)  # no input file without its batch
+        raise
+
+
+async def _submit_stored(
+    store: Store,
+    settings: Settings,
+    data: bytes,
+    file: FileRecord,
+    *,
+    now: float,
+    model: str | None,
+    window_s: int,
+    completion_window: str,
+    metadata: dict[str, str] | None,
+    source: str | None,
+) -> BatchRecord:
     result = validate_batch_file(
         data, model_resolves=_model_resolves(settings), model_override=model
     )
@@ -128,7 +156,7 @@ async def submit(
     )
     if result.ok:
         rec = BatchRecord(status=BatchStatus.IN_PROGRESS, in_progress_at=created, **common)
-        reqs = [NewRequest(line.line, line.custom_id, line.body) for line in result.lines]
+        reqs = [NewRequest(line.line, line.custom_id, line.body_json) for line in result.lines]
     else:
         rec = BatchRecord(
             status=BatchStatus.FAILED, failed_at=created, errors=tuple(result.errors), **common
@@ -352,10 +380,16 @@ async def validate_batch(
     if rec.status is not BatchStatus.VALIDATING:
         return rec
     f = await store.get_file(rec.input_file_id)
-    data = Path(f.path).read_bytes() if f is not None and Path(f.path).is_file() else None
+    data, unreadable = None, f"The input file {rec.input_file_id} no longer exists."
+    if f is not None:
+        try:
+            data = Path(f.path).read_bytes()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # the batch fails once, not validated again every poll
+            unreadable = f"The input file {rec.input_file_id} cannot be read: {exc.strerror}."
     if data is None:
-        missing = f"The input file {rec.input_file_id} no longer exists."
-        errors = (BatchErrorRecord(ErrorCode.INVALID_REQUEST.value, missing),)
+        errors = (BatchErrorRecord(ErrorCode.INVALID_REQUEST.value, unreadable),)
         result = None
     else:
         result = await asyncio.to_thread(
@@ -373,7 +407,7 @@ async def validate_batch(
                 ),
             )
     if not errors and result is not None:
-        reqs = [NewRequest(line.line, line.custom_id, line.body) for line in result.lines]
+        reqs = [NewRequest(line.line, line.custom_id, line.body_json) for line in result.lines]
         await store.start_validated_batch(
             batch_id, reqs, now, model=result.model, content_hash=hashlib.sha256(data).hexdigest()
         )

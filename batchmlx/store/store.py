@@ -80,6 +80,10 @@ def _loads(text: str | None) -> Any:
     return None if text is None else orjson.loads(text)
 
 
+def _body_text(body: dict[str, Any] | bytes) -> str:
+    return (body if isinstance(body, bytes) else orjson.dumps(body)).decode()
+
+
 def _errors_json(errors: Iterable[BatchErrorRecord]) -> str:
     return _dumps(
         [{"code": e.code, "message": e.message, "line": e.line, "param": e.param} for e in errors]
@@ -262,13 +266,12 @@ class Store:
             "source": source,
             "stats": _dumps(rec.stats or {}),
         }
-        dumps = orjson.dumps
         rows = [
             {
                 "batch_id": rec.id,
                 "line": r.line,
                 "custom_id": r.custom_id,
-                "body": dumps(r.body).decode(),
+                "body": _body_text(r.body),
                 "status": _QUEUED,
             }
             for r in requests
@@ -691,7 +694,7 @@ class Store:
                 "batch_id": batch_id,
                 "line": r.line,
                 "custom_id": r.custom_id,
-                "body": orjson.dumps(r.body).decode(),
+                "body": _body_text(r.body),
                 "status": _QUEUED,
             }
             for r in requests

@@ -14,7 +14,8 @@ class NewRequest:
 
     line: int  # 1-based line of the input file
     custom_id: str
-    body: dict[str, Any]  # the request body (`body` of the input line)
+    # the request body (`body` of the input line); bytes: already JSON as orjson writes it
+    body: dict[str, Any] | bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -262,15 +262,14 @@ async def _move(store: Store, batch_id: str, status: BatchStatus, now: float, **
 
 
 async def _write_inbox_results(store: Store, batch_id: str, out: bytes, err: bytes) -> None:
-    """A batch from an inbox also gets DIR/results/NAME.output.jsonl (and .errors.jsonl)."""
-    paths = result_paths(await store.batch_source(batch_id))
+    """A batch from an inbox also gets DIR/results/NAME.BATCH_ID.output.jsonl (and
+    .errors.jsonl); the names are the batch's own, so no other batch's file is touched."""
+    paths = result_paths(await store.batch_source(batch_id), batch_id)
     if paths is None:
         return
     write_atomic(paths[0], out)
     if err:
         write_atomic(paths[1], err)
-    else:
-        paths[1].unlink(missing_ok=True)
 
 
 async def cancel(store: Store, batch_id: str, *, now: float) -> BatchRecord:

@@ -180,7 +180,7 @@ class _Errors:
             kept.append(
                 _err(
                     ErrorCode.TOO_MANY_ERRORS,
-                    f"... and {self.total - len(kept)} more errors ({self.total} in all); "
+                    f"... and {self.total - len(kept):,} more errors ({self.total:,} in all); "
                     f"only the first {len(kept)} are listed.",
                 )
             )

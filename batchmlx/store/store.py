@@ -317,13 +317,25 @@ class Store:
         async with self._reader.connect() as conn:
             return (await conn.execute(select(B.c.source).where(B.c.id == batch_id))).scalar()
 
-    async def find_batch_by_hash(self, content_hash: str) -> BatchRecord | None:
-        """The newest batch made from a file with this content hash."""
+    async def find_batch_by_hash(
+        self, content_hash: str, statuses: Iterable[BatchStatus] | None = None
+    ) -> BatchRecord | None:
+        """The newest batch made from a file with this content hash (in one of `statuses`)."""
+        where = [B.c.content_hash == content_hash]
+        if statuses is not None:
+            where.append(B.c.status.in_([s.value for s in statuses]))
+        return await self._newest_batch(*where)
+
+    async def find_batch_by_source(self, source: str) -> BatchRecord | None:
+        """The newest batch whose `source` is exactly this (an inbox drop, say)."""
+        return await self._newest_batch(B.c.source == source)
+
+    async def _newest_batch(self, *where: Any) -> BatchRecord | None:
         async with self._reader.connect() as conn:
             batch_id = (
                 await conn.execute(
                     select(B.c.id)
-                    .where(B.c.content_hash == content_hash)
+                    .where(*where)
                     .order_by(B.c.created_at.desc(), _B_SEQ.desc())
                     .limit(1)
                 )

@@ -80,8 +80,8 @@ def _loads(text: str | None) -> Any:
     return None if text is None else orjson.loads(text)
 
 
-def _body_text(body: dict[str, Any] | bytes) -> str:
-    return (body if isinstance(body, bytes) else orjson.dumps(body)).decode()
+def _body_text(body: dict[str, Any] | str) -> str:
+    return body if isinstance(body, str) else orjson.dumps(body).decode()
 
 
 def _errors_json(errors: Iterable[BatchErrorRecord]) -> str:

@@ -14,8 +14,8 @@ class NewRequest:
 
     line: int  # 1-based line of the input file
     custom_id: str
-    # the request body (`body` of the input line); bytes: already JSON as orjson writes it
-    body: dict[str, Any] | bytes
+    # the request body (`body` of the input line); a str is that body already as JSON
+    body: dict[str, Any] | str
 
 
 @dataclass(frozen=True, slots=True)

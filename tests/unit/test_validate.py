@@ -54,8 +54,8 @@ def test_good_file():
     assert r.endpoint == CHAT
     assert r.model == "m"
     assert r.lines == (
-        BatchLine(1, "a", CHAT, orjson.dumps(chat("a")["body"])),
-        BatchLine(2, "b", CHAT, orjson.dumps(chat("b")["body"])),
+        BatchLine(1, "a", CHAT, orjson.dumps(chat("a")["body"]).decode()),
+        BatchLine(2, "b", CHAT, orjson.dumps(chat("b")["body"]).decode()),
     )
     assert r.lines[0].body == chat("a")["body"]
 

@@ -64,6 +64,15 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def text_name(name: str) -> str:
+    """A file name as text the store can keep: bytes that are not UTF-8 (surrogate-escaped by
+    the OS layer) shown as \\xNN."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that no file name produced
+        return name.encode("utf-8", "backslashreplace").decode()
+
+
 async def store_file(
     store: Store,
     settings: Settings,
@@ -79,7 +88,7 @@ async def store_file(
     file_id = file_id or new_id(IdPrefix.FILE)
     path = settings.files_dir / file_id
     write_atomic(path, data)
-    rec = FileRecord(file_id, filename, purpose, len(data), int(now), str(path))
+    rec = FileRecord(file_id, text_name(filename), purpose, len(data), int(now), str(path))
     try:
         await store.add_file(rec, replace=replace)
     except Exception:

@@ -119,7 +119,7 @@ class Inbox:
             try:
                 rec = await self.ingest(store, path, st)
             except Exception:  # one bad file never stops the inbox
-                log.exception("cannot ingest %s", _shown(path.name))
+                log.exception("cannot ingest %s", service.text_name(path.name))
                 continue
             self._seen.pop(path, None)
             if rec is not None:
@@ -132,7 +132,7 @@ class Inbox:
         self, store: Store, path: Path, st: os.stat_result | None = None
     ) -> BatchRecord | None:
         """Make a batch of `path` (or find its duplicate) and move the file aside."""
-        name = _shown(path.name)
+        name = service.text_name(path.name)
         if name != path.name:
             _refuse(path, "its name is not valid UTF-8; rename it")
             return None
@@ -173,16 +173,10 @@ class Inbox:
     def _put_away(self, path: Path, rec: BatchRecord) -> None:
         if rec.status is BatchStatus.FAILED:
             report = _refuse(path, None, rec)
-            log.warning("%s: failed validation (%d errors); see %s", path.name,
-                        len(rec.errors), report)  # fmt: skip
+            log.warning("%s: failed validation; see %s", path.name, report)
         else:
             _move(path, self.folder / DONE)
             log.info("%s: batch %s, %d requests", path.name, rec.id, rec.request_counts.total)
-
-
-def _shown(name: str) -> str:
-    """The name as text: bytes that are not UTF-8 (surrogate-escaped by os) shown as \\xNN."""
-    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def _read_no_follow(path: Path) -> bytes:
@@ -199,10 +193,10 @@ def _refuse(path: Path, reason: str | None, rec: BatchRecord | None = None) -> P
         errors = rec.errors
     else:
         errors = (BatchErrorRecord(ErrorCode.FILE_REFUSED.value, f"Not taken: {reason}."),)
-        log.warning("%s: not taken: %s", _shown(path.name), reason)
+        log.warning("%s: not taken: %s", service.text_name(path.name), reason)
     body = {
         "batch_id": rec.id if rec else None,
-        "file": _shown(path.name),
+        "file": service.text_name(path.name),
         "errors": errors_object(errors),
     }
     report = failed / f"{dest.stem}.errors.json"

@@ -4,12 +4,14 @@ per-line errors) and a good batch submitted before them is left exactly as it wa
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from batchmlx import service
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.store import Store
+from tests.e2e.helpers import describe, make_cli
 from tests.store_scenario import run_with_store
 
 URL = "/v1/chat/completions"
@@ -117,20 +119,38 @@ def test_unreadable_input_file_fails_the_batch_once(tmp_path: Path) -> None:
 
 
 def test_a_submit_that_cannot_be_stored_leaves_no_file(tmp_path: Path) -> None:
-    """A name that is not UTF-8 (surrogate-escaped by os.listdir) cannot go into the database:
-    the submit raises, and neither the file's bytes nor its record stay behind."""
+    """A source that is not UTF-8 cannot go into the database: the submit raises, and neither
+    the input file's bytes nor its record stay behind. A file name that is not UTF-8 is kept
+    as text."""
 
     async def scenario(store: Store, settings: Settings) -> None:
-        bad_name = "caf\udce9.jsonl"
-        for kwargs in ({"filename": bad_name}, {"filename": "ok.jsonl", "source": bad_name}):
-            try:
-                await service.submit(store, settings, GOOD, now=1.0, **kwargs)
-            except UnicodeEncodeError:
-                pass
-            else:
-                raise AssertionError(f"stored {kwargs}")
-            assert list(settings.files_dir.iterdir()) == [], kwargs
-            assert await store.list_files() == []
-            assert await store.list_batches() == []
+        bad = "caf\udce9.jsonl"  # how os.listdir gives the name b"caf\xe9.jsonl"
+        try:
+            await service.submit(store, settings, GOOD, now=1.0, filename="ok.jsonl", source=bad)
+        except UnicodeEncodeError:
+            pass
+        else:
+            raise AssertionError("a source the database cannot hold was stored")
+        assert list(settings.files_dir.iterdir()) == []
+        assert await store.list_files() == []
+        assert await store.list_batches() == []
+        rec = await service.submit(store, settings, GOOD, now=1.0, filename=bad)
+        assert rec.status is BatchStatus.IN_PROGRESS
+        assert [f.filename for f in await store.list_files()] == ["caf\\xe9.jsonl"]
 
     run_with_store(tmp_path, scenario)
+
+
+def test_cli_submit_of_bad_input_says_which_line(tmp_path: Path) -> None:
+    cli = make_cli(tmp_path)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_bytes(DEEP)
+    garbage = tmp_path / os.fsdecode(b"caf\xe9.jsonl")
+    garbage.write_bytes(b"x\n" * 1_000)
+    for path, says in ((deep, "line 1"), (garbage, "1,000 in all")):
+        proc = cli("submit", path, "--model", "default", timeout=120)
+        text = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and "Traceback" not in text, describe(proc)
+        assert says in text, describe(proc)
+    # one input file per failed batch, nothing else under files/
+    assert len(list((cli.home / "files").iterdir())) == 2

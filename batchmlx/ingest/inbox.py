@@ -95,11 +95,12 @@ class Inbox:
                 if entry.is_symlink():  # never follow: any file we can read would be copied
                     _refuse(path, "it is a symbolic link; drop the file itself")
                     continue
+                if not entry.is_file(follow_symlinks=False):
+                    _refuse(path, "it is not a regular file")
+                    continue
                 st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue  # gone meanwhile
-            if not entry.is_file(follow_symlinks=False):
-                _refuse(path, "it is not a regular file")
+            except OSError as exc:  # gone meanwhile, or failed/ cannot be written
+                log.warning("%s: %s", service.text_name(entry.name), exc)
                 continue
             present.add(path)
             key = (st.st_size, st.st_mtime_ns)

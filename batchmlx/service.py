@@ -126,53 +126,34 @@ async def submit(
     file = await store_file(
         store, settings, data, filename=filename, purpose="batch", now=now
     )
-    try:
-        return await _submit_stored(
-            store, settings, data, file, now=now, model=model, window_s=window_s,
-            completion_window=completion_window, metadata=metadata, source=source,
-        )  # fmt: skip
-    except Exception:
-        await delete_file(store, file.id)  # no input file without its batch
-        raise
-
-
-async def _submit_stored(
-    store: Store,
-    settings: Settings,
-    data: bytes,
-    file: FileRecord,
-    *,
-    now: float,
-    model: str | None,
-    window_s: int,
-    completion_window: str,
-    metadata: dict[str, str] | None,
-    source: str | None,
-) -> BatchRecord:
-    result = validate_batch_file(
-        data, model_resolves=_model_resolves(settings), model_override=model
-    )
-    created = int(now)
-    common = dict(
-        id=new_id(IdPrefix.BATCH),
-        endpoint=result.endpoint or (result.lines[0].url if result.lines else ""),
-        model=model or result.model,
-        input_file_id=file.id,
-        completion_window=completion_window,
-        created_at=created,
-        expires_at=created + window_s,
-        metadata=metadata,
-    )
-    if result.ok:
-        rec = BatchRecord(status=BatchStatus.IN_PROGRESS, in_progress_at=created, **common)
-        reqs = [NewRequest(line.line, line.custom_id, line.body_json) for line in result.lines]
-    else:
-        rec = BatchRecord(
-            status=BatchStatus.FAILED, failed_at=created, errors=tuple(result.errors), **common
+    try:  # no input file without its batch: what fails here leaves nothing behind
+        result = validate_batch_file(
+            data, model_resolves=_model_resolves(settings), model_override=model
         )
-        reqs = []
-    content_hash = hashlib.sha256(data).hexdigest()
-    await store.create_batch(rec, reqs, content_hash=content_hash, source=source)
+        created = int(now)
+        common = dict(
+            id=new_id(IdPrefix.BATCH),
+            endpoint=result.endpoint or (result.lines[0].url if result.lines else ""),
+            model=model or result.model,
+            input_file_id=file.id,
+            completion_window=completion_window,
+            created_at=created,
+            expires_at=created + window_s,
+            metadata=metadata,
+        )
+        if result.ok:
+            rec = BatchRecord(status=BatchStatus.IN_PROGRESS, in_progress_at=created, **common)
+            reqs = [NewRequest(line.line, line.custom_id, line.body_json) for line in result.lines]
+        else:
+            rec = BatchRecord(
+                status=BatchStatus.FAILED, failed_at=created, errors=tuple(result.errors), **common
+            )
+            reqs = []
+        content_hash = hashlib.sha256(data).hexdigest()
+        await store.create_batch(rec, reqs, content_hash=content_hash, source=source)
+    except Exception:
+        await delete_file(store, file.id)
+        raise
     return await store.get_batch(rec.id)
 
 

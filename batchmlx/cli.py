@@ -15,6 +15,7 @@ from batchmlx import service
 from batchmlx.config import Settings, load_settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchRecord
+from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import batch_object
 
 app = typer.Typer(
@@ -113,7 +114,12 @@ def _describe(rec: BatchRecord, settings: Settings) -> None:
     for line in _stats_lines(rec):
         typer.echo("  " + line)
     if rec.errors:
-        typer.echo(f"  validation failed with {len(rec.errors)} error(s):")
+        cut = rec.errors[-1].code == ErrorCode.TOO_MANY_ERRORS  # its message gives the total
+        typer.echo(
+            f"  validation failed; the first {len(rec.errors) - 1} errors:"
+            if cut
+            else f"  validation failed with {len(rec.errors)} error(s):"
+        )
         for e in rec.errors:
             where = f"line {e.line}" if e.line else "file"
             param = f" [{e.param}]" if e.param else ""

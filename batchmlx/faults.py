@@ -3,7 +3,7 @@ time `crash_point(point)` is reached (n defaults to 1; several specs may be comm
 
 Read once at import; with the variable unset `crash_point` is a dict lookup on an empty dict.
 Points: after_claim, mid_generation, after_result_write, before_finalize, mid_finalize,
-after_finalize_files.
+after_finalize_files, inbox_after_submit.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ POINTS = (
     "before_finalize",  # every request done, no file written
     "mid_finalize",  # output file written, error file and status not
     "after_finalize_files",  # both files written, status not changed
+    "inbox_after_submit",  # an inbox file's batch committed, the file not moved yet
 )
 
 

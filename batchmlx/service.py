@@ -73,6 +73,15 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def text_name(name: str) -> str:
+    """A file name as text the store can keep: bytes that are not UTF-8 (surrogate-escaped by
+    the OS layer) shown as \\xNN."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that no file name produced
+        return name.encode("utf-8", "backslashreplace").decode()
+
+
 async def store_file(
     store: Store,
     settings: Settings,
@@ -88,12 +97,12 @@ async def store_file(
     file_id = file_id or new_id(IdPrefix.FILE)
     path = settings.files_dir / file_id
     write_atomic(path, data)
-    rec = FileRecord(file_id, filename, purpose, len(data), int(now), str(path))
+    rec = FileRecord(file_id, text_name(filename), purpose, len(data), int(now), str(path))
     try:
         await store.add_file(rec, replace=replace)
     except BaseException:
         if not replace:
-            path.unlink(missing_ok=True)  # no record will ever name these bytes
+            path.unlink(missing_ok=True)  # no bytes under files/ without their record
         raise
     return rec
 
@@ -126,30 +135,34 @@ async def submit(
     file = await store_file(
         store, settings, data, filename=filename, purpose="batch", now=now
     )
-    result = validate_batch_file(
-        data, model_resolves=_model_resolves(settings), model_override=model
-    )
-    created = int(now)
-    common = dict(
-        id=new_id(IdPrefix.BATCH),
-        endpoint=result.endpoint or (result.lines[0].url if result.lines else ""),
-        model=model or result.model,
-        input_file_id=file.id,
-        completion_window=completion_window,
-        created_at=created,
-        expires_at=created + window_s,
-        metadata=metadata,
-    )
-    if result.ok:
-        rec = BatchRecord(status=BatchStatus.IN_PROGRESS, in_progress_at=created, **common)
-        reqs = [NewRequest(line.line, line.custom_id, line.body) for line in result.lines]
-    else:
-        rec = BatchRecord(
-            status=BatchStatus.FAILED, failed_at=created, errors=tuple(result.errors), **common
+    try:  # no input file without its batch: what fails here leaves nothing behind
+        result = validate_batch_file(
+            data, model_resolves=_model_resolves(settings), model_override=model
         )
-        reqs = []
-    content_hash = hashlib.sha256(data).hexdigest()
-    await store.create_batch(rec, reqs, content_hash=content_hash, source=source)
+        created = int(now)
+        common = dict(
+            id=new_id(IdPrefix.BATCH),
+            endpoint=result.endpoint or (result.lines[0].url if result.lines else ""),
+            model=model or result.model,
+            input_file_id=file.id,
+            completion_window=completion_window,
+            created_at=created,
+            expires_at=created + window_s,
+            metadata=metadata,
+        )
+        if result.ok:
+            rec = BatchRecord(status=BatchStatus.IN_PROGRESS, in_progress_at=created, **common)
+            reqs = [NewRequest(line.line, line.custom_id, line.body_json) for line in result.lines]
+        else:
+            rec = BatchRecord(
+                status=BatchStatus.FAILED, failed_at=created, errors=tuple(result.errors), **common
+            )
+            reqs = []
+        content_hash = hashlib.sha256(data).hexdigest()
+        await store.create_batch(rec, reqs, content_hash=content_hash, source=source)
+    except Exception:
+        await delete_file(store, file.id)
+        raise
     return await store.get_batch(rec.id)
 
 
@@ -248,15 +261,14 @@ async def _move(store: Store, batch_id: str, status: BatchStatus, now: float, **
 
 
 async def _write_inbox_results(store: Store, batch_id: str, out: bytes, err: bytes) -> None:
-    """A batch from an inbox also gets DIR/results/NAME.output.jsonl (and .errors.jsonl)."""
-    paths = result_paths(await store.batch_source(batch_id))
+    """A batch from an inbox also gets DIR/results/NAME.BATCH_ID.output.jsonl (and
+    .errors.jsonl); the names are the batch's own, so no other batch's file is touched."""
+    paths = result_paths(await store.batch_source(batch_id), batch_id)
     if paths is None:
         return
     write_atomic(paths[0], out)
     if err:
         write_atomic(paths[1], err)
-    else:
-        paths[1].unlink(missing_ok=True)
 
 
 async def cancel(store: Store, batch_id: str, *, now: float) -> BatchRecord:
@@ -378,10 +390,16 @@ async def validate_batch(
     if rec.status is not BatchStatus.VALIDATING:
         return rec
     f = await store.get_file(rec.input_file_id)
-    data = Path(f.path).read_bytes() if f is not None and Path(f.path).is_file() else None
+    data, unreadable = None, f"The input file {rec.input_file_id} no longer exists."
+    if f is not None:
+        try:
+            data = Path(f.path).read_bytes()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # the batch fails once, not validated again every poll
+            unreadable = f"The input file {rec.input_file_id} cannot be read: {exc.strerror}."
     if data is None:
-        missing = f"The input file {rec.input_file_id} no longer exists."
-        errors = (BatchErrorRecord(ErrorCode.INVALID_REQUEST.value, missing),)
+        errors = (BatchErrorRecord(ErrorCode.INVALID_REQUEST.value, unreadable),)
         result = None
     else:
         result = await asyncio.to_thread(
@@ -399,7 +417,7 @@ async def validate_batch(
                 ),
             )
     if not errors and result is not None:
-        reqs = [NewRequest(line.line, line.custom_id, line.body) for line in result.lines]
+        reqs = [NewRequest(line.line, line.custom_id, line.body_json) for line in result.lines]
         await store.start_validated_batch(
             batch_id, reqs, now, model=result.model, content_hash=hashlib.sha256(data).hexdigest()
         )

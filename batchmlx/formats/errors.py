@@ -24,6 +24,9 @@ class ErrorCode(enum.StrEnum):
     FILE_TOO_LARGE = "file_too_large"
     MODEL_NOT_FOUND = "model_not_found"
     INVALID_URL = "invalid_url"  # an endpoint batchmlx does not serve
+    TOO_MANY_ERRORS = "too_many_errors"  # the last item of a cut list: how many in all
+    # an inbox file that cannot be taken (a symlink, a name not UTF-8, unreadable)
+    FILE_REFUSED = "file_refused"
     # line-level errors of the error file (the request never ran)
     BATCH_EXPIRED = "batch_expired"
     BATCH_CANCELLED = "batch_cancelled"

@@ -81,6 +81,10 @@ def _loads(text: str | None) -> Any:
     return None if text is None else orjson.loads(text)
 
 
+def _body_text(body: dict[str, Any] | str) -> str:
+    return body if isinstance(body, str) else orjson.dumps(body).decode()
+
+
 def _errors_json(errors: Iterable[BatchErrorRecord]) -> str:
     return _dumps(
         [{"code": e.code, "message": e.message, "line": e.line, "param": e.param} for e in errors]
@@ -263,13 +267,12 @@ class Store:
             "source": source,
             "stats": _dumps(rec.stats or {}),
         }
-        dumps = orjson.dumps
         rows = [
             {
                 "batch_id": rec.id,
                 "line": r.line,
                 "custom_id": r.custom_id,
-                "body": dumps(r.body).decode(),
+                "body": _body_text(r.body),
                 "status": _QUEUED,
             }
             for r in requests
@@ -315,13 +318,25 @@ class Store:
         async with self._reader.connect() as conn:
             return (await conn.execute(select(B.c.source).where(B.c.id == batch_id))).scalar()
 
-    async def find_batch_by_hash(self, content_hash: str) -> BatchRecord | None:
-        """The newest batch made from a file with this content hash."""
+    async def find_batch_by_hash(
+        self, content_hash: str, statuses: Iterable[BatchStatus] | None = None
+    ) -> BatchRecord | None:
+        """The newest batch made from a file with this content hash (in one of `statuses`)."""
+        where = [B.c.content_hash == content_hash]
+        if statuses is not None:
+            where.append(B.c.status.in_([s.value for s in statuses]))
+        return await self._newest_batch(*where)
+
+    async def find_batch_by_source(self, source: str) -> BatchRecord | None:
+        """The newest batch whose `source` is exactly this (an inbox drop, say)."""
+        return await self._newest_batch(B.c.source == source)
+
+    async def _newest_batch(self, *where: Any) -> BatchRecord | None:
         async with self._reader.connect() as conn:
             batch_id = (
                 await conn.execute(
                     select(B.c.id)
-                    .where(B.c.content_hash == content_hash)
+                    .where(*where)
                     .order_by(B.c.created_at.desc(), _B_SEQ.desc())
                     .limit(1)
                 )
@@ -692,7 +707,7 @@ class Store:
                 "batch_id": batch_id,
                 "line": r.line,
                 "custom_id": r.custom_id,
-                "body": orjson.dumps(r.body).decode(),
+                "body": _body_text(r.body),
                 "status": _QUEUED,
             }
             for r in requests

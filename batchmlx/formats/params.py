@@ -436,23 +436,13 @@ def parse_request(endpoint: str, body: dict[str, Any]) -> ParsedRequest | Reques
         return reject.error
 
 
-def context_length_error(
-    context: int,
-    prompt_tokens: int,
-    max_tokens: int | None,
-    *,
-    endpoint: Endpoint = Endpoint.CHAT,
-) -> RequestError:
-    """The 400 OpenAI answers when prompt + max_tokens do not fit the model's context."""
-    what = "messages" if endpoint is Endpoint.CHAT else "prompt"
-    asked = prompt_tokens + (max_tokens or 0)
-    detail = f"{prompt_tokens} in the {what}"
-    if max_tokens:
-        detail += f", {max_tokens} in the completion"
+def context_length_error(context: int, prompt_tokens: int, endpoint: Endpoint) -> RequestError:
+    """The 400 for a prompt that leaves no room in the model's context (never a 500)."""
     return RequestError(
         400,
         ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
-        f"This model's maximum context length is {context} tokens. However, you requested "
-        f"{asked} tokens ({detail}). Please reduce the length of the {what} or completion.",
-        what,
+        f"This model's maximum context length is {context} tokens. "
+        f"However, your messages resulted in {prompt_tokens} tokens. "
+        "Please reduce the length of the messages.",
+        "messages" if endpoint is Endpoint.CHAT else "prompt",
     )

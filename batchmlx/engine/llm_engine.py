@@ -25,7 +25,7 @@ from batchmlx.core.request import (
     TokenLogprob,
 )
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
-from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage, install_paged_attention
+from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
 from batchmlx.engine.runner import ModelRunner, model_dims
 from batchmlx.engine.sampler import SampleRow, sample
 
@@ -135,7 +135,6 @@ class Engine:
             ),
             self.pool,
         )
-        install_paged_attention(model)
         self.runner = ModelRunner(model, self.storage)
         self._live: dict[str, _Live] = {}
         # called with (request_id, token_id) for every token a request emits (streaming)

@@ -14,14 +14,15 @@ from typing import Any
 import orjson
 
 from batchmlx.core.records import BatchErrorRecord
-from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.errors import ErrorCode, json_type
+from batchmlx.formats.params import Endpoint, Role
 
-SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
+SUPPORTED_URLS = tuple(Endpoint)
+_ROLES = frozenset(Role)
 MAX_FILE_BYTES = 200 * 1024 * 1024
 MAX_TASKS = 50_000
 
 _ENVELOPE_KEYS = ("custom_id", "method", "url", "body")
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -45,26 +46,14 @@ class ValidationResult:
         return not self.errors and bool(self.lines)
 
 
-def _err(code: ErrorCode, message: str, line: int | None = None, param: str | None = None):
+def _err(
+    code: ErrorCode, message: str, line: int | None = None, param: str | None = None
+) -> BatchErrorRecord:
     return BatchErrorRecord(code=code.value, message=message, line=line, param=param)
 
 
 def _invalid(line: int, param: str, message: str) -> BatchErrorRecord:
     return _err(ErrorCode.INVALID_REQUEST, f"Line {line}: {message}", line, param)
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
 
 
 def _is_int(value: Any) -> bool:
@@ -216,7 +205,7 @@ def validate_batch_file(
         url = obj.get("url")
         if not isinstance(url, str):
             line_errors.append(
-                _invalid(number, "url", f"'url' must be a string, not {_type_name(url)}.")
+                _invalid(number, "url", f"'url' must be a string, not {json_type(url)}.")
                 if "url" in obj
                 else _invalid(number, "url", "'url' is required.")
             )
@@ -248,7 +237,7 @@ def validate_batch_file(
         body = obj.get("body")
         if not isinstance(body, dict):
             what = (
-                "is required" if "body" not in obj else f"must be an object, not {_type_name(body)}"
+                "is required" if "body" not in obj else f"must be an object, not {json_type(body)}"
             )
             line_errors.append(_invalid(number, "body", f"'body' {what}."))
         else:
@@ -272,7 +261,7 @@ def validate_batch_file(
                         )
                     )
             if url is not None:
-                check = _check_chat if url == SUPPORTED_URLS[0] else _check_prompt
+                check = _check_chat if url == Endpoint.CHAT else _check_prompt
                 problem = check(body)
                 if problem:
                     param, what = problem
@@ -292,6 +281,8 @@ def validate_batch_file(
         if line_errors:
             errors.extend(line_errors)
         else:
+            # no error on the line: each field passed its check above
+            assert isinstance(custom_id, str) and url is not None and isinstance(body, dict)
             good.append(BatchLine(number, custom_id, url, body))
 
     if tasks == 0:

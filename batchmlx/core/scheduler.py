@@ -166,12 +166,12 @@ class Scheduler:
                     raise ValueError(f"no token sampled for {seq.seq_id}")
         done: list[Sequence] = []
         for seq_id in finished:
-            seq = self._seqs.get(seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
+            ended = self._seqs.get(seq_id)
+            if ended is None or ended.status is not SequenceStatus.RUNNING:
                 continue  # aborted, or already ended by the scheduler
-            self.running.remove(seq)
-            self._finish(seq, None)
-            done.append(seq)
+            self.running.remove(ended)
+            self._finish(ended, None)
+            done.append(ended)
         return done
 
     def abort(self, seq_id: str) -> Sequence | None:

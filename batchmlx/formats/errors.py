@@ -46,3 +46,20 @@ def error_dict(err: BatchErrorRecord) -> dict[str, Any]:
 def errors_object(errors: Iterable[BatchErrorRecord]) -> dict[str, Any]:
     """OpenAI's `Batch.errors`: {"object": "list", "data": [...]}."""
     return {"object": "list", "data": [error_dict(e) for e in errors]}
+
+
+def json_type(value: Any) -> str:
+    """The JSON type of a parsed value, as error messages name it: "an integer", "null"."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

@@ -17,16 +17,17 @@ from typing import Any
 import orjson
 
 from batchmlx.core.records import BatchErrorRecord
-from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.errors import ErrorCode, json_type
+from batchmlx.formats.params import Endpoint, Role
 
-SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
+SUPPORTED_URLS = tuple(Endpoint)
+_ROLES = frozenset(Role)
 MAX_FILE_BYTES = 200 * 1024 * 1024
 MAX_TASKS = 50_000
 MAX_REPORTED_ERRORS = 100  # errors listed on a failed batch; the rest are only counted
 
 _ENVELOPE_KEYS = ("custom_id", "method", "url", "body")
 MAX_NESTING = 254  # the deepest body orjson writes (the store writes bodies with orjson)
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -59,26 +60,14 @@ class ValidationResult:
         return not self.errors and bool(self.lines)
 
 
-def _err(code: ErrorCode, message: str, line: int | None = None, param: str | None = None):
+def _err(
+    code: ErrorCode, message: str, line: int | None = None, param: str | None = None
+) -> BatchErrorRecord:
     return BatchErrorRecord(code=code.value, message=message, line=line, param=param)
 
 
 def _invalid(line: int, param: str, message: str) -> BatchErrorRecord:
     return _err(ErrorCode.INVALID_REQUEST, f"Line {line}: {message}", line, param)
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
 
 
 def _is_int(value: Any) -> bool:
@@ -272,7 +261,7 @@ def validate_batch_file(
         url = obj.get("url")
         if not isinstance(url, str):
             line_errors.append(
-                _invalid(number, "url", f"'url' must be a string, not {_type_name(url)}.")
+                _invalid(number, "url", f"'url' must be a string, not {json_type(url)}.")
                 if "url" in obj
                 else _invalid(number, "url", "'url' is required.")
             )
@@ -304,7 +293,7 @@ def validate_batch_file(
         body = obj.get("body")
         if not isinstance(body, dict):
             what = (
-                "is required" if "body" not in obj else f"must be an object, not {_type_name(body)}"
+                "is required" if "body" not in obj else f"must be an object, not {json_type(body)}"
             )
             line_errors.append(_invalid(number, "body", f"'body' {what}."))
         else:
@@ -328,7 +317,7 @@ def validate_batch_file(
                         )
                     )
             if url is not None:
-                check = _check_chat if url == SUPPORTED_URLS[0] else _check_prompt
+                check = _check_chat if url == Endpoint.CHAT else _check_prompt
                 problem = check(body)
                 if problem:
                     param, what = problem
@@ -346,6 +335,8 @@ def validate_batch_file(
                 )
 
         if not line_errors:
+            # no error on the line: each field passed its check above
+            assert isinstance(custom_id, str) and url is not None and isinstance(body, dict)
             try:  # orjson reads JSON nested 1024 deep but writes at most 254: refuse it here
                 good.append(BatchLine(number, custom_id, url, orjson.dumps(body).decode()))
             except orjson.JSONEncodeError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from batchmlx.core.finish import cut_at_stop, fits_context
 from batchmlx.core.lifecycle import RequestStatus
 from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.core.request import (
@@ -23,7 +24,13 @@ from batchmlx.formats.openai import (
     new_id,
     text_completion_body,
 )
-from batchmlx.formats.params import Endpoint, ParsedRequest, RequestError, parse_request
+from batchmlx.formats.params import (
+    Endpoint,
+    ParsedRequest,
+    RequestError,
+    context_length_error,
+    parse_request,
+)
 
 
 @dataclass(slots=True)
@@ -64,6 +71,7 @@ def server_error_result(message: str) -> RequestResult:
 
 class Translator:
     def __init__(self, tokenizer: Any, model_name: str, context_length: int, eos_ids) -> None:
+        # context_length: prompt + completion tokens the engine holds (max_context_tokens)
         self.tok = tokenizer
         self.model_name = model_name
         self.context_length = context_length
@@ -81,14 +89,8 @@ class Translator:
         except Exception as exc:  # a template that rejects these messages, say
             err = RequestError(400, ErrorCode.INVALID_VALUE.value, f"Invalid prompt: {exc}", None)
             return None, [], error_result(err)
-        if len(tokens) >= self.context_length:
-            msg = (
-                f"This model's maximum context length is {self.context_length} tokens. "
-                f"However, your messages resulted in {len(tokens)} tokens. "
-                "Please reduce the length of the messages."
-            )
-            param = "messages" if parsed.endpoint is Endpoint.CHAT else "prompt"
-            err = RequestError(400, ErrorCode.CONTEXT_LENGTH_EXCEEDED.value, msg, param)
+        if not fits_context(len(tokens), self.context_length):
+            err = context_length_error(self.context_length, len(tokens), parsed.endpoint)
             return None, [], error_result(err)
         pending = PendingRequest(claimed, parsed, tokens, text, {})
         gens = []
@@ -159,12 +161,8 @@ class Translator:
         )
 
     def _text(self, out: GenerationOutput, stops: tuple[str, ...]) -> tuple[str, str]:
-        text = self.tok.decode(out.token_ids)
-        finish = out.finish_reason.value
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            text, finish = text[:cut], FinishReason.STOP.value
-        return text, finish
+        text, stopped = cut_at_stop(self.tok.decode(out.token_ids), stops)
+        return text, FinishReason.STOP.value if stopped else out.finish_reason.value
 
     def _logprobs(self, lps: list[TokenLogprob] | None) -> list[TokenLogprobText]:
         out = []

@@ -63,7 +63,9 @@ def create_app(settings: Settings, options: ServerOptions) -> Starlette:
                 log.info("model %s loaded in %.1fs", ctx.model_name, time.perf_counter() - t0)
                 return worker
 
-            supervisor = Supervisor(new_worker(), new_worker)
+            supervisor = Supervisor(
+                new_worker(), new_worker, on_give_up=getattr(app.state, "shutdown", lambda: None)
+            )
             app.state.supervisor = supervisor
             ctx.worker = _CurrentWorker(supervisor)
             ctx.worker_task = asyncio.create_task(supervisor.run())
@@ -100,10 +102,15 @@ def serve(settings: Settings, options: ServerOptions, *, host: str, port: int) -
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(settings, options)
     # one process, one event loop: the worker's engine steps and the handlers share it
-    uvicorn.run(
+    server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
         lifespan="on",
-    )  # fmt: skip
+    ))  # fmt: skip
+    app.state.shutdown = lambda: setattr(server, "should_exit", True)  # graceful, as SIGTERM
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        raise SystemExit(3)  # uvicorn.run's STARTUP_FAILURE: the lifespan or the bind failed
     supervisor = getattr(app.state, "supervisor", None)
     if supervisor is not None and supervisor.failed:
         raise SystemExit("the worker could not be kept running; see the log above")

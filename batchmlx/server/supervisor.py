@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -36,10 +35,16 @@ class Supervisor:
     """Runs `worker`, replacing it (same online queue) each time it stops unasked."""
 
     def __init__(
-        self, worker: Worker, make_worker: Callable[[], Worker], *, first_delay: float = 0.5
+        self,
+        worker: Worker,
+        make_worker: Callable[[], Worker],
+        *,
+        on_give_up: Callable[[], None] = lambda: None,  # `serve`: shut the server down
+        first_delay: float = 0.5,
     ) -> None:
         self.worker = worker
         self.make_worker = make_worker
+        self.on_give_up = on_give_up
         self.stopping = False
         self.failed = False  # gave up: the server shuts down and exits non-zero
         self._backoff = Backoff(first=first_delay)
@@ -91,4 +96,4 @@ class Supervisor:
         log.error("the worker stopped %d times in a row; shutting the server down", MAX_RESTARTS)
         self.failed = True
         self.worker.online.fail_all(503, WORKER_STOPPED)
-        signal.raise_signal(signal.SIGTERM)  # uvicorn's handler: a graceful shutdown
+        self.on_give_up()

@@ -26,6 +26,7 @@ PAUSE_ENV = "BATCHMLX_PAUSE_AT"
 PAUSE_DIR_ENV = "BATCHMLX_PAUSE_DIR"
 POINTS = (
     "after_claim",  # claimed requests are leased, nothing ran yet
+    "engine_step",  # an engine step about to run the model (a fault there fails its requests)
     "mid_generation",  # after an engine step
     "after_result_write",  # results committed, the batch not finalized
     "finalize_start",  # a batch's results read, its status not yet moved to finalizing

@@ -338,20 +338,25 @@ class Worker:
         crash_point("mid_generation")
 
     def _fail_running(self, exc: Exception) -> None:
-        """The engine step raised: the step's requests cannot be told apart, so every request
-        in the engine gets a 500 line (batch) or response (online); the engine starts empty."""
-        log.error("engine step failed; failing the %d requests it ran",
-                  len(self.pending) + len(self.online_pending), exc_info=exc)  # fmt: skip
+        """The engine step raised. The requests it ran (the engine says which; all of them if
+        it cannot) get a 500 line (batch) or response (online); the others go on."""
+        ids = getattr(exc, "request_ids", None)
+        rows = None if ids is None else {parse_choice_id(r)[0] for r in ids}
         err = server_error_result(f"The engine failed while running this request: {exc}")
+        failed = 0
         for table in (self.pending, self.online_pending):
             for row, p in list(table.items()):
+                if rows is not None and row not in rows:
+                    continue
                 for i in range(p.parsed.n):
                     self.loaded.engine.abort(f"{row}:{i}")
                 del table[row]
+                failed += 1
                 if table is self.online_pending:
                     self.online.done(row, err.status_code, err.body)
                 else:
                     self.ready.append((row, err))
+        log.error("engine step failed; %d requests failed with it", failed, exc_info=exc)
 
     async def _flush(self, force: bool = False) -> None:
         now = self.clock()

@@ -144,6 +144,16 @@ def _first_cancelled(s: Scenario, tmp: Path) -> dict[str, str]:
     return {next(iter(s.inputs)): "cancelled"}
 
 
+def _engine_error_lines(s: Scenario, w: LiveWorker) -> None:
+    """The requests in the engine when its step raised get a 500 line; the others ran."""
+    lines = [v[0] for b in s.inputs for v in lines_of(s, b).values()]
+    failed = [ln for ln in lines if ln["response"]["status_code"] == 500]
+    assert 1 <= len(failed) <= 2, lines  # --max-batch-size 2
+    assert all("The engine failed while running this request" in
+               ln["response"]["body"]["error"]["message"] for ln in failed)  # fmt: skip
+    assert sum(ln["response"]["status_code"] == 200 for ln in lines) == len(lines) - len(failed)
+
+
 def _logged(text: str) -> Callable[[Scenario, LiveWorker], None]:
     def check(s: Scenario, w: LiveWorker) -> None:
         assert text in w.text(), w.text()
@@ -170,6 +180,9 @@ CASES: dict[str, Case] = {
     "finalize_raises": Case(
         env={"BATCHMLX_FAIL_AT": "before_finalize:1:error"},
         check=_logged("finalize failed, retrying in"),
+    ),
+    "engine_step_raises": Case(
+        env={"BATCHMLX_FAIL_AT": "engine_step:3:error"}, check=_engine_error_lines
     ),
     "tick_raises": Case(
         env={"BATCHMLX_FAIL_AT": "mid_generation:2:error"},

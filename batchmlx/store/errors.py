@@ -5,7 +5,13 @@ from __future__ import annotations
 from sqlalchemy.exc import OperationalError
 
 # SQLite's words for a lock held past busy_timeout (another process writing, a backup, …)
-_TRANSIENT_WORDS = ("database is locked", "database is busy", "database table is locked")
+# and for a full disk (SQLITE_FULL): the same statement can succeed later
+_TRANSIENT_WORDS = (
+    "database is locked",
+    "database is busy",
+    "database table is locked",
+    "database or disk is full",
+)
 
 
 def is_transient_db_error(exc: BaseException) -> bool:

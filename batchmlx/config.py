@@ -16,6 +16,7 @@ class Settings:
     lease_s: float = 60.0  # a claimed request's lease; renewed by heartbeat at a third of it
     poll_s: float = 0.5  # how often an idle worker looks for work
     default_model: str = "default"
+    busy_timeout_s: float | None = None  # $BATCHMLX_BUSY_TIMEOUT_S; None: the store's default
 
     @property
     def db_path(self) -> Path:
@@ -30,7 +31,8 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     home = Path(env.get("BATCHMLX_HOME") or DEFAULT_HOME).expanduser()
     cache = Path(env.get("BATCHMLX_CACHE_DIR") or home / "cache").expanduser()
-    return Settings(home=home, cache_dir=cache)
+    busy = env.get("BATCHMLX_BUSY_TIMEOUT_S")
+    return Settings(home=home, cache_dir=cache, busy_timeout_s=float(busy) if busy else None)
 
 
 # The database and files/ hold every prompt and answer: the data directory is the user's alone.

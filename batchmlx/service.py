@@ -7,6 +7,7 @@ them without clocks or processes. No MLX here.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import tempfile
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from batchmlx.config import Settings, private_dir
-from batchmlx.core.lifecycle import BatchStatus, RequestStatus, is_expired
+from batchmlx.core.lifecycle import BatchStatus, RequestStatus, TransitionError, is_expired
 from batchmlx.core.records import BatchRecord, FileRecord, RequestResult
 from batchmlx.faults import crash_point
 from batchmlx.formats.errors import ErrorCode
@@ -36,6 +37,7 @@ OPENAI_COMPLETION_WINDOW = "24h"  # the only window OpenAI's API accepts (and so
 MAX_WINDOW_S = 365 * 86400  # a longer window is a typo
 # ASCII digits only: int() would also take "1_0" and "٣"
 _WINDOW = re.compile(r"([0-9]{1,9})([smhd])")
+log = logging.getLogger("batchmlx.service")
 
 
 class ServiceError(Exception):
@@ -96,6 +98,7 @@ async def store_file(
     replace = file_id is not None
     file_id = file_id or new_id(IdPrefix.FILE)
     path = settings.files_dir / file_id
+    crash_point("store_file")
     write_atomic(path, data)
     rec = FileRecord(file_id, text_name(filename), purpose, len(data), int(now), str(path))
     try:
@@ -196,6 +199,7 @@ async def finalize(
     if rec.status.terminal:
         return rec
     rows = await store.iter_results(batch_id)
+    crash_point("finalize_start")
     if rec.status is BatchStatus.CANCELLING:
         end = BatchStatus.CANCELLED
     elif rec.status is BatchStatus.IN_PROGRESS and any(
@@ -206,8 +210,8 @@ async def finalize(
         end = BatchStatus.COMPLETED
         if rec.status is BatchStatus.IN_PROGRESS:
             rec = await _move(store, batch_id, BatchStatus.FINALIZING, now)
-            if rec.status.terminal:
-                return rec
+            if rec.status is not BatchStatus.FINALIZING:
+                return rec  # cancelled meanwhile (settled next) or finished by another worker
     crash_point("before_finalize")
     out, err = bytearray(), bytearray()
     outcomes = {"hits": 0, "prefix_hits": 0, "misses": 0}
@@ -247,28 +251,37 @@ async def finalize(
 
 
 async def _move(store: Store, batch_id: str, status: BatchStatus, now: float, **fields: Any):
-    """Move a batch on; when another worker finalizing the same batch got there first (its
-    files are the same bytes: ids are derived), take the batch as that worker left it."""
-    from batchmlx.core.lifecycle import TransitionError
-
+    """Move a batch on; when someone else moved it first (another worker finalizing the same
+    batch, whose files are the same bytes since ids are derived; a cancel that arrived while
+    this one finalized), take the batch as they left it: whoever acts next settles it."""
     try:
         return await store.set_batch_status(batch_id, status, now, **fields)
     except TransitionError:
         current = await get_batch(store, batch_id)
-        if current.status is status or current.status.terminal:
-            return current
-        raise
+        if current.status is not status:
+            log.info("batch %s: moved to %s meanwhile, not %s", batch_id,
+                     current.status.value, status.value)  # fmt: skip
+        return current
 
 
 async def _write_inbox_results(store: Store, batch_id: str, out: bytes, err: bytes) -> None:
     """A batch from an inbox also gets DIR/results/NAME.BATCH_ID.output.jsonl (and
-    .errors.jsonl); the names are the batch's own, so no other batch's file is touched."""
+    .errors.jsonl); the names are the batch's own, so no other batch's file is touched.
+
+    The copies are a convenience: the batch's files are already in files/, so a copy that
+    cannot be written (results/ unwritable or not a folder, disk full) is logged and noted in
+    the batch's stats (`inbox_results_error`), and the batch completes all the same."""
     paths = result_paths(await store.batch_source(batch_id), batch_id)
     if paths is None:
         return
-    write_atomic(paths[0], out)
-    if err:
-        write_atomic(paths[1], err)
+    try:
+        write_atomic(paths[0], out)
+        if err:
+            write_atomic(paths[1], err)
+    except OSError as exc:
+        log.error("batch %s: inbox result copy not written (%s); the batch's files are in "
+                  "files/ (batchmlx results %s)", batch_id, exc, batch_id)  # fmt: skip
+        await store.update_batch_stats(batch_id, {"inbox_results_error": str(exc)})
 
 
 async def cancel(store: Store, batch_id: str, *, now: float) -> BatchRecord:
@@ -277,7 +290,10 @@ async def cancel(store: Store, batch_id: str, *, now: float) -> BatchRecord:
         return rec
     if rec.status is not BatchStatus.IN_PROGRESS:
         raise ServiceError(f"batch {batch_id} is {rec.status.value}; it cannot be cancelled")
-    return await store.set_batch_status(batch_id, BatchStatus.CANCELLING, now)
+    try:
+        return await store.set_batch_status(batch_id, BatchStatus.CANCELLING, now)
+    except TransitionError:
+        return await cancel(store, batch_id, now=now)  # it moved on meanwhile (finalizing)
 
 
 CANCELLED_RESULT = RequestResult(
@@ -383,7 +399,6 @@ async def validate_batch(
     the whole file whatever its bodies name, like `submit --model`. Safe to race: one wins."""
     import asyncio
 
-    from batchmlx.core.lifecycle import TransitionError
     from batchmlx.core.records import BatchErrorRecord
 
     rec = await get_batch(store, batch_id)

@@ -28,6 +28,15 @@ from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
 from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
 from batchmlx.engine.runner import ModelRunner, model_dims
 from batchmlx.engine.sampler import SampleRow, sample
+from batchmlx.faults import crash_point
+
+
+class StepError(Exception):
+    """A step failed; `request_ids` are the requests it ran (abort them: the rest go on)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +194,11 @@ class Engine:
         step = self.scheduler.schedule()
         if step is None:
             return []
-        sampled, finished = self._run(step)
+        try:
+            crash_point("engine_step")
+            sampled, finished = self._run(step)
+        except Exception as exc:
+            raise StepError([s.seq.seq_id for s in step.seqs], exc) from exc
         done = self.scheduler.update(step, sampled, finished)
         self.stats.step_s += time.perf_counter() - t0
         # sequences the scheduler ended itself (the pool cannot hold them even alone)

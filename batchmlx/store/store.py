@@ -586,11 +586,19 @@ class Store:
 
     async def release(self, worker_id: str, request_ids: Sequence[int] | None = None) -> int:
         """Put requests `worker_id` holds back in the queue (all of them when `request_ids` is
-        None), e.g. on SIGTERM or preemption. `attempts` is left as it is. Returns how many."""
+        None), e.g. on SIGTERM or preemption. Stopping is not failing: the claim's attempt is
+        taken back, so `attempts` counts only runs that ended with the worker gone. Returns
+        how many."""
         stmt = (
             update(R)
             .where(R.c.worker_id == worker_id, R.c.status == _RUNNING)
-            .values(status=_QUEUED, worker_id=None, lease_expires_at=None, claimed_at=None)
+            .values(
+                status=_QUEUED,
+                worker_id=None,
+                lease_expires_at=None,
+                claimed_at=None,
+                attempts=func.max(R.c.attempts - 1, 0),
+            )
         )
         if request_ids is not None:
             if not request_ids:

@@ -70,12 +70,19 @@ def server_error_result(message: str) -> RequestResult:
 
 
 class Translator:
-    def __init__(self, tokenizer: Any, model_name: str, context_length: int, eos_ids) -> None:
-        # context_length: prompt + completion tokens the engine holds (max_context_tokens)
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_name: str,
+        context_length: int,  # prompt + completion tokens the engine holds
+        eos_ids,
+        vocab_size: int | None = None,  # the embedding's rows; None: not checked
+    ) -> None:
         self.tok = tokenizer
         self.model_name = model_name
         self.context_length = context_length
         self.eos_ids = frozenset(eos_ids)
+        self.vocab_size = vocab_size
 
     def prepare(
         self, claimed: ClaimedRequest
@@ -84,6 +91,14 @@ class Translator:
         parsed = parse_request(claimed.endpoint, claimed.body)
         if isinstance(parsed, RequestError):
             return None, [], error_result(parsed)
+        bad_id = self._out_of_vocab(parsed)
+        if bad_id is not None:
+            msg = (
+                f"Invalid 'prompt': token id {bad_id} is out of range; this model's vocabulary "
+                f"has {self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})."
+            )
+            err = RequestError(400, ErrorCode.INVALID_VALUE.value, msg, "prompt")
+            return None, [], error_result(err)
         try:
             tokens, text = self._prompt(parsed)
         except Exception as exc:  # a template that rejects these messages, say
@@ -108,6 +123,13 @@ class Translator:
                 )
             )
         return pending, gens, None
+
+    def _out_of_vocab(self, parsed: ParsedRequest) -> int | None:
+        """The first prompt token id the model has no embedding for (it would not even fit the
+        engine's int32 arrays), or None."""
+        if parsed.prompt_token_ids is None or self.vocab_size is None:
+            return None
+        return next((t for t in parsed.prompt_token_ids if t >= self.vocab_size), None)
 
     def _prompt(self, parsed: ParsedRequest) -> tuple[list[int], str]:
         if parsed.endpoint is Endpoint.CHAT:

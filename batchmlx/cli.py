@@ -11,7 +11,12 @@ from typing import Annotated, Any
 import orjson
 import typer
 
-from batchmlx import service
+import batchmlx.ingest  # noqa: F401  (registers the inbox's finalize hook)
+from batchmlx.batches.errors import BatchError
+from batchmlx.batches.files import file_content, write_atomic
+from batchmlx.batches.finalize import get_batch
+from batchmlx.batches.intake import submit as submit_batch
+from batchmlx.batches.lifecycle import cancel_unattended, expire_unattended
 from batchmlx.config import Settings, load_settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchRecord
@@ -65,7 +70,7 @@ def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
 
     try:
         return asyncio.run(main())
-    except service.ServiceError as exc:
+    except BatchError as exc:
         raise _fail(str(exc)) from None
 
 
@@ -157,7 +162,7 @@ def submit(
         raise _fail(f"--metadata expects key=value, got {bad[0]!r}")
     meta = dict(m.split("=", 1) for m in metadata or []) or None
     rec = _run(
-        lambda store, settings: service.submit(
+        lambda store, settings: submit_batch(
             store, settings, file.read_bytes(), filename=file.name, now=time.time(),
             model=model, completion_window=completion_window, metadata=meta,
         )
@@ -246,8 +251,8 @@ def status(
         return
 
     async def current(store, settings) -> BatchRecord:
-        rec = await service.get_batch(store, batch_id)
-        return await service.expire_unattended(store, settings, rec, now=time.time())
+        rec = await get_batch(store, batch_id)
+        return await expire_unattended(store, settings, rec, now=time.time())
 
     rec = _run(current)
     _show(rec, as_json)
@@ -280,10 +285,10 @@ def results(
     """Download a finished batch's output file (or, with --errors, its error file)."""
 
     async def fetch(store, settings) -> bytes:
-        rec = await service.get_batch(store, batch_id)
+        rec = await get_batch(store, batch_id)
         if not rec.status.terminal:
-            raise service.ServiceError(f"batch {batch_id} is {rec.status.value}; not finished yet")
-        return await service.file_content(
+            raise BatchError(f"batch {batch_id} is {rec.status.value}; not finished yet")
+        return await file_content(
             store, rec.error_file_id if errors else rec.output_file_id
         )
 
@@ -291,7 +296,7 @@ def results(
     if output is None:
         sys.stdout.buffer.write(data)
     else:
-        service.write_atomic(output, data)
+        write_atomic(output, data)
         typer.echo(f"wrote {len(data)} bytes to {output}", err=True)
 
 
@@ -299,16 +304,9 @@ def results(
 def cancel(batch_id: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Cancel a batch: running requests stop, finished results are kept."""
 
-    async def do(store, settings):
-        now = time.time()
-        rec = await service.cancel(store, batch_id, now=now)
-        if rec.status is BatchStatus.CANCELLING and not await store.live_workers(
-            now, settings.lease_s
-        ):
-            rec = await service.settle_cancelling(store, settings, batch_id, now=now)
-        return rec
-
-    rec = _run(do)
+    rec = _run(
+        lambda store, settings: cancel_unattended(store, settings, batch_id, now=time.time())
+    )
     _show(rec, as_json)
 
 

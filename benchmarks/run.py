@@ -575,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_tokens:
         s = replace(s, max_tokens=args.max_tokens)
 
-    from batchmlx.engine.loader import load_model, resolve_model
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.loader import load_model
 
     cache = Path(os.environ.get("BATCHMLX_CACHE_DIR", "~/.cache/batchmlx-test")).expanduser()
     spec = resolve_model(s.model, cache_dir=cache)

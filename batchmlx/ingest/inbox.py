@@ -24,7 +24,9 @@ from pathlib import Path
 import orjson
 from watchfiles import awatch
 
-from batchmlx import service
+from batchmlx.batches.errors import BatchError
+from batchmlx.batches.files import text_name, write_atomic
+from batchmlx.batches.intake import submit, validate_batch
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchErrorRecord, BatchRecord
@@ -100,7 +102,7 @@ class Inbox:
                     continue
                 st = entry.stat(follow_symlinks=False)
             except OSError as exc:  # gone meanwhile, or failed/ cannot be written
-                log.warning("%s: %s", service.text_name(entry.name), exc)
+                log.warning("%s: %s", text_name(entry.name), exc)
                 continue
             present.add(path)
             key = (st.st_size, st.st_mtime_ns)
@@ -120,7 +122,7 @@ class Inbox:
             try:
                 rec = await self.ingest(store, path, st)
             except Exception:  # one bad file never stops the inbox
-                log.exception("cannot ingest %s", service.text_name(path.name))
+                log.exception("cannot ingest %s", text_name(path.name))
                 continue
             self._seen.pop(path, None)
             if rec is not None:
@@ -133,7 +135,7 @@ class Inbox:
         self, store: Store, path: Path, st: os.stat_result | None = None
     ) -> BatchRecord | None:
         """Make a batch of `path` (or find its duplicate) and move the file aside."""
-        name = service.text_name(path.name)
+        name = text_name(path.name)
         if name != path.name:
             _refuse(path, "its name is not valid UTF-8; rename it")
             return None
@@ -141,6 +143,10 @@ class Inbox:
         prior = await store.find_batch_by_source(drop.source)
         if prior is not None:  # taken before a crash kept it from moving: move it now
             log.info("%s: already batch %s; moved aside", name, prior.id)
+            if prior.status is BatchStatus.VALIDATING:  # the crash came between create and validate
+                prior = await validate_batch(
+                    store, self.settings, prior.id, now=self.clock(), model=self.model
+                )
             self._put_away(path, prior)
             return None
         try:
@@ -155,12 +161,12 @@ class Inbox:
                 _move(path, self.folder / DONE)
                 return None
         try:
-            rec = await service.submit(
+            rec = await submit(
                 store, self.settings, data, filename=name, now=self.clock(),
                 model=self.model, completion_window=self.completion_window,
                 source=drop.source,
             )  # fmt: skip
-        except service.ServiceError as exc:  # e.g. an unknown --model: the file is not at fault
+        except BatchError as exc:  # e.g. an unknown --model: the file is not at fault
             log.error("%s: %s", name, exc)
             return None
         except Exception as exc:  # submit left nothing behind; the file must not come back
@@ -194,14 +200,14 @@ def _refuse(path: Path, reason: str | None, rec: BatchRecord | None = None) -> P
         errors = rec.errors
     else:
         errors = (BatchErrorRecord(ErrorCode.FILE_REFUSED.value, f"Not taken: {reason}."),)
-        log.warning("%s: not taken: %s", service.text_name(path.name), reason)
+        log.warning("%s: not taken: %s", text_name(path.name), reason)
     body = {
         "batch_id": rec.id if rec else None,
-        "file": service.text_name(path.name),
+        "file": text_name(path.name),
         "errors": errors_object(errors),
     }
     report = failed / f"{dest.stem}.errors.json"
-    service.write_atomic(report, orjson.dumps(body, option=orjson.OPT_INDENT_2) + b"\n")
+    write_atomic(report, orjson.dumps(body, option=orjson.OPT_INDENT_2) + b"\n")
     os.replace(path, dest)  # a symlink moves as a link; its target is never read
     return report
 

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from batchmlx.config import Settings
-from batchmlx.models import resolve_model
+from batchmlx.core.models import resolve_model
 from batchmlx.server import batches, files, online
 from batchmlx.server.auth import BearerAuth
 from batchmlx.server.context import ServerContext, ServerOptions, Validator, log

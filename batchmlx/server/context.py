@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from batchmlx import service
+from batchmlx.batches.intake import validate_batch
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.store import Store
@@ -45,7 +45,7 @@ class Validator:
 
     async def validate(self, batch_id: str) -> None:
         try:
-            await service.validate_batch(
+            await validate_batch(
                 self.store, self.settings, batch_id, now=time.time(), model=self.model
             )
         except Exception:

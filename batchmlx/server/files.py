@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from batchmlx import service
+from batchmlx.batches.files import delete_file, file_content, store_file
 from batchmlx.core.records import FileRecord
 from batchmlx.server.bodies import BodyTooLarge, bounded, declared_length, media_type
 from batchmlx.server.context import ServerContext
@@ -83,7 +83,7 @@ async def upload(request: Request) -> JSONResponse:
         raise ApiError(400, f"Malformed multipart body: {detail}", code="invalid_request") from None
     if len(data) > limit:
         raise _too_large(limit)
-    rec = await service.store_file(
+    rec = await store_file(
         ctx.store, ctx.settings, data, filename=filename, purpose=purpose, now=time.time()
     )
     return JSONResponse(file_object(rec))
@@ -116,7 +116,7 @@ async def retrieve(request: Request) -> JSONResponse:
 async def content(request: Request) -> Response:
     rec = await _file(request)
     try:
-        data = await service.file_content(request.app.state.ctx.store, rec.id)
+        data = await file_content(request.app.state.ctx.store, rec.id)
     except FileNotFoundError:
         raise ApiError(410, f"The content of file '{rec.id}' is gone: its bytes are missing "
                        "from the data directory.", code="file_content_missing") from None
@@ -126,7 +126,7 @@ async def content(request: Request) -> Response:
 async def delete(request: Request) -> JSONResponse:
     ctx: ServerContext = request.app.state.ctx
     file_id = request.path_params["file_id"]
-    if not await service.delete_file(ctx.store, file_id):
+    if not await delete_file(ctx.store, file_id):
         raise not_found("file", file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 

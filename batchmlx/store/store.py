@@ -70,7 +70,9 @@ _STATUS_AT: dict[BatchStatus, str] = {
     BatchStatus.CANCELLED: "cancelled_at",
 }
 # Fields set_batch_status may change besides status and its *_at.
-_SETTABLE = frozenset({"model", "expires_at", "output_file_id", "error_file_id", "errors"})
+_SETTABLE = frozenset(
+    {"endpoint", "model", "expires_at", "output_file_id", "error_file_id", "errors"}
+)
 
 
 def _dumps(value: Any) -> str | None:
@@ -237,17 +239,11 @@ class Store:
     async def create_batch(
         self,
         rec: BatchRecord,
-        requests: Sequence[NewRequest],
         *,
         content_hash: str | None = None,
         source: str | None = None,
     ) -> None:
-        """Store a batch and all its requests (queued) in one transaction.
-
-        A FAILED batch (validation failed) carries its errors and no requests.
-        """
-        if rec.status is BatchStatus.FAILED and requests:
-            raise ValueError("a failed batch is stored without requests")
+        """Store a batch without requests: `start_validated_batch` is what enqueues them."""
         batch_values = {
             "id": rec.id,
             "endpoint": rec.endpoint,
@@ -267,20 +263,8 @@ class Store:
             "source": source,
             "stats": _dumps(rec.stats or {}),
         }
-        rows = [
-            {
-                "batch_id": rec.id,
-                "line": r.line,
-                "custom_id": r.custom_id,
-                "body": _body_text(r.body),
-                "status": _QUEUED,
-            }
-            for r in requests
-        ]
         async with self._engine.begin() as conn:
             await conn.execute(insert(B).values(**batch_values))
-            if rows:
-                await conn.execute(insert(R), rows)  # executemany: one prepared statement
 
     async def get_batch(self, batch_id: str) -> BatchRecord | None:
         """The batch with live request counts and token usage summed from its requests."""
@@ -706,10 +690,12 @@ class Store:
         now: float,
         *,
         model: str | None,
+        endpoint: str | None = None,
         content_hash: str | None = None,
     ) -> bool:
-        """validating → in_progress with its requests enqueued, in one transaction. False (and
-        nothing written) when the batch is no longer validating: another process got there."""
+        """validating → in_progress with its requests enqueued, in one transaction: the one
+        place request rows are written. False (and nothing written) when the batch is no longer
+        validating: another process got there."""
         rows = [
             {
                 "batch_id": batch_id,
@@ -720,19 +706,29 @@ class Store:
             }
             for r in requests
         ]
+        values: dict[str, Any] = {
+            "status": BatchStatus.IN_PROGRESS.value,
+            "in_progress_at": int(now),
+            "model": model,
+        }
+        if endpoint is not None:
+            values["endpoint"] = endpoint
+        if content_hash is not None:
+            values["content_hash"] = content_hash
         move = (
             update(B)
             .where(B.c.id == batch_id, B.c.status == BatchStatus.VALIDATING.value)
-            .values(
-                status=BatchStatus.IN_PROGRESS.value,
-                in_progress_at=int(now),
-                model=model,
-                content_hash=content_hash,
-            )
+            .values(**values)
         )
         async with self._engine.begin() as conn:
+            current = (await conn.execute(select(B.c.status).where(B.c.id == batch_id))).scalar()
+            if current is None:
+                raise KeyError(batch_id)
+            if current != BatchStatus.VALIDATING.value:
+                return False
+            check_transition(BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
             if (await conn.execute(move)).rowcount != 1:
                 return False
             if rows:
-                await conn.execute(insert(R), rows)
+                await conn.execute(insert(R), rows)  # executemany: one prepared statement
         return True

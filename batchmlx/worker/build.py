@@ -8,8 +8,9 @@ from typing import Any
 
 def build_engine(name: str, *, cache_dir: Path, dtype: str = "auto", **engine_cfg: Any):
     """Load the model `name` and wrap it in an Engine and the Translator that feeds it."""
+    from batchmlx.core.models import resolve_model
     from batchmlx.engine.llm_engine import Engine, EngineConfig
-    from batchmlx.engine.loader import load_model, resolve_model
+    from batchmlx.engine.loader import load_model
     from batchmlx.worker.translate import Translator
 
     spec = resolve_model(name, cache_dir=cache_dir)

@@ -19,7 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchmlx import service
+import batchmlx.ingest  # noqa: F401  (registers the inbox's finalize hook)
+from batchmlx.batches.finalize import finalize
+from batchmlx.batches.lifecycle import expire, settle_cancelling
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, is_expired
 from batchmlx.core.records import ClaimedRequest, RequestResult
@@ -395,7 +397,7 @@ class Worker:
                 continue
             self._abort_batch(b.id)
             await self._flush(force=True)
-            await self._for_batch(b.id, "cancel", service.settle_cancelling(
+            await self._for_batch(b.id, "cancel", settle_cancelling(
                 self.store, self.settings, b.id, now=self.clock()))  # fmt: skip
             did = True
         return did
@@ -409,7 +411,7 @@ class Worker:
         for b in due:
             self._abort_batch(b.id)
             await self._flush(force=True)
-            rec = await self._for_batch(b.id, "expiry", service.expire(
+            rec = await self._for_batch(b.id, "expiry", expire(
                 self.store, self.settings, b.id, now=now))  # fmt: skip
             if rec is not None:
                 log.info("batch %s: completion window ended; %s", b.id, rec.status.value)
@@ -426,7 +428,7 @@ class Worker:
     async def _finalize_ready(self) -> bool:
         ids = [b for b in await self.store.batches_to_finalize() if not self._is_parked(b)]
         for batch_id in ids:
-            await self._for_batch(batch_id, "finalize", service.finalize(
+            await self._for_batch(batch_id, "finalize", finalize(
                 self.store, self.settings, batch_id, now=self.clock()))  # fmt: skip
         return bool(ids)
 

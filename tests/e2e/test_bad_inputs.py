@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from batchmlx import service
+from batchmlx import batches
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.store import Store
@@ -48,10 +48,12 @@ def test_bad_inputs_give_clear_results_and_touch_nothing_else(tmp_path: Path) ->
     outcomes: dict[str, str] = {}
 
     async def scenario(store: Store, settings: Settings) -> None:
-        good = await service.submit(store, settings, GOOD, filename="good.jsonl", now=1.0)
+        good = await batches.intake.submit(store, settings, GOOD, filename="good.jsonl", now=1.0)
         assert good.status is BatchStatus.IN_PROGRESS
         for name, data in CORPUS.items():
-            rec = await service.submit(store, settings, data, filename=f"{name}.jsonl", now=2.0)
+            rec = await batches.intake.submit(
+                store, settings, data, filename=f"{name}.jsonl", now=2.0
+            )
             if rec.status is BatchStatus.FAILED:
                 assert rec.errors, name
                 for e in rec.errors:
@@ -82,7 +84,6 @@ def test_bad_inputs_give_clear_results_and_touch_nothing_else(tmp_path: Path) ->
         assert outcomes[name].startswith("accepted"), (name, outcomes[name])
 
 
-
 DEEP = _jsonl(_req("a", response_format={"x": json.loads("[" * 300 + "]" * 300)}))
 
 
@@ -90,12 +91,14 @@ def test_deep_nesting_over_http_fails_once_and_can_be_listed(tmp_path: Path) -> 
     """The HTTP path: create (validating), then validate: failed with a line, never stuck."""
 
     async def scenario(store: Store, settings: Settings) -> None:
-        f = await service.store_file(
+        f = await batches.files.store_file(
             store, settings, DEEP, filename="deep.jsonl", purpose="batch", now=1.0
         )
-        rec = await service.create_batch(store, settings, input_file_id=f.id, endpoint=URL, now=1.0)
+        rec = await batches.intake.create_batch(
+            store, settings, input_file_id=f.id, endpoint=URL, now=1.0
+        )
         assert rec.status is BatchStatus.VALIDATING
-        rec = await service.validate_batch(store, settings, rec.id, now=2.0)
+        rec = await batches.intake.validate_batch(store, settings, rec.id, now=2.0)
         assert rec.status is BatchStatus.FAILED
         assert [(e.line, e.code, e.param) for e in rec.errors] == [(1, "invalid_json_line", "body")]
         assert await store.batches_with_status(BatchStatus.VALIDATING) == []
@@ -105,13 +108,15 @@ def test_deep_nesting_over_http_fails_once_and_can_be_listed(tmp_path: Path) -> 
 
 def test_unreadable_input_file_fails_the_batch_once(tmp_path: Path) -> None:
     async def scenario(store: Store, settings: Settings) -> None:
-        f = await service.store_file(
+        f = await batches.files.store_file(
             store, settings, GOOD, filename="good.jsonl", purpose="batch", now=1.0
         )
         Path(f.path).unlink()
         Path(f.path).mkdir()  # reading it raises IsADirectoryError, an OSError
-        rec = await service.create_batch(store, settings, input_file_id=f.id, endpoint=URL, now=1.0)
-        rec = await service.validate_batch(store, settings, rec.id, now=2.0)
+        rec = await batches.intake.create_batch(
+            store, settings, input_file_id=f.id, endpoint=URL, now=1.0
+        )
+        rec = await batches.intake.validate_batch(store, settings, rec.id, now=2.0)
         assert rec.status is BatchStatus.FAILED
         assert "cannot be read" in rec.errors[0].message, rec.errors
 
@@ -126,7 +131,9 @@ def test_a_submit_that_cannot_be_stored_leaves_no_file(tmp_path: Path) -> None:
     async def scenario(store: Store, settings: Settings) -> None:
         bad = "caf\udce9.jsonl"  # how os.listdir gives the name b"caf\xe9.jsonl"
         try:
-            await service.submit(store, settings, GOOD, now=1.0, filename="ok.jsonl", source=bad)
+            await batches.intake.submit(
+                store, settings, GOOD, now=1.0, filename="ok.jsonl", source=bad
+            )
         except UnicodeEncodeError:
             pass
         else:
@@ -134,7 +141,7 @@ def test_a_submit_that_cannot_be_stored_leaves_no_file(tmp_path: Path) -> None:
         assert list(settings.files_dir.iterdir()) == []
         assert await store.list_files() == []
         assert await store.list_batches() == []
-        rec = await service.submit(store, settings, GOOD, now=1.0, filename=bad)
+        rec = await batches.intake.submit(store, settings, GOOD, now=1.0, filename=bad)
         assert rec.status is BatchStatus.IN_PROGRESS
         assert [f.filename for f in await store.list_files()] == ["caf\\xe9.jsonl"]
 

@@ -11,16 +11,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec, resolve_model
 from batchmlx.engine import default_model as dm
 from batchmlx.engine.gguf import MARKER_NAME, convert_gguf
-from batchmlx.engine.loader import (
-    DEFAULT_MODEL_NAME,
-    ModelSpec,
-    dequantize_model,
-    load_model,
-    model_folder,
-    resolve_model,
-)
+from batchmlx.engine.loader import dequantize_model, load_model, model_folder
 
 QUESTION = "What is the capital of France?"
 RENDERED = (

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from batchmlx import service
+from batchmlx import batches
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.store import Store
-from tests.store.conftest import batch, new_requests, ok
+from tests.store.conftest import add_batch, batch, new_requests, ok
 from tests.store_scenario import run_with_store
 
 
@@ -32,7 +32,7 @@ class _Late(Store):
 
 
 async def _done_batch(store: Store) -> None:
-    await store.create_batch(batch("batch_r", created_at=int(time.time())), new_requests(2))
+    await add_batch(store, batch("batch_r", created_at=int(time.time())), new_requests(2))
     claimed = await store.claim("w1", 2, now=time.time(), lease_s=60)
     await store.complete("w1", [(c.id, ok()) for c in claimed], now=time.time())
 
@@ -41,10 +41,10 @@ def test_cancel_arriving_while_finalize_reads(tmp_path: Path) -> None:
     async def scenario(store: Store, settings) -> None:
         await _done_batch(store)
         late = _Late(store)
-        late.before = lambda: service.cancel(store, "batch_r", now=time.time())
-        rec = await service.finalize(late, settings, "batch_r", now=time.time())
+        late.before = lambda: batches.lifecycle.cancel(store, "batch_r", now=time.time())
+        rec = await batches.finalize.finalize(late, settings, "batch_r", now=time.time())
         assert rec.status is BatchStatus.CANCELLING  # left for the canceller's settle
-        rec = await service.settle_cancelling(store, settings, "batch_r", now=time.time())
+        rec = await batches.lifecycle.settle_cancelling(store, settings, "batch_r", now=time.time())
         assert rec.status is BatchStatus.CANCELLED
         assert rec.request_counts.completed == 2 and rec.output_file_id
 
@@ -57,7 +57,7 @@ def test_cancel_of_a_batch_that_began_finalizing_meanwhile(tmp_path: Path) -> No
         late = _Late(store)
         late.before = lambda: store.set_batch_status("batch_r", BatchStatus.FINALIZING,
                                                      time.time())  # fmt: skip
-        with pytest.raises(service.ServiceError, match="finalizing; it cannot be cancelled"):
-            await service.cancel(late, "batch_r", now=time.time())
+        with pytest.raises(batches.BatchError, match="finalizing; it cannot be cancelled"):
+            await batches.lifecycle.cancel(late, "batch_r", now=time.time())
 
     run_with_store(tmp_path, scenario)

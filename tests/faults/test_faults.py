@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from batchmlx import service
+from batchmlx import batches
 from batchmlx.config import load_settings
-from batchmlx.ingest.layout import inbox_source
+from batchmlx.ingest.layout import SOURCE_PREFIX
 from batchmlx.store import Store
 from tests.crash.harness import Scenario
 from tests.e2e.helpers import COMPLETIONS_URL, request_line, write_jsonl
@@ -36,8 +36,10 @@ def submit(s: Scenario, path: Path, ids: list[str], source: str = "cli") -> str:
         settings = load_settings(s.cli.env)
         store = await Store.open(settings.db_path)
         try:
-            rec = await service.submit(store, settings, path.read_bytes(), filename=path.name,
-                                       now=time.time(), source=source)  # fmt: skip
+            rec = await batches.intake.submit(
+                store, settings, path.read_bytes(), filename=path.name,
+                now=time.time(), source=source,
+            )  # fmt: skip
             return rec.id
         finally:
             await store.close()
@@ -85,7 +87,7 @@ def _inbox_results_blocked(s: Scenario, tmp: Path) -> dict[str, str]:
     path = write_jsonl(inbox / "done" / "boxed.jsonl", [
         request_line(i, {"model": "default", "messages": [{"role": "user", "content": i}],
                          "max_tokens": 4}) for i in ids])  # fmt: skip
-    submit(s, path, ids, source=inbox_source(inbox / "boxed.jsonl"))
+    submit(s, path, ids, source=SOURCE_PREFIX + str(inbox / "boxed.jsonl"))
     return {}
 
 
@@ -118,7 +120,10 @@ def _token_ids_rejected(s: Scenario, w: LiveWorker) -> None:
         assert line["response"]["status_code"] == 400, line
         err = line["response"]["body"]["error"]
         assert (err["code"], err["param"], err["type"]) == (
-            "invalid_value", "prompt", "invalid_request_error")
+            "invalid_value",
+            "prompt",
+            "invalid_request_error",
+        )
         assert "out of range" in err["message"] and "49152 tokens" in err["message"], err
     assert seen["fine"][0]["response"]["status_code"] == 200
 
@@ -170,12 +175,12 @@ CASES: dict[str, Case] = {
         check=_logged("transient fault, retrying in"),
     ),
     "inbox_results_not_writable": Case(setup=_inbox_results_blocked, check=_inbox_copy_logged),
-    "prompt_token_ids_out_of_vocab": Case(
-        setup=_token_ids_out_of_vocab, check=_token_ids_rejected
-    ),
+    "prompt_token_ids_out_of_vocab": Case(setup=_token_ids_out_of_vocab, check=_token_ids_rejected),
     "cancel_during_finalize": Case(
-        env={"BATCHMLX_PAUSE_AT": "finalize_start:1"}, setup=_first_cancelled,
-        act=_cancel_in_finalize, check=_cancelled_keeps_results,
+        env={"BATCHMLX_PAUSE_AT": "finalize_start:1"},
+        setup=_first_cancelled,
+        act=_cancel_in_finalize,
+        check=_cancelled_keeps_results,
     ),  # fmt: skip
     "finalize_raises": Case(
         env={"BATCHMLX_FAIL_AT": "before_finalize:1:error"},

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,28 @@ def batch(
         created_at=created_at,
         **fields,
     )
+
+
+async def add_batch(
+    store: Store,
+    rec: BatchRecord,
+    requests: Sequence[NewRequest] = (),
+    *,
+    content_hash: str | None = None,
+    source: str | None = None,
+) -> None:
+    """Store `rec`; with requests, the way intake does it: created `validating`, then started
+    (in_progress_at: the record's, else its created_at)."""
+    if not requests:
+        await store.create_batch(rec, content_hash=content_hash, source=source)
+        return
+    assert rec.status is BatchStatus.IN_PROGRESS, "only an in_progress batch has requests"
+    validating = replace(rec, status=BatchStatus.VALIDATING, in_progress_at=None)
+    await store.create_batch(validating, content_hash=content_hash, source=source)
+    started = await store.start_validated_batch(
+        rec.id, requests, rec.in_progress_at or rec.created_at, model=rec.model
+    )
+    assert started
 
 
 def new_requests(n: int, prefix: str = "req") -> list[NewRequest]:

@@ -8,7 +8,7 @@ import os
 import stat
 from pathlib import Path
 
-from batchmlx import service
+from batchmlx import batches
 from batchmlx.config import load_settings
 from batchmlx.store import Store
 
@@ -23,7 +23,7 @@ def test_a_fresh_home_is_the_users_alone(tmp_path):
     async def scenario() -> set[str]:
         store = await Store.open(settings.db_path)
         try:
-            await service.store_file(store, settings, b"{}\n", filename="x.jsonl",
+            await batches.files.store_file(store, settings, b"{}\n", filename="x.jsonl",
                                      purpose="batch", now=1.0)  # fmt: skip
             return {p.name for p in settings.home.iterdir()}  # while the database is open
         finally:

@@ -8,7 +8,7 @@ from batchmlx.core.lifecycle import BatchStatus, RequestStatus
 from batchmlx.core.records import RequestCounts, RequestResult
 from batchmlx.store import Store
 
-from .conftest import batch, failed, new_requests, ok
+from .conftest import add_batch, batch, failed, new_requests, ok
 
 LEASE = 30.0
 
@@ -21,11 +21,9 @@ def _statuses(db_path) -> dict[int, tuple[str, str | None, int]]:
 
 def test_claim_takes_oldest_batch_first_in_line_order_up_to_limit(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_new", created_at=200), new_requests(2, "n"))
-        await store.create_batch(batch("batch_old", created_at=100), new_requests(3, "o"))
-        await store.create_batch(
-            batch("batch_wait", created_at=50, status=BatchStatus.VALIDATING), new_requests(2)
-        )
+        await add_batch(store, batch("batch_new", created_at=200), new_requests(2, "n"))
+        await add_batch(store, batch("batch_old", created_at=100), new_requests(3, "o"))
+        await add_batch(store, batch("batch_wait", created_at=50, status=BatchStatus.VALIDATING))
         first = await store.claim("w1", 4, now=10.0, lease_s=LEASE)
         assert [(c.batch_id, c.line) for c in first] == [
             ("batch_old", 1),
@@ -46,8 +44,8 @@ def test_claim_takes_oldest_batch_first_in_line_order_up_to_limit(with_store):
 
 def test_claim_can_be_restricted_to_one_batch(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a", created_at=100), new_requests(3, "a"))
-        await store.create_batch(batch("batch_b", created_at=200), new_requests(3, "b"))
+        await add_batch(store, batch("batch_a", created_at=100), new_requests(3, "a"))
+        await add_batch(store, batch("batch_b", created_at=200), new_requests(3, "b"))
         got = await store.claim("w1", 2, now=10.0, lease_s=LEASE, batch_id="batch_b")
         assert [(c.batch_id, c.custom_id) for c in got] == [("batch_b", "b-1"), ("batch_b", "b-2")]
 
@@ -56,7 +54,7 @@ def test_claim_can_be_restricted_to_one_batch(with_store):
 
 def test_complete_is_fenced_against_stale_workers(with_store, db_path):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a"), new_requests(2))
+        await add_batch(store, batch("batch_a"), new_requests(2))
         (r1, r2) = await store.claim("w1", 2, now=100.0, lease_s=LEASE)
         # a worker that never claimed the row cannot complete it
         assert await store.complete("w2", [(r1.id, ok())], now=101.0) == 0
@@ -84,7 +82,7 @@ def test_complete_is_fenced_against_stale_workers(with_store, db_path):
 
 def test_stale_worker_after_expiry_cannot_complete_even_unclaimed(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a"), new_requests(1))
+        await add_batch(store, batch("batch_a"), new_requests(1))
         (r1,) = await store.claim("w1", 1, now=0.0, lease_s=LEASE)
         (again,) = await store.claim("w2", 1, now=LEASE + 0.5, lease_s=LEASE)
         assert again.id == r1.id and again.attempts == 2
@@ -96,7 +94,7 @@ def test_stale_worker_after_expiry_cannot_complete_even_unclaimed(with_store):
 
 def test_unexpired_lease_is_not_reclaimed_and_heartbeat_extends_it(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a"), new_requests(3))
+        await add_batch(store, batch("batch_a"), new_requests(3))
         await store.claim("w1", 2, now=0.0, lease_s=10.0)
         # before expiry another worker only gets the third request
         got = await store.claim("w2", 5, now=9.0, lease_s=10.0)
@@ -133,7 +131,7 @@ def test_heartbeat_records_live_workers(with_store, db_path):
 
 def test_release_returns_requests_to_the_queue(with_store, db_path):
     async def scenario(store: Store) -> list[int]:
-        await store.create_batch(batch("batch_a"), new_requests(4))
+        await add_batch(store, batch("batch_a"), new_requests(4))
         claimed = await store.claim("w1", 4, now=0.0, lease_s=LEASE)
         ids = [c.id for c in claimed]
         assert await store.release("w2") == 0  # not its requests
@@ -161,7 +159,7 @@ def test_release_keeps_the_attempts_of_runs_that_crashed(with_store, db_path):
     """A lease taken over from a dead worker counts; the graceful release after it does not."""
 
     async def scenario(store: Store) -> int:
-        await store.create_batch(batch("batch_a"), new_requests(1))
+        await add_batch(store, batch("batch_a"), new_requests(1))
         (first,) = await store.claim("w1", 1, now=0.0, lease_s=LEASE)  # w1 dies holding it
         (again,) = await store.claim("w2", 1, now=LEASE + 1, lease_s=LEASE)
         assert (first.attempts, again.attempts) == (1, 2)
@@ -177,8 +175,8 @@ def test_release_keeps_the_attempts_of_runs_that_crashed(with_store, db_path):
 
 def test_batches_to_finalize_and_iter_results(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a", created_at=1), new_requests(3))
-        await store.create_batch(batch("batch_b", created_at=2), new_requests(1, "b"))
+        await add_batch(store, batch("batch_a", created_at=1), new_requests(3))
+        await add_batch(store, batch("batch_b", created_at=2), new_requests(1, "b"))
         claimed = await store.claim("w1", 10, now=0.0, lease_s=LEASE)
         assert await store.batches_to_finalize() == []
         by_line = {(c.batch_id, c.line): c.id for c in claimed}
@@ -221,7 +219,7 @@ def test_finish_unfinished_gives_every_open_request_the_result(with_store):
     )
 
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a"), new_requests(4))
+        await add_batch(store, batch("batch_a"), new_requests(4))
         c = await store.claim("w1", 2, now=0.0, lease_s=LEASE)
         await store.complete("w1", [(c[0].id, ok())], now=1.0)
         await store.set_batch_status("batch_a", BatchStatus.CANCELLING, now=2.0)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from batchmlx.batches.errors import BatchError as ServiceError
+from batchmlx.batches.windows import MAX_WINDOW_S, parse_window
 from batchmlx.server.auth import bearer_token
 from batchmlx.server.guard import HostPolicy, host_name
-from batchmlx.service import MAX_WINDOW_S, ServiceError, parse_window
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from batchmlx.batches.finalize import get_batch
 from batchmlx.batches.intake import submit as submit_batch
 from batchmlx.batches.lifecycle import cancel_unattended, expire_unattended
 from batchmlx.config import Settings, load_settings
+from batchmlx.core.engine_api import ENGINE_DEFAULTS, EngineSettings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchRecord
 from batchmlx.formats.errors import ErrorCode
@@ -152,7 +153,9 @@ def submit(
     metadata: Annotated[list[str] | None, typer.Option(help="key=value, repeatable")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the Batch object")] = False,
     simple: Annotated[bool, typer.Option(help="With --wait: simple mode")] = False,
-    max_batch_size: Annotated[int, typer.Option(help="With --wait: running batch bound")] = 32,
+    max_batch_size: Annotated[
+        int, typer.Option(help="With --wait: running batch bound")
+    ] = ENGINE_DEFAULTS.max_batch_size,
 ) -> None:
     """Validate a batch file and enqueue it (and run it with --wait)."""
     if not file.is_file():
@@ -172,13 +175,13 @@ def submit(
         raise typer.Exit(1)
     if wait:
         _warn_if_slow_blas()
-        rec = _wait(rec.id, {"simple": simple, "max_batch_size": max_batch_size}, as_json)
+        rec = _wait(rec.id, EngineSettings(simple=simple, max_batch_size=max_batch_size), as_json)
     _show(rec, as_json)
     if wait and rec.status is not BatchStatus.COMPLETED:
         raise typer.Exit(1)
 
 
-def _wait(batch_id: str, engine: dict[str, Any], quiet: bool) -> BatchRecord:
+def _wait(batch_id: str, engine: EngineSettings, quiet: bool) -> BatchRecord:
     """Follow a batch to its end; with no live worker, run one in this process."""
     from batchmlx.store import Store
     from batchmlx.worker import WorkerOptions, run_worker
@@ -317,20 +320,20 @@ def cancel(batch_id: str, as_json: Annotated[bool, typer.Option("--json")] = Fal
 def worker(
     until_idle: Annotated[bool, typer.Option(help="Exit when nothing is left to do")] = False,
     model: Annotated[str | None, typer.Option(help="Serve every batch with this model")] = None,
-    simple: SimpleOpt = False,
-    max_batch_size: MaxBatchOpt = 32,
-    block_size: BlockSizeOpt = 16,
-    use_paged_cache: PagedCacheOpt = True,
-    cache_memory_mb: CacheMemoryMbOpt = None,
+    simple: SimpleOpt = ENGINE_DEFAULTS.simple,
+    max_batch_size: MaxBatchOpt = ENGINE_DEFAULTS.max_batch_size,
+    block_size: BlockSizeOpt = ENGINE_DEFAULTS.block_size,
+    use_paged_cache: PagedCacheOpt = ENGINE_DEFAULTS.use_paged_cache,
+    cache_memory_mb: CacheMemoryMbOpt = ENGINE_DEFAULTS.cache_memory_mb,
     cache_memory_percent: Annotated[
         float, typer.Option(help="KV memory bound as a share of available memory")
-    ] = 0.20,
+    ] = ENGINE_DEFAULTS.cache_memory_percent,
     memory_aware_cache: Annotated[
         bool, typer.Option(help="Bound the cache by memory; off: by --cache-max-blocks")
-    ] = True,
+    ] = ENGINE_DEFAULTS.memory_aware,
     cache_max_blocks: Annotated[
         int, typer.Option(help="Block bound without memory awareness")
-    ] = 4096,
+    ] = ENGINE_DEFAULTS.cache_max_blocks,
     dtype: DtypeOpt = "auto",
     max_attempts: Annotated[
         int, typer.Option(help="Runs of one request (each ended by a crash) before giving up")
@@ -352,7 +355,7 @@ def worker(
 
     logging.getLogger("batchmlx.worker").info("BLAS: %s", active_blas().note)
     _warn_if_slow_blas()
-    engine = dict(
+    engine = EngineSettings(
         simple=simple,
         max_batch_size=max_batch_size,
         block_size=block_size,
@@ -448,11 +451,11 @@ def serve(
         int, typer.Option(min=1, help="Streamed tokens per chunk (1: every token)")
     ] = 1,
     max_upload_mb: Annotated[int, typer.Option(min=1, help="Largest file upload")] = 200,
-    simple: SimpleOpt = False,
-    max_batch_size: MaxBatchOpt = 32,
-    block_size: BlockSizeOpt = 16,
-    use_paged_cache: PagedCacheOpt = True,
-    cache_memory_mb: CacheMemoryMbOpt = None,
+    simple: SimpleOpt = ENGINE_DEFAULTS.simple,
+    max_batch_size: MaxBatchOpt = ENGINE_DEFAULTS.max_batch_size,
+    block_size: BlockSizeOpt = ENGINE_DEFAULTS.block_size,
+    use_paged_cache: PagedCacheOpt = ENGINE_DEFAULTS.use_paged_cache,
+    cache_memory_mb: CacheMemoryMbOpt = ENGINE_DEFAULTS.cache_memory_mb,
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Serve the OpenAI-compatible HTTP API (Files, Batches, chat/completions, models)."""
@@ -467,7 +470,7 @@ def serve(
     from batchmlx.server.context import ServerOptions
     from batchmlx.worker import WorkerOptions
 
-    engine = dict(
+    engine = EngineSettings(
         simple=simple, max_batch_size=max_batch_size, block_size=block_size,
         use_paged_cache=use_paged_cache, cache_memory_mb=cache_memory_mb,
     )  # fmt: skip

@@ -20,8 +20,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine, EngineConfig
+from batchmlx.engine.llm_engine import Engine
 from benchmarks import workloads as wl
 from benchmarks.measure import RunResult, agreement, run_ours, run_peer, summary
 from benchmarks.prefix_trie import block_prefix_lower_bound
@@ -92,7 +93,7 @@ class Bench:
     # -- engine configurations -----------------------------------------------------------------
     def config(self, *, simple: bool = False, sharing: bool = True, grow: int | None = None):
         s = self.s
-        return EngineConfig(
+        return EngineSettings(
             simple=simple,
             max_batch_size=s.max_batch_size,
             block_size=s.block_size,

@@ -63,6 +63,7 @@ async def run_worker(data: bytes, dtype: str, batch: int) -> dict[str, Any]:
     """Submit the file to a fresh home and run one worker until idle; model load excluded."""
     from batchmlx import batches
     from batchmlx.config import load_settings
+    from batchmlx.core.engine_api import EngineSettings
     from batchmlx.store import Store
     from batchmlx.worker import Worker, WorkerOptions
 
@@ -70,7 +71,8 @@ async def run_worker(data: bytes, dtype: str, batch: int) -> dict[str, Any]:
     settings = load_settings({"BATCHMLX_HOME": home, "BATCHMLX_CACHE_DIR": str(CACHE)})
     store = await Store.open(settings.db_path)
     try:
-        opts = WorkerOptions(until_idle=True, dtype=dtype, engine={"max_batch_size": batch})
+        engine = EngineSettings(max_batch_size=batch)
+        opts = WorkerOptions(until_idle=True, dtype=dtype, engine=engine)
         worker = Worker(store, settings, opts)
         worker.load("default")
         rec = await batches.intake.submit(

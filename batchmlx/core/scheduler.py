@@ -12,6 +12,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from batchmlx.core.blocks import BlockPool
+from batchmlx.core.engine_api import ENGINE_DEFAULTS
 from batchmlx.core.kv_manager import KVCacheManager, blocks_for
 from batchmlx.core.request import CacheOutcome, FinishReason, GenerationRequest
 from batchmlx.core.sequence import Sequence, SequenceStatus
@@ -20,12 +21,13 @@ from batchmlx.core.waiting import WaitingQueue
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_batch_size: int = 32  # running sequences at most
-    block_size: int = 16
+    max_batch_size: int = ENGINE_DEFAULTS.max_batch_size  # running sequences at most
+    block_size: int = ENGINE_DEFAULTS.block_size
     num_blocks: int = 1024  # pool size incl. the reserved block 0
-    max_prefill_tokens: int = 2048  # token budget of one prefill step (a longer prompt is chunked)
-    enable_prefix_cache: bool = True
-    prefix_grouping: bool = True  # shared prefix blocks computed once per step group
+    # token budget of one prefill step (a longer prompt is chunked)
+    max_prefill_tokens: int = ENGINE_DEFAULTS.max_prefill_tokens
+    enable_prefix_cache: bool = ENGINE_DEFAULTS.use_paged_cache
+    prefix_grouping: bool = ENGINE_DEFAULTS.prefix_grouping  # shared prefix blocks computed once
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.block_size < 1 or self.max_prefill_tokens < 1:

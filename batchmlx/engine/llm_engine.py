@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from batchmlx.core.blocks import BlockPool
+from batchmlx.core.engine_api import EngineSettings, StepError
 from batchmlx.core.finish import FinishRules, fits_context, max_new_tokens
 from batchmlx.core.request import (
     CacheOutcome,
@@ -31,29 +32,6 @@ from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.faults import crash_point
 
 
-class StepError(Exception):
-    """A step failed; `request_ids` are the requests it ran (abort them: the rest go on)."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.request_ids = request_ids
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    simple: bool = False  # one request at a time
-    max_batch_size: int = 32
-    block_size: int = 16
-    max_prefill_tokens: int = 2048
-    use_paged_cache: bool = True  # share prefix blocks between requests and keep them cached
-    memory_aware: bool = True
-    cache_memory_mb: int | None = None  # explicit bound on KV memory
-    cache_memory_percent: float = 0.20  # of available memory, when no explicit bound
-    cache_max_blocks: int = 4096  # the bound when memory_aware is off (an entry count)
-    prefix_grouping: bool = True
-    kv_grow_blocks: int = 64  # KV storage grows this many blocks at a time, up to the bound
-
-
 def available_memory_bytes() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -61,7 +39,7 @@ def available_memory_bytes() -> int:
         return int(mx.device_info().get("memory_size", 8 << 30))
 
 
-def kv_block_budget(cfg: EngineConfig, bytes_per_block: int) -> int:
+def kv_block_budget(cfg: EngineSettings, bytes_per_block: int) -> int:
     """Blocks the KV cache may hold, block 0 (scratch) included."""
     if not cfg.memory_aware:
         return cfg.cache_max_blocks + 1
@@ -107,11 +85,11 @@ class Engine:
         tokenizer: Any,
         *,
         context_length: int,
-        config: EngineConfig | None = None,
+        config: EngineSettings | None = None,
         clock=time.perf_counter,
         seed: int | None = None,
     ) -> None:
-        self.cfg = cfg = config or EngineConfig()
+        self.cfg = cfg = config or EngineSettings()
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.clock = clock
@@ -135,7 +113,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_batch_size=1 if cfg.simple else cfg.max_batch_size,
+                max_batch_size=cfg.running_bound,
                 block_size=cfg.block_size,
                 num_blocks=num_blocks,
                 max_prefill_tokens=cfg.max_prefill_tokens,

@@ -16,22 +16,23 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import batchmlx.ingest  # noqa: F401  (registers the inbox's finalize hook)
 from batchmlx.batches.finalize import finalize
 from batchmlx.batches.lifecycle import expire, settle_cancelling
 from batchmlx.config import Settings
+from batchmlx.core.engine_api import ENGINE_DEFAULTS, EngineSettings
 from batchmlx.core.lifecycle import BatchStatus, is_expired
 from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.faults import crash_point
 from batchmlx.store import Store
+from batchmlx.worker.build import EngineFactory, ServingModel, mlx_engine_factory
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
 from batchmlx.worker.resilience import Backoff, is_transient
 from batchmlx.worker.translate import (
     PendingRequest,
-    Translator,
     parse_choice_id,
     server_error_result,
 )
@@ -44,17 +45,10 @@ class WorkerOptions:
     until_idle: bool = False  # exit once nothing is left to do
     model: str | None = None  # serve only batches of this model (None: whatever comes first)
     dtype: str = "auto"
-    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    engine: EngineSettings = ENGINE_DEFAULTS
     claim_factor: int = 4  # hold up to this many times max_batch_size requests
     flush_s: float = 0.5  # results wait at most this long before their transaction
     max_attempts: int = 3  # claims of one request before it is given up (error file)
-
-
-@dataclass
-class _Loaded:
-    name: str
-    engine: Any
-    translator: Translator
 
 
 class Worker:
@@ -66,14 +60,20 @@ class Worker:
         *,
         clock: Callable[[], float] = time.time,
         on_progress: Callable[[], None] | None = None,
+        engine_factory: EngineFactory | None = None,
     ) -> None:
+        """`engine_factory`: a model name → its engine and translator (default: the MLX
+        engine, loaded on first use; tests pass a fake)."""
         self.store = store
         self.settings = settings
         self.opts = options
         self.clock = clock
         self.on_progress = on_progress
         self.worker_id = f"w-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.loaded: _Loaded | None = None
+        self.build = engine_factory or mlx_engine_factory(
+            cache_dir=settings.cache_dir, dtype=options.dtype, engine=options.engine
+        )
+        self.loaded: ServingModel | None = None
         self.pending: dict[int, PendingRequest] = {}  # row id -> request in the engine
         self.online = OnlineQueue()  # the HTTP API's requests, ahead of batch work
         self.online_pending: dict[int, PendingRequest] = {}  # ticket id (< 0) -> request
@@ -294,24 +294,18 @@ class Worker:
         response bodies give it."""
         return self._ensure_model(self._model_for(model)).translator.model_name
 
-    def _ensure_model(self, name: str) -> _Loaded:
+    def _ensure_model(self, name: str) -> ServingModel:
         if self.loaded is not None and self.loaded.name == name:
             return self.loaded
         if self.pending or self.online_pending:
             raise RuntimeError("cannot switch models while requests run")
-        from batchmlx.worker.build import build_engine
-
-        engine, translator = build_engine(
-            name, cache_dir=self.settings.cache_dir, dtype=self.opts.dtype, **self.opts.engine
-        )
-        engine.on_token = self._on_token
-        self.loaded = _Loaded(name, engine, translator)
-        return self.loaded
+        loaded = self.build(name)
+        loaded.engine.on_token = self._on_token
+        self.loaded = loaded
+        return loaded
 
     def _max_batch(self) -> int:
-        if self.opts.engine.get("simple"):
-            return 1
-        return int(self.opts.engine.get("max_batch_size", 32))
+        return self.opts.engine.running_bound
 
     # -- running -------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -473,6 +467,7 @@ async def run_worker(
     on_progress: Callable[[], None] | None = None,
     signals: bool = True,
     inbox: Any = None,
+    engine_factory: EngineFactory | None = None,
 ) -> None:
     """Run a worker until it stops; with `inbox` (an ingest.inbox.Inbox), watch its folder in
     the same event loop and stop watching when the worker stops."""
@@ -482,7 +477,9 @@ async def run_worker(
         busy = {} if timeout is None else {"busy_timeout_s": timeout}
         store = await Store.open(settings.db_path, **busy)
     try:
-        worker = Worker(store, settings, options, on_progress=on_progress)
+        worker = Worker(
+            store, settings, options, on_progress=on_progress, engine_factory=engine_factory
+        )
         if signals:
             worker.install_signal_handlers()
         if inbox is None:

@@ -9,8 +9,9 @@ from mlx.utils import tree_map
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
+from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import CacheOutcome, FinishReason, GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine, EngineConfig
+from batchmlx.engine.llm_engine import Engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -34,7 +35,7 @@ def model():
 def engine(model, **cfg) -> Engine:
     base = dict(block_size=4, cache_memory_mb=64, max_prefill_tokens=64)
     base.update(cfg)
-    return Engine(model, None, context_length=256, config=EngineConfig(**base), seed=0)
+    return Engine(model, None, context_length=256, config=EngineSettings(**base), seed=0)
 
 
 def prompts() -> list[list[int]]:

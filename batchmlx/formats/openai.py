@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from batchmlx.core.records import BatchRecord
+from batchmlx.core.records import BatchRecord, FileRecord
 from batchmlx.formats.errors import errors_object
 
 # OpenAI's own line-level messages for requests that never ran.
@@ -244,6 +244,26 @@ def batch_object(rec: BatchRecord) -> dict[str, Any]:
             "total_tokens": usage.total_tokens,
         },
     }
+
+
+def file_object(f: FileRecord) -> dict[str, Any]:
+    """openai.types.FileObject."""
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": f.bytes,
+        "created_at": f.created_at,
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": None,
+    }
+
+
+def file_deleted_object(file_id: str) -> dict[str, Any]:
+    """openai.types.FileDeleted."""
+    return {"id": file_id, "object": "file", "deleted": True}
 
 
 def dumps_line(obj: Any) -> bytes:

@@ -6,7 +6,6 @@ Output and error files of batches are files too, with purpose `batch_output`.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
@@ -16,6 +15,7 @@ from starlette.routing import Route
 
 from batchmlx.batches.files import delete_file, file_content, store_file
 from batchmlx.core.records import FileRecord
+from batchmlx.formats.openai import file_deleted_object, file_object
 from batchmlx.server.bodies import BodyTooLarge, bounded, declared_length, media_type
 from batchmlx.server.context import ServerContext
 from batchmlx.server.errors import ApiError, not_found
@@ -23,21 +23,6 @@ from batchmlx.server.pages import page_params, page_response
 
 UPLOAD_PURPOSES = ("batch",)
 LIST_LIMIT_MAX = 10_000
-
-
-def file_object(f: FileRecord) -> dict[str, Any]:
-    """openai.types.FileObject."""
-    return {
-        "id": f.id,
-        "object": "file",
-        "bytes": f.bytes,
-        "created_at": f.created_at,
-        "filename": f.filename,
-        "purpose": f.purpose,
-        "status": "processed",
-        "status_details": None,
-        "expires_at": None,
-    }
 
 
 def _too_large(limit: int) -> ApiError:
@@ -128,7 +113,7 @@ async def delete(request: Request) -> JSONResponse:
     file_id = request.path_params["file_id"]
     if not await delete_file(ctx.store, file_id):
         raise not_found("file", file_id)
-    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+    return JSONResponse(file_deleted_object(file_id))
 
 
 ROUTES = [

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from batchmlx.formats.openai import IdPrefix, new_id
+from batchmlx.formats.chunks import StreamChunks
 from batchmlx.formats.params import Endpoint, ParsedRequest, RequestError, parse_request
 from batchmlx.server.bodies import json_body
 from batchmlx.server.context import ServerContext
@@ -26,39 +26,6 @@ _STREAM_KEYS = ("stream", "stream_options")
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-class _Chunks:
-    """Builds the chunk objects of one streamed response."""
-
-    def __init__(self, endpoint: Endpoint, model: str) -> None:
-        self.chat = endpoint is Endpoint.CHAT
-        self.id = new_id(IdPrefix.CHAT_COMPLETION if self.chat else IdPrefix.COMPLETION)
-        self.created = int(time.time())
-        self.model = model
-
-    def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-            **extra,
-        }
-
-    def text(self, index: int, text: str, finish: str | None = None, role: bool = False):
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else (
-                {"content": text} if text or finish is None else {})  # fmt: skip
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-        return self._wrap([choice])
-
-    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return self._wrap([], usage=usage)
 
 
 def _final_text(body: dict[str, Any], index: int, chat: bool) -> tuple[str, str]:
@@ -79,7 +46,7 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     from batchmlx.worker.online import DoneEvent
 
-    chunks = _Chunks(parsed.endpoint, ticket.model or ctx.model_name)
+    chunks = StreamChunks(parsed.endpoint, ticket.model or ctx.model_name, created=int(time.time()))
     interval = ctx.options.stream_interval
     prefix = _echo_prefix(parsed, ticket.decode)
     streams = [

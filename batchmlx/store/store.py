@@ -226,14 +226,6 @@ class Store:
             row = (await conn.execute(select(F).where(F.c.id == file_id))).mappings().first()
         return None if row is None else _file_record(row)
 
-    async def list_files(self, purpose: str | None = None) -> list[FileRecord]:
-        query = select(F).order_by(F.c.created_at.desc(), literal_column("files.rowid").desc())
-        if purpose is not None:
-            query = query.where(F.c.purpose == purpose)
-        async with self._reader.connect() as conn:
-            rows = (await conn.execute(query)).mappings().all()
-        return [_file_record(r) for r in rows]
-
     # -- batches -----------------------------------------------------------------------------
 
     async def create_batch(
@@ -380,13 +372,6 @@ class Store:
     async def active_batches(self) -> list[BatchRef]:
         """In-progress batches, oldest first: those `claim` takes requests from."""
         return await self.batches_with_status(BatchStatus.IN_PROGRESS)
-
-    async def batch_progress(self, batch_id: str) -> RequestCounts:
-        async with self._reader.connect() as conn:
-            row = (
-                await conn.execute(select(*_PROGRESS_COLUMNS).where(R.c.batch_id == batch_id))
-            ).first()
-        return _progress(row)[0]
 
     async def batches_to_finalize(self) -> list[str]:
         """Batches to finalize, oldest first: in-progress ones whose every request is done

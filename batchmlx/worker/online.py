@@ -14,8 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-ONLINE_PRIORITY = 0  # engine priority of online requests; batch work runs at BATCH_PRIORITY
-BATCH_PRIORITY = 1
+ONLINE_PRIORITY = 0  # engine priority of online requests; batch work keeps the default, 1
 
 
 @dataclass(slots=True)

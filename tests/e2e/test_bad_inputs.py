@@ -139,11 +139,11 @@ def test_a_submit_that_cannot_be_stored_leaves_no_file(tmp_path: Path) -> None:
         else:
             raise AssertionError("a source the database cannot hold was stored")
         assert list(settings.files_dir.iterdir()) == []
-        assert await store.list_files() == []
+        assert await store.list_files_page() == []
         assert await store.list_batches() == []
         rec = await batches.intake.submit(store, settings, GOOD, now=1.0, filename=bad)
         assert rec.status is BatchStatus.IN_PROGRESS
-        assert [f.filename for f in await store.list_files()] == ["caf\\xe9.jsonl"]
+        assert [f.filename for f in await store.list_files_page()] == ["caf\\xe9.jsonl"]
 
     run_with_store(tmp_path, scenario)
 

@@ -199,7 +199,7 @@ def test_files_that_cannot_be_taken_go_to_failed_once(tmp_path: Path) -> None:
         for _ in range(4):  # scans again and again: nothing is taken twice
             await box.scan(store)
         assert sorted(os.listdir(inbox)) == ["done", "failed"]
-        inputs = [f for f in await store.list_files() if f.purpose == "batch"]
+        inputs = [f for f in await store.list_files_page() if f.purpose == "batch"]
         assert sorted(f.filename for f in inputs) == ["deep.jsonl", "fine.jsonl"]
         assert len(list(settings.files_dir.iterdir())) == 2
         for f in inputs:

@@ -21,8 +21,8 @@ def test_files_round_trip(with_store):
         await store.add_file(b)
         assert await store.get_file("file-a") == a
         assert await store.get_file("file-zzz") is None
-        assert await store.list_files() == [b, a]
-        assert await store.list_files(purpose="batch") == [a]
+        assert await store.list_files_page() == [b, a]
+        assert await store.list_files_page(purpose="batch") == [a]
 
     with_store(scenario)
 
@@ -45,7 +45,7 @@ def test_create_and_get_batch_with_live_counts_and_usage(with_store):
         got = await store.get_batch("batch_a")
         assert got.request_counts == RequestCounts(total=4, completed=2, failed=1)
         assert got.usage == BatchUsage(input_tokens=30, cached_tokens=4, output_tokens=12)
-        assert await store.batch_progress("batch_a") == got.request_counts
+        assert (await store.get_batch("batch_a")).request_counts == got.request_counts
         assert await store.get_batch("batch_nope") is None
 
     with_store(scenario)

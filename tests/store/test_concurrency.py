@@ -65,7 +65,7 @@ def test_two_processes_claim_disjoint_sets_without_locking_errors(with_store, db
 
     async def check(store: Store) -> None:
         for b in ("batch_a", "batch_b"):
-            assert await store.batch_progress(b) == RequestCounts(n // 2, n // 2, 0)
+            assert (await store.get_batch(b)).request_counts == RequestCounts(n // 2, n // 2, 0)
         assert await store.batches_to_finalize() == ["batch_a", "batch_b"]
 
     with_store(check)

@@ -87,7 +87,7 @@ def test_stale_worker_after_expiry_cannot_complete_even_unclaimed(with_store):
         (again,) = await store.claim("w2", 1, now=LEASE + 0.5, lease_s=LEASE)
         assert again.id == r1.id and again.attempts == 2
         assert await store.complete("w1", [(r1.id, ok())], now=LEASE + 1) == 0
-        assert await store.batch_progress("batch_a") == RequestCounts(total=1)
+        assert (await store.get_batch("batch_a")).request_counts == RequestCounts(total=1)
 
     with_store(scenario)
 
@@ -225,7 +225,7 @@ def test_finish_unfinished_gives_every_open_request_the_result(with_store):
         await store.set_batch_status("batch_a", BatchStatus.CANCELLING, now=2.0)
         assert await store.finish_unfinished("batch_a", expired, now=3.0) == 3
         assert await store.complete("w1", [(c[1].id, ok())], now=4.0) == 0  # too late
-        counts = await store.batch_progress("batch_a")
+        counts = (await store.get_batch("batch_a")).request_counts
         assert counts == RequestCounts(total=4, completed=1, failed=3)
         errors = [r.error for r in await store.iter_results("batch_a")]
         assert errors == [None] + [expired.error] * 3

@@ -1,4 +1,4 @@
-"""The command line: parse, call a service function, print. Imports no MLX at import time."""
+"""The command line: parse, call batches/ or the worker, print. Imports no MLX at import time."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _warn_if_slow_blas() -> None:
 
 
 def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
-    """Open the store, run one service coroutine, close the store."""
+    """Open the store, run one coroutine, close the store."""
     from batchmlx.store import Store
 
     settings = load_settings()

@@ -1,4 +1,4 @@
-"""The inbox folder layout, in one place (the service writes results, the watcher moves files).
+"""The inbox folder layout, in one place (results.py writes result copies, the watcher moves files).
 
     DIR/NAME.jsonl                          dropped by the user; ingested once complete
     DIR/done/NAME.jsonl                     ingested (a batch was made, or it duplicated one)

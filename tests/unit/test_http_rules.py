@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchmlx.batches.errors import BatchError as ServiceError
+from batchmlx.batches.errors import BatchError
 from batchmlx.batches.windows import MAX_WINDOW_S, parse_window
 from batchmlx.server.auth import bearer_token
 from batchmlx.server.guard import HostPolicy, host_name
@@ -26,7 +26,7 @@ def test_windows_that_parse(window, seconds):
      "366d", "99999999999999999999d", "1.5h"],
 )  # fmt: skip
 def test_windows_refused(window):
-    with pytest.raises(ServiceError):
+    with pytest.raises(BatchError):
         parse_window(window)
 
 

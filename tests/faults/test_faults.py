@@ -24,7 +24,7 @@ import pytest
 
 from batchmlx import service
 from batchmlx.config import load_settings
-from batchmlx.ingest.layout import inbox_source
+from batchmlx.ingest.layout import SOURCE_PREFIX
 from batchmlx.store import Store
 from tests.crash.harness import Scenario
 from tests.e2e.helpers import COMPLETIONS_URL, request_line, write_jsonl
@@ -85,7 +85,7 @@ def _inbox_results_blocked(s: Scenario, tmp: Path) -> dict[str, str]:
     path = write_jsonl(inbox / "done" / "boxed.jsonl", [
         request_line(i, {"model": "default", "messages": [{"role": "user", "content": i}],
                          "max_tokens": 4}) for i in ids])  # fmt: skip
-    submit(s, path, ids, source=inbox_source(inbox / "boxed.jsonl"))
+    submit(s, path, ids, source=f"{SOURCE_PREFIX}{inbox / 'boxed.jsonl'}")
     return {}
 
 

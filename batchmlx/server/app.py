@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from batchmlx.config import Settings
 from batchmlx.models import resolve_model
-from batchmlx.server import batches, files, online
+from batchmlx.server import batches, dashboard, files, metrics, online
 from batchmlx.server.auth import BearerAuth
 from batchmlx.server.context import ServerContext, ServerOptions, Validator, log
 from batchmlx.server.errors import EXCEPTION_HANDLERS
@@ -72,8 +72,13 @@ def create_app(settings: Settings, options: ServerOptions) -> Starlette:
         *batches.ROUTES,
         *online.ROUTES,
         Route("/v1/models", list_models, methods=["GET"]),
+        *metrics.ROUTES,
+        *dashboard.ROUTES,
     ]
-    middleware = [Middleware(BearerAuth, api_key=options.api_key)] if options.api_key else []
+    middleware = (
+        [Middleware(BearerAuth, api_key=options.api_key, public=dashboard.is_public)]
+        if options.api_key else []
+    )  # fmt: skip
     return Starlette(
         routes=routes,
         middleware=middleware,

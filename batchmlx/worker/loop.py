@@ -24,6 +24,7 @@ from batchmlx.core.lifecycle import BatchStatus, is_expired
 from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.faults import crash_point
 from batchmlx.store import Store
+from batchmlx.worker.metrics import EngineMetrics, register_worker
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
 from batchmlx.worker.translate import (
     PendingRequest,
@@ -75,6 +76,8 @@ class Worker:
         self.online_pending: dict[int, PendingRequest] = {}  # ticket id (< 0) -> request
         self.ready: list[tuple[int, RequestResult]] = []  # results waiting for a flush
         self.stop_requested = False
+        self.metrics = EngineMetrics()  # this process's registry and chart series
+        register_worker(self)  # the dashboard and `submit --wait` read inflight_tokens()
         self._last_flush = 0.0
         self._last_beat = 0.0
         self._next_housekeeping = 0.0  # monotonic time of the next look for other work
@@ -259,6 +262,18 @@ class Worker:
         return int(self.opts.engine.get("max_batch_size", 32))
 
     # -- running -------------------------------------------------------------------------------
+    def inflight_tokens(self) -> dict[str, int]:
+        """Tokens generated so far by batch requests still in the engine, per batch."""
+        engine = self.loaded.engine if self.loaded is not None else None
+        so_far = getattr(engine, "generated_so_far", None)
+        out: dict[str, int] = {}
+        if so_far is None:
+            return out
+        for row, p in self.pending.items():
+            n = sum(so_far(f"{row}:{i}") for i in range(p.parsed.n) if i not in p.outputs)
+            out[p.claimed.batch_id] = out.get(p.claimed.batch_id, 0) + n
+        return out
+
     def _step(self) -> None:
         loaded = self.loaded
         now = int(self.clock())
@@ -275,8 +290,10 @@ class Worker:
             result = loaded.translator.result(p, now)
             if table is self.online_pending:
                 self.online.done(row, result.status_code, result.body)
+                self.metrics.results([result], "online")
             else:
                 self.ready.append((row, result))
+        self.metrics.after_step(loaded.engine, time.time())
         crash_point("mid_generation")
 
     async def _flush(self, force: bool = False) -> None:
@@ -286,6 +303,7 @@ class Worker:
             return
         batch, self.ready = self.ready, []
         await self.store.complete(self.worker_id, batch, now)
+        self.metrics.results(r for _, r in batch)
         crash_point("after_result_write")
         self._last_flush = now
         if self.on_progress:

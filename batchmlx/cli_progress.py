@@ -67,21 +67,21 @@ class ProgressView:
             self._show_plain(rec, done, rate, eta, now, final)
 
     def _show_live(self, rec: BatchRecord, done: int, rate: str, eta: str, final: bool) -> None:
+        fields = dict(completed=done, total=rec.request_counts.total or None,
+                      status=rec.status.value, rate=rate, eta=eta)  # fmt: skip
         if self._bar is None:
+            # redrawn at each look (every REFRESH_S), not by rich's own timer thread
             self._bar = Progress(
                 TextColumn("{task.fields[status]:<11}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[rate]:>14}"), TextColumn("ETA {task.fields[eta]}"),
-                TimeElapsedColumn(), console=self.console,
+                TimeElapsedColumn(), console=self.console, auto_refresh=False,
             )  # fmt: skip
-            self._task = self._bar.add_task(
-                self.batch_id, total=None, status="", rate="", eta=""
-            )
+            self._task = self._bar.add_task(self.batch_id, **fields)
             self._bar.start()
-        total = rec.request_counts.total or None
-        self._bar.update(self._task, completed=done, total=total, status=rec.status.value,
-                         rate=rate, eta=eta)  # fmt: skip
+        else:
+            self._bar.update(self._task, **fields)
+        self._bar.refresh()
         if final:
-            self._bar.refresh()
             self._bar.stop()
             self._bar = None
 

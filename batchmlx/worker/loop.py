@@ -75,6 +75,7 @@ class Worker:
         self.online = OnlineQueue()  # the HTTP API's requests, ahead of batch work
         self.online_pending: dict[int, PendingRequest] = {}  # ticket id (< 0) -> request
         self.ready: list[tuple[int, RequestResult]] = []  # results waiting for a flush
+        self.ready_tokens: dict[str, int] = {}  # batch id -> completion tokens in `ready`
         self.stop_requested = False
         self.metrics = EngineMetrics()  # this process's registry and chart series
         register_worker(self)  # the dashboard and `submit --wait` read inflight_tokens()
@@ -263,10 +264,10 @@ class Worker:
 
     # -- running -------------------------------------------------------------------------------
     def inflight_tokens(self) -> dict[str, int]:
-        """Tokens generated so far by batch requests still in the engine, per batch."""
+        """Tokens generated so far by batch requests not yet in the store, per batch."""
         engine = self.loaded.engine if self.loaded is not None else None
         so_far = getattr(engine, "generated_so_far", None)
-        out: dict[str, int] = {}
+        out = dict(self.ready_tokens)
         if so_far is None:
             return out
         for row, p in self.pending.items():
@@ -293,6 +294,8 @@ class Worker:
                 self.metrics.results([result], "online")
             else:
                 self.ready.append((row, result))
+                b = p.claimed.batch_id
+                self.ready_tokens[b] = self.ready_tokens.get(b, 0) + result.completion_tokens
         self.metrics.after_step(loaded.engine, time.time())
         crash_point("mid_generation")
 
@@ -303,6 +306,7 @@ class Worker:
             return
         batch, self.ready = self.ready, []
         await self.store.complete(self.worker_id, batch, now)
+        self.ready_tokens.clear()  # now in the store's usage
         self.metrics.results(r for _, r in batch)
         crash_point("after_result_write")
         self._last_flush = now

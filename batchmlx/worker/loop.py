@@ -90,6 +90,9 @@ class Worker:
         try:
             while not self.stop_requested:
                 busy = await self.tick()
+                # a tick between housekeeping rounds may never suspend: let the server's
+                # handlers (dashboard polls, API calls) run between engine steps
+                await asyncio.sleep(0)
                 if not busy:
                     if self.opts.until_idle:
                         break

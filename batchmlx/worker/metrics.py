@@ -76,8 +76,9 @@ QUEUE_REFRESH_S = 2.0  # queue depths for `worker --metrics-port`, which has no 
 @dataclass(slots=True)
 class Point:
     t: int  # unix second
-    tokens: int  # generated in that second
-    running: int  # largest running batch seen in that second
+    tokens: float  # generated in that second (a step's tokens spread over its duration)
+    running: int  # the largest running batch in that second
+    end_running: int  # the running batch the second's last step left (idle seconds keep it)
 
 
 class Series:
@@ -87,24 +88,53 @@ class Series:
         self.points: deque[Point] = deque(maxlen=seconds)
         self.latest = EngineCounters()  # the newest step's counters (the page's gauges)
 
-    def add(self, now: float, tokens: int, running: int) -> None:
-        sec = int(now)
-        last = self.points[-1] if self.points else None
-        if last is not None and last.t == sec:
-            last.tokens += tokens
-            last.running = max(last.running, running)
-        elif last is None or sec > last.t:
-            self.points.append(Point(sec, tokens, running))
+    def add(self, now: float, tokens: int, running: int, duration: float = 0.0) -> None:
+        """A step that ended at `now` after `duration` seconds: its tokens are spread over the
+        seconds it took, so a step longer than a second does not draw as one spike."""
+        start = now - duration if duration > 0 else now
+        sec = int(start)
+        while sec <= int(now):
+            if now > start:
+                share = tokens * (min(now, sec + 1) - max(start, sec)) / (now - start)
+            else:
+                share = float(tokens)
+            self._bump(sec, share)
+            sec += 1
+        last = self.points[-1]
+        last.running, last.end_running = max(last.running, running), running
 
-    def window(self, now: float, seconds: int = SERIES_SECONDS) -> list[dict[str, int]]:
-        """Complete seconds up to `now`, oldest first; seconds without a step are zeros."""
+    def _bump(self, sec: int, tokens: float) -> None:
+        for p in reversed(self.points):  # a step's first seconds may already have a point
+            if p.t == sec:
+                p.tokens += tokens
+                return
+            if p.t < sec:
+                break
+        if not self.points or sec > self.points[-1].t:
+            running = self.points[-1].end_running if self.points else 0
+            self.points.append(Point(sec, tokens, running, running))
+        # else: older than the buffer's order allows (a clock step back): dropped
+
+    def window(self, now: float, seconds: int = SERIES_SECONDS) -> list[dict[str, float]]:
+        """Complete seconds up to `now`, oldest first. A second without a step generated
+        nothing, and the running batch stays what the last step left."""
         end = int(now)  # the current second is still filling: leave it out
-        by_t = {p.t: p for p in self.points if end - seconds <= p.t < end}
-        return [
-            {"t": t, "tokens": p.tokens if p else 0, "running": p.running if p else 0}
-            for t in range(end - seconds, end)
-            for p in (by_t.get(t),)
-        ]
+        running = 0
+        by_t: dict[int, Point] = {}
+        for p in self.points:
+            if p.t < end - seconds:
+                running = p.end_running  # the batch size the window starts with
+            elif p.t < end:
+                by_t[p.t] = p
+        out = []
+        for t in range(end - seconds, end):
+            p = by_t.get(t)
+            if p is None:
+                out.append({"t": t, "tokens": 0, "running": running})
+            else:
+                out.append({"t": t, "tokens": round(p.tokens, 1), "running": p.running})
+                running = p.end_running
+        return out
 
 
 SERIES = Series()
@@ -156,7 +186,8 @@ class EngineMetrics:
         KV_BLOCKS.labels("in_use").set(c.blocks_in_use)
         KV_BLOCKS.labels("cached").set(c.blocks_cached)
         KV_BLOCKS.labels("free").set(c.blocks_free)
-        self.series.add(now, c.generated_tokens - last.generated_tokens, c.running)
+        self.series.add(now, c.generated_tokens - last.generated_tokens, c.running,
+                        c.step_s - last.step_s)  # fmt: skip
         self.series.latest = c
 
     @staticmethod

@@ -136,6 +136,7 @@ def test_metrics_add_up_to_the_batch(server):
     assert batch.id in [b["id"] for b in summary["batches"]]
     series = summary["series"]
     assert len(series) == 300 and series[-1]["t"] == int(summary["now"]) - 1
-    assert 0 < sum(p["tokens"] for p in series) <= m(after, "batchmlx_generated_tokens_total")
+    generated = sum(p["tokens"] for p in series)  # spread over steps' seconds, rounded
+    assert 0 < generated <= m(after, "batchmlx_generated_tokens_total") + 0.05 * len(series)
     assert 1 <= max(p["running"] for p in series) <= 4  # --max-batch-size 4
     assert summary["engine"]["running"] == 0 and summary["worker"] is True

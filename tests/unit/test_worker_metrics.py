@@ -3,7 +3,9 @@ increments of the process registry, and the chart's per-second series."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import pytest
 
 from batchmlx.core.lifecycle import RequestStatus
 from batchmlx.core.records import RequestResult
@@ -59,7 +61,14 @@ def test_steps_become_increments_and_gauges():
     assert value("batchmlx_running_batch_size") == 4
     assert [value("batchmlx_kv_blocks", state=s) for s in ("in_use", "cached", "free")] == [6, 5, 9]
     assert series.latest == engine.now
-    assert [(p.t, p.tokens, p.running) for p in series.points] == [(100, 14, 4)]
+    # the first two steps took 0.5 s (99.7-100.2): 6 of their 10 tokens in second 99
+    assert [(p.t, pytest.approx(p.tokens), p.running) for p in series.points] == [
+        (99, 6, 0), (100, 8, 4)
+    ]
+    # a last step that empties the batch: the second still shows the batch it ran
+    engine.now = replace(engine.now, steps=4, step_s=0.8, generated_tokens=18, running=0)
+    m.after_step(engine, 100.9)
+    assert [(p.t, p.running, p.end_running) for p in series.points] == [(99, 0, 0), (100, 4, 0)]
 
 
 def test_a_new_engine_counts_from_zero():
@@ -90,17 +99,44 @@ def test_results_count_by_status_and_source():
     assert [a - b for a, b in zip(after, before, strict=True)] == [2, 1, 1, 90, 48]
 
 
-def test_series_fills_idle_seconds_with_zeros_and_leaves_out_the_current_one():
+def test_series_fills_idle_seconds_and_leaves_out_the_current_one():
     s = Series(seconds=5)
     s.add(10.1, 5, 2)
     s.add(10.9, 7, 3)
     s.add(12.5, 4, 1)
-    s.add(11.0, 99, 9)  # an out-of-order second is dropped
+    s.add(11.0, 99, 0)  # a second before the newest point (a clock step back) is dropped
+    # no step in second 11: nothing generated, the batch size held at what the last step left
     assert s.window(13.2, seconds=4) == [
         {"t": 9, "tokens": 0, "running": 0},
         {"t": 10, "tokens": 12, "running": 3},
-        {"t": 11, "tokens": 0, "running": 0},
-        {"t": 12, "tokens": 4, "running": 1},
+        {"t": 11, "tokens": 0, "running": 3},
+        {"t": 12, "tokens": 4, "running": 3},  # the largest: the batch before it shrank to 1
+    ]
+
+
+def test_a_long_step_spreads_its_tokens_over_the_seconds_it_took():
+    s = Series(seconds=10)
+    s.add(20.5, 10, 4, duration=0.5)  # 20.0-20.5
+    s.add(23.0, 30, 8, duration=2.5)  # 20.5-23.0: 6 in second 20, 12 in 21 and 22, 0 in 23
+    assert [(p.t, p.tokens, p.running) for p in s.points] == [
+        (20, 16.0, 4), (21, 12.0, 4), (22, 12.0, 4), (23, 0.0, 8)
+    ]
+    assert s.window(24.0, seconds=5) == [
+        {"t": 19, "tokens": 0, "running": 0},
+        {"t": 20, "tokens": 16.0, "running": 4},
+        {"t": 21, "tokens": 12.0, "running": 4},
+        {"t": 22, "tokens": 12.0, "running": 4},
+        {"t": 23, "tokens": 0.0, "running": 8},
+    ]
+
+
+def test_the_window_starts_with_the_batch_size_before_it():
+    s = Series(seconds=100)
+    s.add(5.0, 1, 6)
+    assert s.window(10.0, seconds=3) == [
+        {"t": 7, "tokens": 0, "running": 6},
+        {"t": 8, "tokens": 0, "running": 6},
+        {"t": 9, "tokens": 0, "running": 6},
     ]
 
 

@@ -3,6 +3,7 @@ the scrape is parsed with prometheus_client's own parser and checked against the
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -60,6 +61,13 @@ def test_the_page_loads_without_the_key_but_its_data_needs_it(server):
         status, _, body = get(server, path, key=None)
         assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
     assert get(server, "/dashboard/api/summary", key="sk-wrong")[0] == 401
+    # the public prefix leads nowhere else
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    for path in ("/static/../v1/batches", "/static/%2e%2e/v1/batches", "/static//v1/batches"):
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        assert resp.status == 404 and b"batch_" not in resp.read(), path
+    conn.close()
 
 
 def test_metrics_add_up_to_the_batch(server):

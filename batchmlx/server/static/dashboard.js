@@ -55,6 +55,7 @@ function setBar(bar, fraction, status) {
   bar.setAttribute("aria-valuenow", String(p));
   bar.firstElementChild.style.width = p + "%";
   bar.classList.toggle("done", status === "completed");
+  bar.classList.toggle("stopped", ["cancelling", "cancelled", "expired", "failed"].includes(status));
 }
 
 function progressBar(b) {

@@ -13,9 +13,10 @@ import typer
 
 from batchmlx import service
 from batchmlx.config import Settings, load_settings
-from batchmlx.core.lifecycle import BatchStatus, is_expired
+from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.progress import estimate_batch, format_eta, format_rate
 from batchmlx.core.records import BatchRecord
+from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import batch_object
 
 app = typer.Typer(
@@ -120,7 +121,12 @@ def _describe(rec: BatchRecord, settings: Settings) -> None:
     for line in _stats_lines(rec):
         typer.echo("  " + line)
     if rec.errors:
-        typer.echo(f"  validation failed with {len(rec.errors)} error(s):")
+        cut = rec.errors[-1].code == ErrorCode.TOO_MANY_ERRORS  # its message gives the total
+        typer.echo(
+            f"  validation failed; the first {len(rec.errors) - 1} errors:"
+            if cut
+            else f"  validation failed with {len(rec.errors)} error(s):"
+        )
         for e in rec.errors:
             where = f"line {e.line}" if e.line else "file"
             param = f" [{e.param}]" if e.param else ""
@@ -221,14 +227,8 @@ def status(
         return
 
     async def current(store, settings) -> BatchRecord:
-        # with no worker running, nobody else applies the completion window
-        now = time.time()
         rec = await service.get_batch(store, batch_id)
-        if is_expired(rec.status, rec.expires_at, now) and not await store.live_workers(
-            now, settings.lease_s
-        ):
-            rec = await service.expire(store, settings, batch_id, now=now)
-        return rec
+        return await service.expire_unattended(store, settings, rec, now=time.time())
 
     rec = _run(current)
     _show(rec, as_json)
@@ -427,6 +427,10 @@ def serve(
     allow_remote: Annotated[
         bool, typer.Option(help="Bind a non-loopback address without an API key")
     ] = False,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(help="Also answer to this Host name (a proxy's, the machine's); repeatable"),
+    ] = None,
     worker: Annotated[
         bool, typer.Option(help="Run the worker in this process (--no-worker: API only)")
     ] = True,
@@ -464,6 +468,7 @@ def serve(
         model=model,
         api_key=api_key,
         max_upload_bytes=max_upload_mb * 1024 * 1024,
+        allowed_hosts=tuple(allowed_host or ()),
         stream_interval=stream_interval,
         worker=WorkerOptions(model=model, dtype=dtype, engine=engine) if worker else None,
     )

@@ -16,6 +16,7 @@ class Settings:
     lease_s: float = 60.0  # a claimed request's lease; renewed by heartbeat at a third of it
     poll_s: float = 0.5  # how often an idle worker looks for work
     default_model: str = "default"
+    busy_timeout_s: float | None = None  # $BATCHMLX_BUSY_TIMEOUT_S; None: the store's default
 
     @property
     def db_path(self) -> Path:
@@ -30,4 +31,34 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     home = Path(env.get("BATCHMLX_HOME") or DEFAULT_HOME).expanduser()
     cache = Path(env.get("BATCHMLX_CACHE_DIR") or home / "cache").expanduser()
-    return Settings(home=home, cache_dir=cache)
+    busy = env.get("BATCHMLX_BUSY_TIMEOUT_S")
+    return Settings(home=home, cache_dir=cache, busy_timeout_s=float(busy) if busy else None)
+
+
+# The database and files/ hold every prompt and answer: the data directory is the user's alone.
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` and its missing parents for the owner alone. A mode given to mkdir only
+    loses bits to the umask, and `parents=True` ignores it, so each level is made and set."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=PRIVATE_DIR_MODE)
+        except FileExistsError:
+            continue  # another process made it first, with the same mode
+        folder.chmod(PRIVATE_DIR_MODE)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """Create `path` empty for the owner alone unless it exists (SQLite gives its -wal and -shm
+    files the database file's mode, so creating the database this way covers them)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    except FileExistsError:
+        return path
+    os.close(fd)
+    return path

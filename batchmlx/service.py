@@ -7,13 +7,15 @@ them without clocks or processes. No MLX here.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from batchmlx.config import Settings
-from batchmlx.core.lifecycle import BatchStatus, RequestStatus, is_expired
+from batchmlx.config import Settings, private_dir
+from batchmlx.core.lifecycle import BatchStatus, RequestStatus, TransitionError, is_expired
 from batchmlx.core.records import BatchRecord, FileRecord, RequestResult
 from batchmlx.faults import crash_point
 from batchmlx.formats.errors import ErrorCode
@@ -31,6 +33,11 @@ from batchmlx.ingest.layout import result_paths
 from batchmlx.store import NewRequest, Store
 
 WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+OPENAI_COMPLETION_WINDOW = "24h"  # the only window OpenAI's API accepts (and so ours)
+MAX_WINDOW_S = 365 * 86400  # a longer window is a typo
+# ASCII digits only: int() would also take "1_0" and "٣"
+_WINDOW = re.compile(r"([0-9]{1,9})([smhd])")
+log = logging.getLogger("batchmlx.service")
 
 
 class ServiceError(Exception):
@@ -38,20 +45,24 @@ class ServiceError(Exception):
 
 
 def parse_window(window: str) -> int:
-    """'24h' → 86400. OpenAI accepts only 24h; locally any positive s/m/h/d window works."""
-    try:
-        value, unit = int(window[:-1]), window[-1]
-        seconds = value * WINDOW_UNITS[unit]
-    except (ValueError, KeyError, IndexError):
-        raise ServiceError(f"invalid completion window {window!r}; use e.g. 24h, 90m, 2d") from None
-    if seconds <= 0:
-        raise ServiceError(f"invalid completion window {window!r}: must be positive")
+    """'24h' → 86400. OpenAI accepts only 24h; locally (the CLI, the inbox) any window of
+    digits and one unit s/m/h/d, positive and at most a year, works."""
+    match = _WINDOW.fullmatch(window)
+    if match is None:
+        raise ServiceError(f"invalid completion window {window!r}; use e.g. 24h, 90m, 2d")
+    seconds = int(match[1]) * WINDOW_UNITS[match[2]]
+    if not 0 < seconds <= MAX_WINDOW_S:
+        raise ServiceError(
+            f"invalid completion window {window!r}: must be positive and at most "
+            f"{MAX_WINDOW_S // 86400}d"
+        )
     return seconds
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file, flush it to disk, then rename: readers see all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write to a temporary file, flush it to disk, then rename: readers see all or nothing.
+    The file is the owner's alone (mkstemp's 0600), and so is a folder made for it."""
+    private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -62,6 +73,15 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def text_name(name: str) -> str:
+    """A file name as text the store can keep: bytes that are not UTF-8 (surrogate-escaped by
+    the OS layer) shown as \\xNN."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that no file name produced
+        return name.encode("utf-8", "backslashreplace").decode()
 
 
 async def store_file(
@@ -78,9 +98,15 @@ async def store_file(
     replace = file_id is not None
     file_id = file_id or new_id(IdPrefix.FILE)
     path = settings.files_dir / file_id
+    crash_point("store_file")
     write_atomic(path, data)
-    rec = FileRecord(file_id, filename, purpose, len(data), int(now), str(path))
-    await store.add_file(rec, replace=replace)
+    rec = FileRecord(file_id, text_name(filename), purpose, len(data), int(now), str(path))
+    try:
+        await store.add_file(rec, replace=replace)
+    except BaseException:
+        if not replace:
+            path.unlink(missing_ok=True)  # no bytes under files/ without their record
+        raise
     return rec
 
 
@@ -112,30 +138,34 @@ async def submit(
     file = await store_file(
         store, settings, data, filename=filename, purpose="batch", now=now
     )
-    result = validate_batch_file(
-        data, model_resolves=_model_resolves(settings), model_override=model
-    )
-    created = int(now)
-    common = dict(
-        id=new_id(IdPrefix.BATCH),
-        endpoint=result.endpoint or (result.lines[0].url if result.lines else ""),
-        model=model or result.model,
-        input_file_id=file.id,
-        completion_window=completion_window,
-        created_at=created,
-        expires_at=created + window_s,
-        metadata=metadata,
-    )
-    if result.ok:
-        rec = BatchRecord(status=BatchStatus.IN_PROGRESS, in_progress_at=created, **common)
-        reqs = [NewRequest(line.line, line.custom_id, line.body) for line in result.lines]
-    else:
-        rec = BatchRecord(
-            status=BatchStatus.FAILED, failed_at=created, errors=tuple(result.errors), **common
+    try:  # no input file without its batch: what fails here leaves nothing behind
+        result = validate_batch_file(
+            data, model_resolves=_model_resolves(settings), model_override=model
         )
-        reqs = []
-    content_hash = hashlib.sha256(data).hexdigest()
-    await store.create_batch(rec, reqs, content_hash=content_hash, source=source)
+        created = int(now)
+        common = dict(
+            id=new_id(IdPrefix.BATCH),
+            endpoint=result.endpoint or (result.lines[0].url if result.lines else ""),
+            model=model or result.model,
+            input_file_id=file.id,
+            completion_window=completion_window,
+            created_at=created,
+            expires_at=created + window_s,
+            metadata=metadata,
+        )
+        if result.ok:
+            rec = BatchRecord(status=BatchStatus.IN_PROGRESS, in_progress_at=created, **common)
+            reqs = [NewRequest(line.line, line.custom_id, line.body_json) for line in result.lines]
+        else:
+            rec = BatchRecord(
+                status=BatchStatus.FAILED, failed_at=created, errors=tuple(result.errors), **common
+            )
+            reqs = []
+        content_hash = hashlib.sha256(data).hexdigest()
+        await store.create_batch(rec, reqs, content_hash=content_hash, source=source)
+    except Exception:
+        await delete_file(store, file.id)
+        raise
     return await store.get_batch(rec.id)
 
 
@@ -169,6 +199,7 @@ async def finalize(
     if rec.status.terminal:
         return rec
     rows = await store.iter_results(batch_id)
+    crash_point("finalize_start")
     if rec.status is BatchStatus.CANCELLING:
         end = BatchStatus.CANCELLED
     elif rec.status is BatchStatus.IN_PROGRESS and any(
@@ -179,8 +210,8 @@ async def finalize(
         end = BatchStatus.COMPLETED
         if rec.status is BatchStatus.IN_PROGRESS:
             rec = await _move(store, batch_id, BatchStatus.FINALIZING, now)
-            if rec.status.terminal:
-                return rec
+            if rec.status is not BatchStatus.FINALIZING:
+                return rec  # cancelled meanwhile (settled next) or finished by another worker
     crash_point("before_finalize")
     out, err = bytearray(), bytearray()
     outcomes = {"hits": 0, "prefix_hits": 0, "misses": 0}
@@ -220,29 +251,37 @@ async def finalize(
 
 
 async def _move(store: Store, batch_id: str, status: BatchStatus, now: float, **fields: Any):
-    """Move a batch on; when another worker finalizing the same batch got there first (its
-    files are the same bytes: ids are derived), take the batch as that worker left it."""
-    from batchmlx.core.lifecycle import TransitionError
-
+    """Move a batch on; when someone else moved it first (another worker finalizing the same
+    batch, whose files are the same bytes since ids are derived; a cancel that arrived while
+    this one finalized), take the batch as they left it: whoever acts next settles it."""
     try:
         return await store.set_batch_status(batch_id, status, now, **fields)
     except TransitionError:
         current = await get_batch(store, batch_id)
-        if current.status is status or current.status.terminal:
-            return current
-        raise
+        if current.status is not status:
+            log.info("batch %s: moved to %s meanwhile, not %s", batch_id,
+                     current.status.value, status.value)  # fmt: skip
+        return current
 
 
 async def _write_inbox_results(store: Store, batch_id: str, out: bytes, err: bytes) -> None:
-    """A batch from an inbox also gets DIR/results/NAME.output.jsonl (and .errors.jsonl)."""
-    paths = result_paths(await store.batch_source(batch_id))
+    """A batch from an inbox also gets DIR/results/NAME.BATCH_ID.output.jsonl (and
+    .errors.jsonl); the names are the batch's own, so no other batch's file is touched.
+
+    The copies are a convenience: the batch's files are already in files/, so a copy that
+    cannot be written (results/ unwritable or not a folder, disk full) is logged and noted in
+    the batch's stats (`inbox_results_error`), and the batch completes all the same."""
+    paths = result_paths(await store.batch_source(batch_id), batch_id)
     if paths is None:
         return
-    write_atomic(paths[0], out)
-    if err:
-        write_atomic(paths[1], err)
-    else:
-        paths[1].unlink(missing_ok=True)
+    try:
+        write_atomic(paths[0], out)
+        if err:
+            write_atomic(paths[1], err)
+    except OSError as exc:
+        log.error("batch %s: inbox result copy not written (%s); the batch's files are in "
+                  "files/ (batchmlx results %s)", batch_id, exc, batch_id)  # fmt: skip
+        await store.update_batch_stats(batch_id, {"inbox_results_error": str(exc)})
 
 
 async def cancel(store: Store, batch_id: str, *, now: float) -> BatchRecord:
@@ -251,7 +290,10 @@ async def cancel(store: Store, batch_id: str, *, now: float) -> BatchRecord:
         return rec
     if rec.status is not BatchStatus.IN_PROGRESS:
         raise ServiceError(f"batch {batch_id} is {rec.status.value}; it cannot be cancelled")
-    return await store.set_batch_status(batch_id, BatchStatus.CANCELLING, now)
+    try:
+        return await store.set_batch_status(batch_id, BatchStatus.CANCELLING, now)
+    except TransitionError:
+        return await cancel(store, batch_id, now=now)  # it moved on meanwhile (finalizing)
 
 
 CANCELLED_RESULT = RequestResult(
@@ -290,6 +332,18 @@ async def expire(store: Store, settings: Settings, batch_id: str, *, now: float)
         return rec
     await store.finish_unfinished(batch_id, EXPIRED_RESULT, now)
     return await finalize(store, settings, batch_id, now=now)
+
+
+async def expire_unattended(
+    store: Store, settings: Settings, rec: BatchRecord, *, now: float
+) -> BatchRecord:
+    """`rec` as a reader should show it: past its window with no worker running, nobody else
+    applies the window, so the reader expires it (`status`, GET /v1/batches/{id})."""
+    if not is_expired(rec.status, rec.expires_at, now):
+        return rec
+    if await store.live_workers(now, settings.lease_s):
+        return rec  # a worker aborts the batch's running requests, then expires it
+    return await expire(store, settings, rec.id, now=now)
 
 
 async def file_content(store: Store, file_id: str | None) -> bytes:
@@ -345,17 +399,22 @@ async def validate_batch(
     the whole file whatever its bodies name, like `submit --model`. Safe to race: one wins."""
     import asyncio
 
-    from batchmlx.core.lifecycle import TransitionError
     from batchmlx.core.records import BatchErrorRecord
 
     rec = await get_batch(store, batch_id)
     if rec.status is not BatchStatus.VALIDATING:
         return rec
     f = await store.get_file(rec.input_file_id)
-    data = Path(f.path).read_bytes() if f is not None and Path(f.path).is_file() else None
+    data, unreadable = None, f"The input file {rec.input_file_id} no longer exists."
+    if f is not None:
+        try:
+            data = Path(f.path).read_bytes()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # the batch fails once, not validated again every poll
+            unreadable = f"The input file {rec.input_file_id} cannot be read: {exc.strerror}."
     if data is None:
-        missing = f"The input file {rec.input_file_id} no longer exists."
-        errors = (BatchErrorRecord(ErrorCode.INVALID_REQUEST.value, missing),)
+        errors = (BatchErrorRecord(ErrorCode.INVALID_REQUEST.value, unreadable),)
         result = None
     else:
         result = await asyncio.to_thread(
@@ -373,7 +432,7 @@ async def validate_batch(
                 ),
             )
     if not errors and result is not None:
-        reqs = [NewRequest(line.line, line.custom_id, line.body) for line in result.lines]
+        reqs = [NewRequest(line.line, line.custom_id, line.body_json) for line in result.lines]
         await store.start_validated_batch(
             batch_id, reqs, now, model=result.model, content_hash=hashlib.sha256(data).hexdigest()
         )

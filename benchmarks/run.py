@@ -20,11 +20,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from batchmlx.core.prefix_trie import block_prefix_lower_bound
 from batchmlx.core.request import GenerationRequest, SamplingParams
 from batchmlx.engine.llm_engine import Engine, EngineConfig
 from benchmarks import workloads as wl
 from benchmarks.measure import RunResult, agreement, run_ours, run_peer, summary
+from benchmarks.prefix_trie import block_prefix_lower_bound
 
 ALL_SECTIONS = (1, 2, 3, 4, 5, 6)
 

@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from batchmlx.core.blocks import BlockPool
+from batchmlx.core.finish import FinishRules, fits_context, max_new_tokens
 from batchmlx.core.request import (
     CacheOutcome,
     FinishReason,
@@ -25,9 +26,18 @@ from batchmlx.core.request import (
 )
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
 from batchmlx.core.telemetry import EngineCounters
-from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage, install_paged_attention
+from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
 from batchmlx.engine.runner import ModelRunner, model_dims
 from batchmlx.engine.sampler import SampleRow, sample
+from batchmlx.faults import crash_point
+
+
+class StepError(Exception):
+    """A step failed; `request_ids` are the requests it ran (abort them: the rest go on)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +76,7 @@ def kv_block_budget(cfg: EngineConfig, bytes_per_block: int) -> int:
 @dataclass(slots=True)
 class _Live:
     request: GenerationRequest
-    max_tokens: int
+    rules: FinishRules
     added_at: float
     entropy: int
     first_token_at: float | None = None
@@ -135,7 +145,6 @@ class Engine:
             ),
             self.pool,
         )
-        install_paged_attention(model)
         self.runner = ModelRunner(model, self.storage)
         self._live: dict[str, _Live] = {}
         # called with (request_id, token_id) for every token a request emits (streaming)
@@ -146,15 +155,19 @@ class Engine:
         n_prompt = len(req.prompt_tokens)
         if n_prompt == 0:
             raise ValueError("empty prompt")
-        room = min(self.context_length, (self.pool_blocks - 1) * self.cfg.block_size) - n_prompt
-        if room < 1:
+        if not fits_context(n_prompt, self.max_context_tokens):
+            # callers check the context first (a 400): reaching here is a bug
             raise ValueError(
                 f"prompt of {n_prompt} tokens leaves no room in a context of "
-                f"{self.context_length} tokens"
+                f"{self.max_context_tokens} tokens"
             )
         self._live[req.request_id] = _Live(
             request=req,
-            max_tokens=min(req.params.max_tokens, room),
+            rules=FinishRules(
+                max_new_tokens(req.params.max_tokens, n_prompt, self.max_context_tokens),
+                req.stop_token_ids,
+                req.params.stop,
+            ),
             added_at=self.clock(),
             entropy=self._rand.getrandbits(63),
         )
@@ -186,12 +199,22 @@ class Engine:
     def pool_blocks(self) -> int:
         return self.storage.max_blocks
 
+    @property
+    def max_context_tokens(self) -> int:
+        """Prompt plus generated tokens one sequence may reach: the model's context, or the KV
+        pool when that is smaller."""
+        return min(self.context_length, (self.pool_blocks - 1) * self.cfg.block_size)
+
     def step(self) -> list[GenerationOutput]:
         t0 = time.perf_counter()
         step = self.scheduler.schedule()
         if step is None:
             return []
-        sampled, finished = self._run(step)
+        try:
+            crash_point("engine_step")
+            sampled, finished = self._run(step)
+        except Exception as exc:
+            raise StepError([s.seq.seq_id for s in step.seqs], exc) from exc
         done = self.scheduler.update(step, sampled, finished)
         self.stats.step_s += time.perf_counter() - t0
         # sequences the scheduler ended itself (the pool cannot hold them even alone)
@@ -266,8 +289,9 @@ class Engine:
                 live.first_token_at = now
             sampled[seq.seq_id] = tok
             self.stats.generated_tokens += 1
-            n_gen = seq.num_tokens - seq.num_prompt_tokens + 1
-            if tok in live.request.stop_token_ids:
+            rules = live.rules
+            reason = rules.on_token(tok, seq.num_generated + 1)
+            if reason is FinishReason.STOP:  # end of sequence: not output
                 finished.add(seq.seq_id)
                 live.stop_hit = True
                 continue
@@ -275,24 +299,19 @@ class Engine:
                 live.logprobs.append(lp)
             if self.on_token is not None:
                 self.on_token(seq.seq_id, tok)
-            if n_gen >= live.max_tokens:
+            if reason is FinishReason.LENGTH:
                 finished.add(seq.seq_id)
-            elif live.request.params.stop and self._hits_stop(seq, tok, live):
+            elif rules.stops and rules.stop_in_tail(
+                [*seq.generated_token_ids, tok], self.tokenizer.decode
+            ):
                 finished.add(seq.seq_id)
                 live.stop_hit = True
         return sampled, finished
 
-    def _hits_stop(self, seq, tok: int, live: _Live) -> bool:
-        gen = seq.token_ids[seq.num_prompt_tokens :] + [tok]
-        # only the tail can newly contain a stop string
-        longest = max(len(s) for s in live.request.params.stop)
-        tail = self.tokenizer.decode(gen[-(longest + 8) :])
-        return any(s in tail for s in live.request.params.stop)
-
     def _output(self, seq) -> GenerationOutput:
         live = self._live.pop(seq.seq_id)
         gen = list(seq.token_ids[seq.num_prompt_tokens :])
-        if live.stop_hit and gen and gen[-1] in live.request.stop_token_ids:
+        if live.stop_hit and gen and live.rules.is_eos(gen[-1]):
             gen = gen[:-1]
         ttft = None if live.first_token_at is None else live.first_token_at - live.added_at
         return GenerationOutput(

@@ -18,7 +18,6 @@ from batchmlx.models import (  # noqa: F401  (re-exported)
     DEFAULT_MODEL_ALIAS,
     DEFAULT_MODEL_NAME,
     ModelSpec,
-    model_resolves,
     resolve_model,
 )
 

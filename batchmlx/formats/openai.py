@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from batchmlx.core.records import BatchRecord
-from batchmlx.formats.errors import ErrorCode, errors_object
+from batchmlx.formats.errors import errors_object
 
 # OpenAI's own line-level messages for requests that never ran.
 BATCH_EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
@@ -204,21 +204,6 @@ def error_line(*, id: str, custom_id: str, code: str, message: str) -> dict[str,
         "response": None,
         "error": {"code": getattr(code, "value", code), "message": message},
     }
-
-
-def expired_line(*, id: str, custom_id: str) -> dict[str, Any]:
-    return error_line(
-        id=id, custom_id=custom_id, code=ErrorCode.BATCH_EXPIRED, message=BATCH_EXPIRED_MESSAGE
-    )
-
-
-def cancelled_line(*, id: str, custom_id: str) -> dict[str, Any]:
-    return error_line(
-        id=id,
-        custom_id=custom_id,
-        code=ErrorCode.BATCH_CANCELLED,
-        message=BATCH_CANCELLED_MESSAGE,
-    )
 
 
 def batch_object(rec: BatchRecord) -> dict[str, Any]:

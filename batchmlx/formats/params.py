@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchmlx.core.request import SamplingParams
-from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.errors import ErrorCode, json_type
 
 # SamplingParams.max_tokens is an int; this one means "until the context is full" and the engine
 # clamps it to the context length left after the prompt.
@@ -27,6 +27,22 @@ MAX_COMPLETION_LOGPROBS = 5  # legacy completions
 class Endpoint(enum.StrEnum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
+
+
+class Role(enum.StrEnum):
+    """Chat message roles a batch file may hold."""
+
+    SYSTEM = "system"
+    DEVELOPER = "developer"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"  # well-formed, but refused per request: tools are not supported
+
+
+# The role a local chat template sees; OpenAI treats "developer" as "system".
+TEMPLATE_ROLE = {
+    Role.SYSTEM: "system", Role.DEVELOPER: "system", Role.USER: "user", Role.ASSISTANT: "assistant",
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,30 +110,13 @@ _UNSUPPORTED = frozenset(
         "audio", "prediction", "web_search_options", "verbosity",
     }
 )  # fmt: skip
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-
-
-def _got(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a decimal"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
 
 
 def _type_error(param: str, expected: str, value: Any) -> _Reject:
     return _fail(
         ErrorCode.INVALID_TYPE,
-        f"Invalid type for '{param}': expected {expected}, but got {_got(value)} instead.",
+        f"Invalid type for '{param}': expected {expected}, but got {json_type(value)} instead.",
         param,
     )
 
@@ -275,7 +274,7 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
         role = msg.get("role")
         if role == "tool" or role == "function":
             raise _unsupported(f"{at}.role", "tool messages are not supported.")
-        if not isinstance(role, str) or role not in _CHAT_ROLES:
+        if not isinstance(role, str) or role not in TEMPLATE_ROLE:
             raise _fail(
                 ErrorCode.INVALID_VALUE,
                 f"Invalid value for '{at}.role': {role!r}. Supported values are: "
@@ -285,7 +284,7 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
         # chat templates of local models know "system"; OpenAI treats "developer" the same way
         out.append(
             {
-                "role": _CHAT_ROLES[role],
+                "role": TEMPLATE_ROLE[Role(role)],
                 "content": _content_text(msg.get("content"), f"{at}.content"),
             }
         )
@@ -436,23 +435,13 @@ def parse_request(endpoint: str, body: dict[str, Any]) -> ParsedRequest | Reques
         return reject.error
 
 
-def context_length_error(
-    context: int,
-    prompt_tokens: int,
-    max_tokens: int | None,
-    *,
-    endpoint: Endpoint = Endpoint.CHAT,
-) -> RequestError:
-    """The 400 OpenAI answers when prompt + max_tokens do not fit the model's context."""
-    what = "messages" if endpoint is Endpoint.CHAT else "prompt"
-    asked = prompt_tokens + (max_tokens or 0)
-    detail = f"{prompt_tokens} in the {what}"
-    if max_tokens:
-        detail += f", {max_tokens} in the completion"
+def context_length_error(context: int, prompt_tokens: int, endpoint: Endpoint) -> RequestError:
+    """The 400 for a prompt that leaves no room in the model's context (never a 500)."""
     return RequestError(
         400,
         ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
-        f"This model's maximum context length is {context} tokens. However, you requested "
-        f"{asked} tokens ({detail}). Please reduce the length of the {what} or completion.",
-        what,
+        f"This model's maximum context length is {context} tokens. "
+        f"However, your messages resulted in {prompt_tokens} tokens. "
+        "Please reduce the length of the messages.",
+        "messages" if endpoint is Endpoint.CHAT else "prompt",
     )

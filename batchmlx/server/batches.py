@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -14,6 +13,7 @@ from batchmlx import service
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchRecord
 from batchmlx.formats.openai import batch_object
+from batchmlx.server.bodies import json_body
 from batchmlx.server.context import ServerContext
 from batchmlx.server.errors import ApiError, not_found
 from batchmlx.server.pages import page_params, page_response
@@ -21,16 +21,6 @@ from batchmlx.server.pages import page_params, page_response
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
-
-
-async def json_body(request: Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "The body must be a JSON object.", code="invalid_type")
-    return body
 
 
 def _required_str(body: dict[str, Any], key: str) -> str:
@@ -71,6 +61,10 @@ async def create(request: Request) -> JSONResponse:
     input_file_id = _required_str(body, "input_file_id")
     endpoint = _required_str(body, "endpoint")
     window = _required_str(body, "completion_window")
+    if window != service.OPENAI_COMPLETION_WINDOW:
+        raise ApiError(400, f"Invalid value for 'completion_window': {window!r}. Supported "
+                       f"values are: '{service.OPENAI_COMPLETION_WINDOW}'.",
+                       code="invalid_value", param="completion_window")  # fmt: skip
     metadata = _metadata(body.get("metadata"))
     if await ctx.store.get_file(input_file_id) is None:
         raise ApiError(400, f"No file found with id '{input_file_id}'.",
@@ -97,7 +91,10 @@ async def _batch(ctx: ServerContext, batch_id: str) -> BatchRecord:
 
 async def retrieve(request: Request) -> JSONResponse:
     ctx: ServerContext = request.app.state.ctx
-    return _respond(await _batch(ctx, request.path_params["batch_id"]))
+    rec = await _batch(ctx, request.path_params["batch_id"])
+    if not ctx.worker_alive:
+        rec = await service.expire_unattended(ctx.store, ctx.settings, rec, now=time.time())
+    return _respond(rec)
 
 
 async def cancel(request: Request) -> JSONResponse:

@@ -13,10 +13,10 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Message, Receive
 
 from batchmlx import service
 from batchmlx.core.records import FileRecord
+from batchmlx.server.bodies import BodyTooLarge, bounded, declared_length, media_type
 from batchmlx.server.context import ServerContext
 from batchmlx.server.errors import ApiError, not_found
 from batchmlx.server.pages import page_params, page_response
@@ -40,10 +40,6 @@ def file_object(f: FileRecord) -> dict[str, Any]:
     }
 
 
-class _TooLarge(Exception):
-    pass
-
-
 def _too_large(limit: int) -> ApiError:
     return ApiError(
         413,
@@ -54,34 +50,18 @@ def _too_large(limit: int) -> ApiError:
     )
 
 
-def _bounded(receive: Receive, limit: int) -> Receive:
-    """Count body bytes as they arrive (covers uploads without a Content-Length)."""
-    seen = 0
-
-    async def wrapped() -> Message:
-        nonlocal seen
-        message = await receive()
-        if message["type"] == "http.request":
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise _TooLarge
-        return message
-
-    return wrapped
-
-
 async def upload(request: Request) -> JSONResponse:
     ctx: ServerContext = request.app.state.ctx
     limit = ctx.options.max_upload_bytes
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit + 64 * 1024:
+    length = declared_length(request)
+    if length is not None and length > limit + 64 * 1024:
         raise _too_large(limit)  # room for the multipart framing around the file
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise ApiError(400, "Expected a multipart/form-data body with 'file' and 'purpose'.",
-                       code="invalid_request")  # fmt: skip
-    bounded = Request(request.scope, _bounded(request.receive, limit + 64 * 1024))
+    if media_type(request) != "multipart/form-data":
+        raise ApiError(415, "Expected a multipart/form-data body with 'file' and 'purpose'.",
+                       code="unsupported_media_type")  # fmt: skip
+    within = Request(request.scope, bounded(request.receive, limit + 64 * 1024))
     try:
-        async with bounded.form(max_files=1, max_fields=8) as form:
+        async with within.form(max_files=1, max_fields=8) as form:
             purpose = form.get("purpose")
             upload = form.get("file")
             if not isinstance(purpose, str) or not purpose:
@@ -96,7 +76,7 @@ async def upload(request: Request) -> JSONResponse:
                                code="missing_required_parameter", param="file")  # fmt: skip
             data = await upload.read()
             filename = upload.filename or "upload.jsonl"
-    except _TooLarge:
+    except BodyTooLarge:
         raise _too_large(limit) from None
     except (HTTPException, MultiPartException) as exc:  # starlette's word for a malformed body
         detail = getattr(exc, "detail", None) or getattr(exc, "message", str(exc))
@@ -135,7 +115,11 @@ async def retrieve(request: Request) -> JSONResponse:
 
 async def content(request: Request) -> Response:
     rec = await _file(request)
-    data = await service.file_content(request.app.state.ctx.store, rec.id)
+    try:
+        data = await service.file_content(request.app.state.ctx.store, rec.id)
+    except FileNotFoundError:
+        raise ApiError(410, f"The content of file '{rec.id}' is gone: its bytes are missing "
+                       "from the data directory.", code="file_content_missing") from None
     return Response(data, media_type="application/octet-stream")
 
 

@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from batchmlx.formats.openai import IdPrefix, new_id
 from batchmlx.formats.params import Endpoint, ParsedRequest, RequestError, parse_request
-from batchmlx.server.batches import json_body
+from batchmlx.server.bodies import json_body
 from batchmlx.server.context import ServerContext
 from batchmlx.server.errors import ApiError
 from batchmlx.server.streaming import ChoiceStream
@@ -119,16 +119,31 @@ async def _stream(
             ctx.worker.online.cancel(ticket)  # the client went away
 
 
+def _type_error(param: str, expected: str) -> ApiError:
+    return ApiError(400, f"Invalid type for '{param}': expected {expected}.",
+                    code="invalid_type", param=param)  # fmt: skip
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage), booleans as OpenAI requires: `1 == True` in Python, so an
+    `in (True, False)` test would take `stream: 1` for a stream."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _type_error("stream", "a boolean")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise _type_error("stream_options", "an object")
+    usage = (opts or {}).get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise _type_error("stream_options.include_usage", "a boolean")
+    return stream is True, stream is True and usage is True
+
+
 async def _complete(request: Request, endpoint: Endpoint) -> Response:
     ctx: ServerContext = request.app.state.ctx
     body = await json_body(request)
-    stream = body.get("stream") is True
-    opts = body.get("stream_options")
-    include_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True
+    stream, include_usage = _stream_flags(body)
     engine_body = {k: v for k, v in body.items() if k not in _STREAM_KEYS}
-    if body.get("stream") not in (None, True, False):
-        raise ApiError(400, "Invalid type for 'stream': expected a boolean.",
-                       code="invalid_type", param="stream")  # fmt: skip
     parsed = parse_request(endpoint.value, engine_body)
     if isinstance(parsed, RequestError):
         return JSONResponse(parsed.body(), parsed.status_code)

@@ -1,4 +1,5 @@
-"""Apply the Alembic migrations in the repository's `migrations/` folder, once, on first use.
+"""Apply the Alembic migrations (the top-level `migrations/` folder, installed as the package
+`batchmlx.migrations`), once, on first use.
 
 Alembic is configured in code (no alembic.ini at run time). Two processes opening a fresh
 database at once are serialised by an exclusive `flock` on `<db>.migrate.lock`.
@@ -13,8 +14,21 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-# The package lives at <repo>/batchmlx/store/; migrations at <repo>/migrations (editable install).
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+from batchmlx.config import PRIVATE_FILE_MODE
+
+
+def _migrations_dir() -> Path:
+    # Installed (wheel or editable): setup.py maps <repo>/migrations to batchmlx.migrations. A
+    # checkout run without installing (PYTHONPATH=<repo>) has only the folder beside the package.
+    try:
+        import batchmlx.migrations as package
+
+        return Path(package.__file__).resolve().parent
+    except ImportError:
+        return Path(__file__).resolve().parents[2] / "migrations"
+
+
+MIGRATIONS_DIR = _migrations_dir()
 
 
 def alembic_config(db_path: str | Path) -> Config:
@@ -31,7 +45,7 @@ def upgrade_to_head(db_path: str | Path) -> None:
     """Bring the database at `db_path` to the newest revision; a no-op when it is there already."""
     db_path = Path(db_path)
     lock_path = db_path.with_name(db_path.name + ".migrate.lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         command.upgrade(alembic_config(db_path), "head")

@@ -33,6 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from batchmlx.config import private_dir, private_file
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus, check_transition
 from batchmlx.core.records import (
     BatchErrorRecord,
@@ -78,6 +79,10 @@ def _dumps(value: Any) -> str | None:
 
 def _loads(text: str | None) -> Any:
     return None if text is None else orjson.loads(text)
+
+
+def _body_text(body: dict[str, Any] | str) -> str:
+    return body if isinstance(body, str) else orjson.dumps(body).decode()
 
 
 def _errors_json(errors: Iterable[BatchErrorRecord]) -> str:
@@ -179,7 +184,7 @@ class Store:
     ) -> Store:
         """Create the parent folder, apply pending migrations, and connect."""
         path = Path(db_path).expanduser().resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_file(private_dir(path.parent) / path.name)
         await asyncio.to_thread(upgrade_to_head, path)
         engine = create_async_engine(f"sqlite+aiosqlite:///{path}")
         install_sqlite_setup(engine.sync_engine, busy_timeout_s)
@@ -262,13 +267,12 @@ class Store:
             "source": source,
             "stats": _dumps(rec.stats or {}),
         }
-        dumps = orjson.dumps
         rows = [
             {
                 "batch_id": rec.id,
                 "line": r.line,
                 "custom_id": r.custom_id,
-                "body": dumps(r.body).decode(),
+                "body": _body_text(r.body),
                 "status": _QUEUED,
             }
             for r in requests
@@ -314,13 +318,25 @@ class Store:
         async with self._reader.connect() as conn:
             return (await conn.execute(select(B.c.source).where(B.c.id == batch_id))).scalar()
 
-    async def find_batch_by_hash(self, content_hash: str) -> BatchRecord | None:
-        """The newest batch made from a file with this content hash."""
+    async def find_batch_by_hash(
+        self, content_hash: str, statuses: Iterable[BatchStatus] | None = None
+    ) -> BatchRecord | None:
+        """The newest batch made from a file with this content hash (in one of `statuses`)."""
+        where = [B.c.content_hash == content_hash]
+        if statuses is not None:
+            where.append(B.c.status.in_([s.value for s in statuses]))
+        return await self._newest_batch(*where)
+
+    async def find_batch_by_source(self, source: str) -> BatchRecord | None:
+        """The newest batch whose `source` is exactly this (an inbox drop, say)."""
+        return await self._newest_batch(B.c.source == source)
+
+    async def _newest_batch(self, *where: Any) -> BatchRecord | None:
         async with self._reader.connect() as conn:
             batch_id = (
                 await conn.execute(
                     select(B.c.id)
-                    .where(B.c.content_hash == content_hash)
+                    .where(*where)
                     .order_by(B.c.created_at.desc(), _B_SEQ.desc())
                     .limit(1)
                 )
@@ -582,11 +598,19 @@ class Store:
 
     async def release(self, worker_id: str, request_ids: Sequence[int] | None = None) -> int:
         """Put requests `worker_id` holds back in the queue (all of them when `request_ids` is
-        None), e.g. on SIGTERM or preemption. `attempts` is left as it is. Returns how many."""
+        None), e.g. on SIGTERM or preemption. Stopping is not failing: the claim's attempt is
+        taken back, so `attempts` counts only runs that ended with the worker gone. Returns
+        how many."""
         stmt = (
             update(R)
             .where(R.c.worker_id == worker_id, R.c.status == _RUNNING)
-            .values(status=_QUEUED, worker_id=None, lease_expires_at=None, claimed_at=None)
+            .values(
+                status=_QUEUED,
+                worker_id=None,
+                lease_expires_at=None,
+                claimed_at=None,
+                attempts=func.max(R.c.attempts - 1, 0),
+            )
         )
         if request_ids is not None:
             if not request_ids:
@@ -703,7 +727,7 @@ class Store:
                 "batch_id": batch_id,
                 "line": r.line,
                 "custom_id": r.custom_id,
-                "body": orjson.dumps(r.body).decode(),
+                "body": _body_text(r.body),
                 "status": _QUEUED,
             }
             for r in requests

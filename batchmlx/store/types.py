@@ -14,7 +14,8 @@ class NewRequest:
 
     line: int  # 1-based line of the input file
     custom_id: str
-    body: dict[str, Any]  # the request body (`body` of the input line)
+    # the request body (`body` of the input line); a str is that body already as JSON
+    body: dict[str, Any] | str
 
 
 @dataclass(frozen=True, slots=True)

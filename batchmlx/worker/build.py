@@ -23,6 +23,15 @@ def build_engine(name: str, *, cache_dir: Path, dtype: str = "auto", **engine_cf
         config=EngineConfig(**engine_cfg),
     )
     translator = Translator(
-        loaded.tokenizer, loaded.spec.name, loaded.context_length, loaded.eos_token_ids
-    )
+        loaded.tokenizer, loaded.spec.name, engine.max_context_tokens, loaded.eos_token_ids,
+        vocab_size=_vocab_size(loaded),
+    )  # fmt: skip
     return engine, translator
+
+
+def _vocab_size(loaded: Any) -> int | None:
+    """Rows of the model's token embedding (prompt token ids must be below it)."""
+    size = loaded.config.get("vocab_size") or getattr(
+        getattr(loaded.model, "args", None), "vocab_size", None
+    )
+    return int(size) if size else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -26,6 +27,7 @@ from batchmlx.faults import crash_point
 from batchmlx.store import Store
 from batchmlx.worker.metrics import EngineMetrics, register_worker
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
+from batchmlx.worker.resilience import Backoff, is_transient
 from batchmlx.worker.translate import (
     PendingRequest,
     Translator,
@@ -80,16 +82,26 @@ class Worker:
         self.metrics = EngineMetrics()  # this process's registry and chart series
         register_worker(self)  # the dashboard and `submit --wait` read inflight_tokens()
         self._last_flush = 0.0
-        self._last_beat = 0.0
+        self._last_beat = -math.inf  # the first tick registers the worker
+        self._backoff = Backoff()  # between ticks that failed
+        self._parked: dict[str, tuple[float, Backoff]] = {}  # batch -> (retry at, its backoff)
         self._next_housekeeping = 0.0  # monotonic time of the next look for other work
         self._queue_dry = False  # the last claim found nothing: wait for housekeeping
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def run(self) -> None:
-        await self._heartbeat(force=True)
+        """Tick until stopped. A tick that fails (locked database, full disk, a bug) is logged
+        and retried after a backoff: one bad thing never ends the worker."""
         try:
             while not self.stop_requested:
-                busy = await self.tick()
+                if self.online_pending:
+                    crash_point("worker_loop")
+                try:
+                    busy = await self.tick()
+                except Exception as exc:
+                    await self._pause_after(exc)
+                    continue
+                self._backoff.reset()
                 # a tick between housekeeping rounds may never suspend: let the server's
                 # handlers (dashboard polls, API calls) run between engine steps
                 await asyncio.sleep(0)
@@ -98,10 +110,39 @@ class Worker:
                         break
                     await self.online.wait(self.settings.poll_s)
         finally:
-            await self._flush(force=True)
+            await self._persist("write results", lambda: self._flush(force=True))
             if self.pending:
-                await self.store.release(self.worker_id, list(self.pending))
-            await self.store.remove_worker(self.worker_id)
+                ids = list(self.pending)
+                await self._persist("give back leases", lambda: self.store.release(
+                    self.worker_id, ids))  # fmt: skip
+            await self._persist("deregister", lambda: self.store.remove_worker(self.worker_id))
+
+    async def _pause_after(self, exc: Exception) -> None:
+        delay = self._backoff.next()
+        if is_transient(exc):
+            log.warning("transient fault, retrying in %.1fs: %s", delay, exc)
+        else:
+            log.error("worker tick failed, retrying in %.1fs", delay, exc_info=exc)
+        await self._sleep(delay)
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake for a stop request (a backoff must not delay SIGTERM)."""
+        end = time.monotonic() + seconds
+        while not self.stop_requested and (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.1))
+
+    async def _persist(self, what: str, op: Callable[[], Any], tries: int = 5) -> None:
+        """At shutdown: retry a transient failure a few times; past that, leases run out."""
+        backoff = Backoff()
+        for attempt in range(tries):
+            try:
+                await op()
+                return
+            except Exception as exc:
+                if not is_transient(exc) or attempt == tries - 1:
+                    log.error("at shutdown, could not %s", what, exc_info=exc)
+                    return
+                await asyncio.sleep(backoff.next())
 
     def install_signal_handlers(self) -> None:
         """First SIGTERM/SIGINT: finish the current step, release leases, exit. Second: now."""
@@ -156,9 +197,14 @@ class Worker:
         tickets = self.online.drain()
         if not tickets:
             return False
-        if self.loaded is None:
-            self._ensure_model(self._model_for(None))
-        loaded = self.loaded
+        try:
+            loaded = self._ensure_model(self.loaded.name if self.loaded else self._model_for(None))
+        except Exception as exc:
+            log.error("online requests: the model could not be loaded", exc_info=exc)
+            err = server_error_result(f"The model could not be loaded: {exc}")
+            for t in tickets:
+                self.online.done(t.id, err.status_code, err.body)
+            return True
         for t in tickets:
             t.decode = loaded.translator.tok.decode
             t.model = loaded.translator.model_name
@@ -207,7 +253,14 @@ class Worker:
             if claimed:
                 crash_point("after_claim")
             for c in claimed:
-                self._admit(c)
+                try:
+                    self._admit(c)
+                except Exception as exc:  # tied to this request (or its batch's model)
+                    log.error("request %s of %s could not start", c.custom_id, c.batch_id,
+                              exc_info=exc)  # fmt: skip
+                    self.ready.append(
+                        (c.id, server_error_result(f"The request could not start: {exc}"))
+                    )
             room -= len(claimed)
             did |= bool(claimed)
             if room <= 0:
@@ -281,7 +334,12 @@ class Worker:
     def _step(self) -> None:
         loaded = self.loaded
         now = int(self.clock())
-        for out in loaded.engine.step():
+        try:
+            outputs = loaded.engine.step()
+        except Exception as exc:
+            self._fail_running(exc)
+            return
+        for out in outputs:
             row, idx = parse_choice_id(out.request_id)
             table = self.online_pending if OnlineQueue.owns(row) else self.pending
             p = table.get(row)
@@ -302,14 +360,36 @@ class Worker:
         self.metrics.after_step(loaded.engine, time.time())
         crash_point("mid_generation")
 
+    def _fail_running(self, exc: Exception) -> None:
+        """The engine step raised. The requests it ran (the engine says which; all of them if
+        it cannot) get a 500 line (batch) or response (online); the others go on."""
+        ids = getattr(exc, "request_ids", None)
+        rows = None if ids is None else {parse_choice_id(r)[0] for r in ids}
+        err = server_error_result(f"The engine failed while running this request: {exc}")
+        failed = 0
+        for table in (self.pending, self.online_pending):
+            for row, p in list(table.items()):
+                if rows is not None and row not in rows:
+                    continue
+                for i in range(p.parsed.n):
+                    self.loaded.engine.abort(f"{row}:{i}")
+                del table[row]
+                failed += 1
+                if table is self.online_pending:
+                    self.online.done(row, err.status_code, err.body)
+                else:
+                    self.ready.append((row, err))
+        log.error("engine step failed; %d requests failed with it", failed, exc_info=exc)
+
     async def _flush(self, force: bool = False) -> None:
         now = self.clock()
         if not self.ready or (not force and now - self._last_flush < self.opts.flush_s
                               and len(self.ready) < self._max_batch()):  # fmt: skip
             return
-        batch, self.ready = self.ready, []
-        await self.store.complete(self.worker_id, batch, now)
-        self.ready_tokens.clear()  # now in the store's usage
+        batch = list(self.ready)
+        await self.store.complete(self.worker_id, batch, now)  # may fail: results stay ready
+        del self.ready[: len(batch)]
+        self.ready_tokens.clear()  # now in the store's usage (a dashboard figure only)
         self.metrics.results(r for _, r in batch)
         crash_point("after_result_write")
         self._last_flush = now
@@ -336,9 +416,12 @@ class Worker:
         """Cancelled batches: abort their running requests, write their files."""
         did = False
         for b in await self.store.batches_with_status(BatchStatus.CANCELLING):
+            if self._is_parked(b.id):
+                continue
             self._abort_batch(b.id)
             await self._flush(force=True)
-            await service.settle_cancelling(self.store, self.settings, b.id, now=self.clock())
+            await self._for_batch(b.id, "cancel", service.settle_cancelling(
+                self.store, self.settings, b.id, now=self.clock()))  # fmt: skip
             did = True
         return did
 
@@ -346,12 +429,15 @@ class Worker:
         """Batches past their completion window: stop their requests, keep what finished."""
         now = self.clock()
         active = await self.store.active_batches()
-        due = [b for b in active if is_expired(b.status, b.expires_at, now)]
+        due = [b for b in active if is_expired(b.status, b.expires_at, now)
+               and not self._is_parked(b.id)]  # fmt: skip
         for b in due:
             self._abort_batch(b.id)
             await self._flush(force=True)
-            rec = await service.expire(self.store, self.settings, b.id, now=now)
-            log.info("batch %s: completion window ended; %s", b.id, rec.status.value)
+            rec = await self._for_batch(b.id, "expiry", service.expire(
+                self.store, self.settings, b.id, now=now))  # fmt: skip
+            if rec is not None:
+                log.info("batch %s: completion window ended; %s", b.id, rec.status.value)
         return bool(due)
 
     def _abort_batch(self, batch_id: str) -> None:
@@ -363,10 +449,33 @@ class Worker:
                 del self.pending[row]
 
     async def _finalize_ready(self) -> bool:
-        ids = await self.store.batches_to_finalize()
+        ids = [b for b in await self.store.batches_to_finalize() if not self._is_parked(b)]
         for batch_id in ids:
-            await service.finalize(self.store, self.settings, batch_id, now=self.clock())
+            await self._for_batch(batch_id, "finalize", service.finalize(
+                self.store, self.settings, batch_id, now=self.clock()))  # fmt: skip
         return bool(ids)
+
+    async def _for_batch(self, batch_id: str, what: str, op: Any) -> Any:
+        """Run one batch's finalize, cancel or expiry. A transient fault is the tick's (backoff,
+        retry); any other is this batch's: logged, retried later with its own backoff, while
+        the other batches go on. Returns the op's result, or None when it failed."""
+        try:
+            result = await op
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            _, backoff = self._parked.get(batch_id, (0.0, Backoff(first=self.settings.poll_s)))
+            delay = backoff.next()
+            self._parked[batch_id] = (time.monotonic() + delay, backoff)
+            log.error("batch %s: %s failed, retrying in %.1fs; other batches go on",
+                      batch_id, what, delay, exc_info=exc)  # fmt: skip
+            return None
+        self._parked.pop(batch_id, None)
+        return result
+
+    def _is_parked(self, batch_id: str) -> bool:
+        entry = self._parked.get(batch_id)
+        return entry is not None and time.monotonic() < entry[0]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -391,7 +500,10 @@ async def run_worker(
     """Run a worker until it stops; with `inbox` (an ingest.inbox.Inbox), watch its folder in
     the same event loop and stop watching when the worker stops."""
     own = store is None
-    store = store or await Store.open(settings.db_path)
+    if store is None:
+        timeout = settings.busy_timeout_s
+        busy = {} if timeout is None else {"busy_timeout_s": timeout}
+        store = await Store.open(settings.db_path, **busy)
     try:
         worker = Worker(store, settings, options, on_progress=on_progress)
         if signals:

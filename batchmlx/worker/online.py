@@ -82,6 +82,16 @@ class OnlineQueue:
         if t is not None:
             t.events.put_nowait(DoneEvent(status_code, body))
 
+    def fail_all(self, status_code: int, body: dict[str, Any]) -> int:
+        """End every waiting and running ticket with an error (the worker stopped): a caller
+        gets an error response, never a hang. Returns how many."""
+        tickets = [*self._waiting, *self._live.values()]
+        self._waiting.clear()
+        self._live.clear()
+        for t in tickets:
+            t.events.put_nowait(DoneEvent(status_code, body))
+        return len(tickets)
+
     def cancel(self, ticket: OnlineTicket) -> None:
         """The client went away: forget the ticket (the worker aborts its engine requests)."""
         if ticket in self._waiting:

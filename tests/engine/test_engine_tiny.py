@@ -167,3 +167,30 @@ def test_sharing_lowers_allocated_kv_memory(model):
     b = off.generate(reqs(ps, params))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert on.stats.peak_kv_bytes < off.stats.peak_kv_bytes / 2
+
+
+def test_the_context_is_the_smaller_of_the_model_and_the_kv_pool(model):
+    small = engine(model, memory_aware=False, cache_max_blocks=8)  # 8 usable blocks of 4
+    assert small.max_context_tokens == 32
+    assert engine(model).max_context_tokens == 256
+    with pytest.raises(ValueError, match="no room"):  # the worker checks first: a 400
+        small.add(GenerationRequest("r", list(range(1, 33)), GREEDY))
+    out = small.generate([GenerationRequest("s", list(range(1, 30)), GREEDY)])[0]
+    assert len(out.token_ids) == 3  # max_tokens bounded by the room left
+    assert out.finish_reason is FinishReason.LENGTH
+
+
+def test_a_stop_string_ends_generation_on_the_decoded_text(model):
+    class Digits:  # token i decodes to "<i>"
+        def decode(self, ids: list[int]) -> str:
+            return "".join(f"<{i}>" for i in ids)
+
+    free = engine(model).generate(reqs([prompts()[0]]))[0].token_ids
+    stop = f"<{free[2]}>"
+    eng = engine(model)
+    eng.tokenizer = Digits()
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,))
+    out = eng.generate(reqs([prompts()[0]], params))[0]
+    first = next(i for i, t in enumerate(free) if f"<{t}>" == stop)
+    assert out.token_ids == free[: first + 1]  # stops on the token completing the string
+    assert out.finish_reason is FinishReason.STOP

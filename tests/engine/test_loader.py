@@ -19,7 +19,6 @@ from batchmlx.engine.loader import (
     dequantize_model,
     load_model,
     model_folder,
-    model_resolves,
     resolve_model,
 )
 
@@ -80,8 +79,7 @@ def test_resolve_hub_ids_and_unknown_names(tmp_path: Path) -> None:
     )
     for name in ("gpt-4o-mini", "", "a/b/c", "../x", "/abs/missing", "./rel/missing"):
         assert resolve_model(name, cache_dir=tmp_path) is None, name
-        assert not model_resolves(name, cache_dir=tmp_path)
-    assert model_resolves("default", cache_dir=tmp_path)
+    assert resolve_model("default", cache_dir=tmp_path) is not None
 
 
 # --- dequantization on the tiny model ---

@@ -97,6 +97,24 @@ def test_find_batch_by_hash(with_store):
         found = await store.find_batch_by_hash("h")
         assert found is not None and found.id == "batch_b"
         assert await store.find_batch_by_hash("other") is None
+        # only batches in the statuses asked for: a newer failed one is passed over
+        bad = batch("batch_d", created_at=4, status=BatchStatus.FAILED, failed_at=4)
+        await store.create_batch(bad, [], content_hash="h")
+        assert (await store.find_batch_by_hash("h")).id == "batch_d"
+        found = await store.find_batch_by_hash("h", [BatchStatus.IN_PROGRESS])
+        assert found is not None and found.id == "batch_b"
+        assert await store.find_batch_by_hash("h", [BatchStatus.COMPLETED]) is None
+
+    with_store(scenario)
+
+
+def test_find_batch_by_source(with_store):
+    async def scenario(store: Store) -> None:
+        src = "inbox:/x/a.jsonl#drop=1-2-3"
+        await store.create_batch(batch("batch_a", created_at=1), new_requests(1), source=src)
+        await store.create_batch(batch("batch_b", created_at=2), new_requests(1), source="cli")
+        assert (await store.find_batch_by_source(src)).id == "batch_a"
+        assert await store.find_batch_by_source("inbox:/x/a.jsonl#drop=1-2-4") is None
 
     with_store(scenario)
 

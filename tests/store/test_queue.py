@@ -145,16 +145,34 @@ def test_release_returns_requests_to_the_queue(with_store, db_path):
 
     ids = with_store(scenario)
     rows = _statuses(db_path)
-    assert rows[ids[0]] == ("queued", None, 1)  # attempts unchanged by release
+    assert rows[ids[0]] == ("queued", None, 0)  # stopping is not failing: the attempt is undone
     assert rows[ids[1]] == ("succeeded", "w1", 1)
-    assert rows[ids[2]] == rows[ids[3]] == ("queued", None, 1)
+    assert rows[ids[2]] == rows[ids[3]] == ("queued", None, 0)
 
     async def reclaim(store: Store) -> None:
         got = await store.claim("w2", 10, now=0.0, lease_s=LEASE)
         assert [c.id for c in got] == [ids[0], ids[2], ids[3]]
-        assert [c.attempts for c in got] == [2, 2, 2]
+        assert [c.attempts for c in got] == [1, 1, 1]
 
     with_store(reclaim)
+
+
+def test_release_keeps_the_attempts_of_runs_that_crashed(with_store, db_path):
+    """A lease taken over from a dead worker counts; the graceful release after it does not."""
+
+    async def scenario(store: Store) -> int:
+        await store.create_batch(batch("batch_a"), new_requests(1))
+        (first,) = await store.claim("w1", 1, now=0.0, lease_s=LEASE)  # w1 dies holding it
+        (again,) = await store.claim("w2", 1, now=LEASE + 1, lease_s=LEASE)
+        assert (first.attempts, again.attempts) == (1, 2)
+        for _ in range(5):  # w2.. stopped gracefully, over and over
+            assert await store.release("w2") == 1
+            (again,) = await store.claim("w2", 1, now=LEASE + 2, lease_s=LEASE)
+            assert again.attempts == 2
+        return again.id
+
+    rid = with_store(scenario)
+    assert _statuses(db_path)[rid] == ("running", "w2", 2)
 
 
 def test_batches_to_finalize_and_iter_results(with_store):

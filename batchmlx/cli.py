@@ -14,6 +14,7 @@ import typer
 from batchmlx import service
 from batchmlx.config import Settings, load_settings
 from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.progress import estimate_batch, format_eta, format_rate
 from batchmlx.core.records import BatchRecord
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import batch_object
@@ -88,6 +89,12 @@ def _stats_lines(rec: BatchRecord) -> list[str]:
         f"tokens: {u.input_tokens} prompt ({u.cached_tokens} from the prefix cache), "
         f"{u.output_tokens} generated"
     ]
+    if rec.in_progress_at is not None:
+        est = estimate_batch(rec, time.time())
+        line = f"throughput: {format_rate(est.tokens_per_s)} generated"
+        if rec.status is BatchStatus.IN_PROGRESS:
+            line += f"; ETA {format_eta(est.eta_s)} (at the rate measured since it started)"
+        lines.append(line)
     s = rec.stats or {}
     if "hits" in s or "prefix_hits" in s or u.input_tokens:
         hits, phits, misses = s.get("hits", 0), s.get("prefix_hits", 0), s.get("misses", 0)
@@ -175,6 +182,7 @@ def submit(
 
 def _wait(batch_id: str, engine: dict[str, Any], quiet: bool) -> BatchRecord:
     """Follow a batch to its end; with no live worker, run one in this process."""
+    from batchmlx.cli_progress import REFRESH_S, ProgressView
     from batchmlx.store import Store
     from batchmlx.worker import WorkerOptions, run_worker
 
@@ -184,11 +192,11 @@ def _wait(batch_id: str, engine: dict[str, Any], quiet: bool) -> BatchRecord:
         store = await Store.open(settings.db_path)
         try:
             live = await store.live_workers(time.time(), settings.lease_s)
-            progress = _Progress(store, batch_id, quiet)
+            progress = ProgressView(store, batch_id, quiet)
             if live:
                 while not (await store.get_batch(batch_id)).status.terminal:
                     await progress.show()
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(REFRESH_S)
             else:
                 opts = WorkerOptions(until_idle=True, engine=engine)
                 task = asyncio.create_task(progress.run())
@@ -202,33 +210,6 @@ def _wait(batch_id: str, engine: dict[str, Any], quiet: bool) -> BatchRecord:
             await store.close()
 
     return asyncio.run(main())
-
-
-class _Progress:
-    def __init__(self, store, batch_id: str, quiet: bool) -> None:
-        self.store, self.batch_id, self.quiet = store, batch_id, quiet
-        self.t0 = time.time()
-
-    async def run(self) -> None:
-        while True:
-            await self.show()
-            await asyncio.sleep(0.5)
-
-    async def show(self, final: bool = False) -> None:
-        if self.quiet:
-            return
-        rec = await self.store.get_batch(self.batch_id)
-        c = rec.request_counts
-        done = c.completed + c.failed
-        width = 30
-        filled = width * done // max(c.total, 1)
-        bar = "#" * filled + "-" * (width - filled)
-        sys.stderr.write(
-            f"\r[{bar}] {done}/{c.total}  {rec.status.value:<11} {time.time() - self.t0:6.1f}s"
-        )
-        if final:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 # -- status, list, results, cancel -------------------------------------------------------------
@@ -343,6 +324,10 @@ def worker(
     inbox_settle: Annotated[
         float, typer.Option(help="Seconds an inbox file must stay unchanged to be complete")
     ] = 1.0,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus metrics at http://HOST:PORT/metrics")
+    ] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address for --metrics-port")] = "127.0.0.1",
 ) -> None:
     """Run a long-lived worker that processes queued batches."""
     import logging
@@ -373,7 +358,13 @@ def worker(
         from batchmlx.ingest.inbox import Inbox
 
         box = Inbox(settings, inbox, settle_s=inbox_settle)
-    asyncio.run(run_worker(settings, opts, inbox=box))
+    work = run_worker(settings, opts, inbox=box)
+    if metrics_port is not None:
+        from batchmlx.worker.metrics import serve_metrics, with_queue_metrics
+
+        serve_metrics(metrics_port, metrics_host)
+        work = with_queue_metrics(settings, work)
+    asyncio.run(work)
 
 
 @app.command()

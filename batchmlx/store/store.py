@@ -404,6 +404,18 @@ class Store:
             ).first()
         return _progress(row)[0]
 
+    async def status_counts(self) -> tuple[dict[BatchStatus, int], dict[RequestStatus, int]]:
+        """Batches and requests by status, every status present (0 where none): queue depth."""
+        async with self._reader.connect() as conn:
+            batches = dict((await conn.execute(
+                select(B.c.status, func.count()).group_by(B.c.status))).all())  # fmt: skip
+            requests = dict((await conn.execute(
+                select(R.c.status, func.count()).group_by(R.c.status))).all())  # fmt: skip
+        return (
+            {s: batches.get(s.value, 0) for s in BatchStatus},
+            {s: requests.get(s.value, 0) for s in RequestStatus},
+        )
+
     async def batches_to_finalize(self) -> list[str]:
         """Batches to finalize, oldest first: in-progress ones whose every request is done
         (succeeded or failed), and finalizing ones a crash left half-finalized."""

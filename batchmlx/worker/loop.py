@@ -25,6 +25,7 @@ from batchmlx.core.lifecycle import BatchStatus, is_expired
 from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.faults import crash_point
 from batchmlx.store import Store
+from batchmlx.worker.metrics import EngineMetrics, register_worker
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
 from batchmlx.worker.resilience import Backoff, is_transient
 from batchmlx.worker.translate import (
@@ -76,7 +77,10 @@ class Worker:
         self.online = OnlineQueue()  # the HTTP API's requests, ahead of batch work
         self.online_pending: dict[int, PendingRequest] = {}  # ticket id (< 0) -> request
         self.ready: list[tuple[int, RequestResult]] = []  # results waiting for a flush
+        self.ready_tokens: dict[str, int] = {}  # batch id -> completion tokens in `ready`
         self.stop_requested = False
+        self.metrics = EngineMetrics()  # this process's registry and chart series
+        register_worker(self)  # the dashboard and `submit --wait` read inflight_tokens()
         self._last_flush = 0.0
         self._last_beat = -math.inf  # the first tick registers the worker
         self._backoff = Backoff()  # between ticks that failed
@@ -98,6 +102,9 @@ class Worker:
                     await self._pause_after(exc)
                     continue
                 self._backoff.reset()
+                # a tick between housekeeping rounds may never suspend: let the server's
+                # handlers (dashboard polls, API calls) run between engine steps
+                await asyncio.sleep(0)
                 if not busy:
                     if self.opts.until_idle:
                         break
@@ -312,6 +319,18 @@ class Worker:
         return int(self.opts.engine.get("max_batch_size", 32))
 
     # -- running -------------------------------------------------------------------------------
+    def inflight_tokens(self) -> dict[str, int]:
+        """Tokens generated so far by batch requests not yet in the store, per batch."""
+        engine = self.loaded.engine if self.loaded is not None else None
+        so_far = getattr(engine, "generated_so_far", None)
+        out = dict(self.ready_tokens)
+        if so_far is None:
+            return out
+        for row, p in self.pending.items():
+            n = sum(so_far(f"{row}:{i}") for i in range(p.parsed.n) if i not in p.outputs)
+            out[p.claimed.batch_id] = out.get(p.claimed.batch_id, 0) + n
+        return out
+
     def _step(self) -> None:
         loaded = self.loaded
         now = int(self.clock())
@@ -333,8 +352,12 @@ class Worker:
             result = loaded.translator.result(p, now)
             if table is self.online_pending:
                 self.online.done(row, result.status_code, result.body)
+                self.metrics.results([result], "online")
             else:
                 self.ready.append((row, result))
+                b = p.claimed.batch_id
+                self.ready_tokens[b] = self.ready_tokens.get(b, 0) + result.completion_tokens
+        self.metrics.after_step(loaded.engine, time.time())
         crash_point("mid_generation")
 
     def _fail_running(self, exc: Exception) -> None:
@@ -366,6 +389,8 @@ class Worker:
         batch = list(self.ready)
         await self.store.complete(self.worker_id, batch, now)  # may fail: results stay ready
         del self.ready[: len(batch)]
+        self.ready_tokens.clear()  # now in the store's usage (a dashboard figure only)
+        self.metrics.results(r for _, r in batch)
         crash_point("after_result_write")
         self._last_flush = now
         if self.on_progress:

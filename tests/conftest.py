@@ -23,3 +23,27 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", model_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A PostgreSQL server for the session (tests/pg_server.py). On CI ($CI set) a server that
+    cannot start fails the tests; elsewhere they are skipped, saying why."""
+    import os
+
+    from tests.pg_server import PgUnavailable, start_postgres
+
+    try:
+        server = start_postgres()
+    except PgUnavailable as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no PostgreSQL for these tests: {exc}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server) -> str:
+    """A fresh, empty PostgreSQL database for one test."""
+    return pg_server.new_database()

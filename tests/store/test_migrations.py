@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -31,6 +32,7 @@ def _schema(path: Path) -> list[tuple[str, str, str, str]]:
     return sorted((t, n, tbl, " ".join((sql or "").split())) for t, n, tbl, sql in rows)
 
 
+@pytest.mark.dialects("sqlite")
 def test_open_creates_parent_folder_and_migrates_to_head(with_store, db_path):
     assert not db_path.parent.exists()
     with_store(lambda store: store.pragmas())

@@ -38,6 +38,14 @@ class Settings:
         return self.home / "files"
 
     @property
+    def files_in_database(self) -> bool:
+        """Where file bytes live: in the database (PostgreSQL's default: hosts share nothing
+        else) or under files_dir (SQLite's)."""
+        if self.file_storage:
+            return self.file_storage == "database"
+        return not self.database_url.startswith("sqlite")
+
+    @property
     def hostname(self) -> str:
         return self.host or socket.gethostname()
 

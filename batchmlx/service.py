@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +75,13 @@ async def store_file(
     now: float,
     file_id: str | None = None,
 ) -> FileRecord:
-    """Write `data` under files/ and record it; a given `file_id` replaces that file."""
+    """Store `data` (under files/, or in the database) and record it; a given `file_id`
+    replaces that file."""
     replace = file_id is not None
     file_id = file_id or new_id(IdPrefix.FILE)
-    path = settings.files_dir / file_id
-    write_atomic(path, data)
-    rec = FileRecord(file_id, filename, purpose, len(data), int(now), str(path))
-    await store.add_file(rec, replace=replace)
-    return rec
+    return await store.save_file(
+        file_id, [data], filename=filename, purpose=purpose, created_at=int(now), replace=replace
+    )
 
 
 def _model_resolves(settings: Settings):
@@ -164,7 +164,18 @@ async def finalize(
     requests carry `batch_expired` (see `expire`). Idempotent and resumable: file ids and line
     ids are derived from the batch, files are written atomically, and the status moves last, so
     redoing a finalize a crash interrupted writes the same bytes; a finished batch is returned.
+    Runs once per batch whichever host gets there: the others find the batch locked (and
+    return it as it is) or finished.
     """
+    async with store.batch_lock(batch_id) as mine:
+        if not mine:
+            return await get_batch(store, batch_id)  # another process is finalizing it
+        return await _finalize(store, settings, batch_id, now=now)
+
+
+async def _finalize(
+    store: Store, settings: Settings, batch_id: str, *, now: float
+) -> BatchRecord:
     rec = await get_batch(store, batch_id)
     if rec.status.terminal:
         return rec
@@ -293,12 +304,18 @@ async def expire(store: Store, settings: Settings, batch_id: str, *, now: float)
 
 
 async def file_content(store: Store, file_id: str | None) -> bytes:
+    return b"".join([c async for c in iter_file_content(store, file_id)])
+
+
+async def iter_file_content(store: Store, file_id: str | None) -> AsyncIterator[bytes]:
+    """A file's bytes in chunks, wherever they are stored (a 200 MB file is never whole)."""
     if file_id is None:
-        return b""
+        return
     f = await store.get_file(file_id)
     if f is None:
         raise ServiceError(f"no file with id {file_id!r}")
-    return Path(f.path).read_bytes()
+    async for chunk in store.read_file(f):
+        yield chunk
 
 
 # -- the HTTP API: batches from uploaded files, validated after create (as OpenAI does) --------
@@ -352,7 +369,10 @@ async def validate_batch(
     if rec.status is not BatchStatus.VALIDATING:
         return rec
     f = await store.get_file(rec.input_file_id)
-    data = Path(f.path).read_bytes() if f is not None and Path(f.path).is_file() else None
+    try:
+        data = None if f is None else await store.read_file_bytes(f)
+    except FileNotFoundError:
+        data = None
     if data is None:
         missing = f"The input file {rec.input_file_id} no longer exists."
         errors = (BatchErrorRecord(ErrorCode.INVALID_REQUEST.value, missing),)
@@ -390,5 +410,5 @@ async def delete_file(store: Store, file_id: str) -> bool:
     rec = await store.delete_file(file_id)
     if rec is None:
         return False
-    Path(rec.path).unlink(missing_ok=True)
+    await store.delete_file_bytes(rec)
     return True

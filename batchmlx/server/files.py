@@ -11,7 +11,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive
 
@@ -135,8 +135,10 @@ async def retrieve(request: Request) -> JSONResponse:
 
 async def content(request: Request) -> Response:
     rec = await _file(request)
-    data = await service.file_content(request.app.state.ctx.store, rec.id)
-    return Response(data, media_type="application/octet-stream")
+    chunks = service.iter_file_content(request.app.state.ctx.store, rec.id)
+    # streamed: a 200 MB output file is never held whole; the length is the recorded size
+    headers = {"content-length": str(rec.bytes)}
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
 
 
 async def delete(request: Request) -> JSONResponse:

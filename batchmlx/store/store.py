@@ -249,7 +249,7 @@ class Store:
     @classmethod
     async def from_settings(cls, settings: Any) -> Store:
         """The store `settings` (batchmlx.config.Settings) name: database URL and file place."""
-        files = FileStorage(settings.file_storage) if settings.file_storage else None
+        files = FileStorage.DATABASE if settings.files_in_database else FileStorage.LOCAL
         return await cls.open(settings.database_url, files_dir=settings.files_dir, files=files)
 
     async def close(self) -> None:
@@ -287,6 +287,12 @@ class Store:
         else:
             epoch = (await conn.execute(query)).scalar_one()
         self._db_epoch, self._mono = float(epoch), time.monotonic()
+
+    @property
+    def one_host(self) -> bool:
+        """SQLite: every process of this store runs on this host, so a registered worker's PID
+        says whether it is alive. Not so across hosts (nor PID namespaces): there, leases."""
+        return self.dialect is Dialect.SQLITE
 
     @property
     def listens(self) -> bool:

@@ -47,3 +47,22 @@ def pg_server():
 def pg_url(pg_server) -> str:
     """A fresh, empty PostgreSQL database for one test."""
     return pg_server.new_database()
+
+
+DIALECTS = ("sqlite", "postgresql")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test taking `dialect` (or `store_target`) runs once per dialect; the marker
+    `@pytest.mark.dialects("sqlite")` keeps it to those it names."""
+    if "dialect" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("dialects")
+        metafunc.parametrize("dialect", marker.args if marker else DIALECTS)
+
+
+@pytest.fixture
+def store_target(dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -> str | Path:
+    """What `Store.open` takes: a SQLite file under tmp_path, or a fresh PostgreSQL database."""
+    if dialect == "sqlite":
+        return tmp_path / "state" / "batchmlx.db"
+    return request.getfixturevalue("pg_url")

@@ -26,21 +26,6 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "state" / "batchmlx.db"
 
 
-DIALECTS = ("sqlite", "postgresql")
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "dialect" in metafunc.fixturenames:
-        marker = metafunc.definition.get_closest_marker("dialects")
-        metafunc.parametrize("dialect", marker.args if marker else DIALECTS)
-
-
-@pytest.fixture
-def store_target(dialect: str, db_path: Path, request: pytest.FixtureRequest) -> str | Path:
-    """What `Store.open` takes: the SQLite file, or a fresh PostgreSQL database's URL."""
-    return db_path if dialect == "sqlite" else request.getfixturevalue("pg_url")
-
-
 @pytest.fixture
 def with_store(store_target: str | Path) -> Callable[[StoreFn], Any]:
     """Run `fn(store)` in a fresh event loop against the test's database."""

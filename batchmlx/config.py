@@ -43,7 +43,8 @@ class Settings:
         else) or under files_dir (SQLite's)."""
         if self.file_storage:
             return self.file_storage == "database"
-        return not self.database_url.startswith("sqlite")
+        url = self.database_url
+        return "://" in url and not url.startswith("sqlite")
 
     @property
     def hostname(self) -> str:

@@ -25,9 +25,11 @@ from typing import Any
 
 import orjson
 from sqlalchemy import (
+    Integer,
     and_,
     bindparam,
     case,
+    column,
     delete,
     func,
     insert,
@@ -36,6 +38,7 @@ from sqlalchemy import (
     select,
     text,
     update,
+    values,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -117,8 +120,11 @@ def _result_values(result: RequestResult, now: float) -> dict[str, Any]:
     }
 
 
-def _done_sum(column: Any) -> Any:
-    return func.coalesce(func.sum(case((R.c.status.in_(_DONE), column), else_=0)), 0)
+_SAME_FOR_ALL = frozenset({"finished_at", "lease_expires_at"})  # in _result_values
+
+
+def _done_sum(col: Any) -> Any:
+    return func.coalesce(func.sum(case((R.c.status.in_(_DONE), col), else_=0)), 0)
 
 
 # Per batch: total, succeeded, failed, then token sums over done requests.
@@ -240,7 +246,7 @@ class Store:
             install_sqlite_setup(engine.sync_engine, busy_timeout_s)
         else:
             engine = create_async_engine(
-                t.url, pool_pre_ping=True, connect_args={"server_settings": _PG_SESSION}
+                t.url, connect_args={"server_settings": _PG_SESSION}
             )
         store = cls(engine, t.dialect, path=t.path, files=files or default, files_dir=files_dir)
         await store.sync_clock()
@@ -760,11 +766,27 @@ class Store:
             | {f"p_{k}": v for k, v in _result_values(res, now).items()}
             for rid, res in results
         ]
+        if self.dialect is Dialect.POSTGRESQL:
+            return await self._complete_pg(worker_id, results, now)
         async with self._engine.begin() as conn:
-            if conn.dialect.supports_sane_multi_rowcount:
-                return (await conn.execute(stmt, params)).rowcount
-            # asyncpg's executemany reports no row counts: one statement per row, one transaction
-            return sum([(await conn.execute(stmt, p)).rowcount for p in params])
+            return (await conn.execute(stmt, params)).rowcount
+
+    async def _complete_pg(
+        self, worker_id: str, results: Sequence[tuple[int, RequestResult]], now: float
+    ) -> int:
+        """`complete` as one `UPDATE … FROM (VALUES …)`: asyncpg's executemany reports no row
+        counts, and one statement per row costs a round trip each."""
+        per_row = [k for k in _result_values(results[0][1], now) if k not in _SAME_FOR_ALL]
+        v = values(
+            column("id", Integer), *(column(k, R.c[k].type) for k in per_row), name="v"
+        ).data([(rid, *(_result_values(res, now)[k] for k in per_row)) for rid, res in results])
+        stmt = (
+            update(R)
+            .where(R.c.id == v.c.id, R.c.status == _RUNNING, R.c.worker_id == worker_id)
+            .values({k: v.c[k] for k in per_row} | {"finished_at": now, "lease_expires_at": None})
+        )
+        async with self._engine.begin() as conn:
+            return (await conn.execute(stmt)).rowcount
 
     async def release(self, worker_id: str, request_ids: Sequence[int] | None = None) -> int:
         """Put requests `worker_id` holds back in the queue (all of them when `request_ids` is

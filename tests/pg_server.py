@@ -116,7 +116,7 @@ def start_postgres() -> PgServer:
     bin_ = install / "bin"
     init = subprocess.run(
         [bin_ / "initdb", "-D", data, "-U", "postgres", "--auth=trust", "--encoding=UTF8",
-         "--no-sync", "--no-instructions"],
+         "--locale=C", "--no-sync", "--no-instructions"],
         capture_output=True, text=True, cwd=root, **kw,
     )  # fmt: skip
     if init.returncode != 0:

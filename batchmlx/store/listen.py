@@ -17,25 +17,27 @@ class Listener:
         self._engine = engine
         self._channel = channel
         self._conn: AsyncConnection | None = None
+        self._raw: Any = None  # the asyncpg connection under _conn
         self._event = asyncio.Event()
 
     def _on_notify(self, *_args: Any) -> None:
         self._event.set()
 
     async def _ensure(self) -> None:
-        if self._conn is not None and not self._conn.closed:
+        if self._raw is not None and not self._raw.is_closed():
             return
+        await self.close()  # a connection the server dropped: start over
         self._conn = await self._engine.connect()
-        raw = (await self._conn.get_raw_connection()).driver_connection
-        await raw.add_listener(self._channel, self._on_notify)
-        self._event.set()  # anything sent before we listened: look once
+        self._raw = (await self._conn.get_raw_connection()).driver_connection
+        await self._raw.add_listener(self._channel, self._on_notify)
+        self._event.set()  # anything sent before we listened (or while away): look once
 
     async def wait(self, timeout: float) -> bool:
         """Sleep up to `timeout`; True when woken by a notification."""
         try:
             await self._ensure()
         except Exception:  # the database is away: sleep, the next call reconnects
-            self._conn = None
+            await self.close()
             await asyncio.sleep(timeout)
             return False
         try:
@@ -48,5 +50,7 @@ class Listener:
     async def close(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(Exception):
+                await self._conn.invalidate()  # not back to the pool: it was LISTENing
+            with contextlib.suppress(Exception):
                 await self._conn.close()
-            self._conn = None
+        self._conn = self._raw = None

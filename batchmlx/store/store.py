@@ -38,12 +38,13 @@ from sqlalchemy import (
     select,
     text,
     update,
-    values,
 )
+from sqlalchemy import values as sql_values
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus, check_transition
 from batchmlx.core.records import (
     BatchErrorRecord,
@@ -245,15 +246,13 @@ class Store:
             engine = create_async_engine(t.url)
             install_sqlite_setup(engine.sync_engine, busy_timeout_s)
         else:
-            engine = create_async_engine(
-                t.url, connect_args={"server_settings": _PG_SESSION}
-            )
+            engine = create_async_engine(t.url, connect_args={"server_settings": _PG_SESSION})
         store = cls(engine, t.dialect, path=t.path, files=files or default, files_dir=files_dir)
         await store.sync_clock()
         return store
 
     @classmethod
-    async def from_settings(cls, settings: Any) -> Store:
+    async def from_settings(cls, settings: Settings) -> Store:
         """The store `settings` (batchmlx.config.Settings) name: database URL and file place."""
         files = FileStorage.DATABASE if settings.files_in_database else FileStorage.LOCAL
         return await cls.open(settings.database_url, files_dir=settings.files_dir, files=files)
@@ -777,7 +776,7 @@ class Store:
         """`complete` as one `UPDATE … FROM (VALUES …)`: asyncpg's executemany reports no row
         counts, and one statement per row costs a round trip each."""
         per_row = [k for k in _result_values(results[0][1], now) if k not in _SAME_FOR_ALL]
-        v = values(
+        v = sql_values(
             column("id", Integer), *(column(k, R.c[k].type) for k in per_row), name="v"
         ).data([(rid, *(_result_values(res, now)[k] for k in per_row)) for rid, res in results])
         stmt = (

@@ -106,6 +106,22 @@ def test_an_idle_store_wakes_on_new_work_from_another_host(store_target):
                 await b.create_batch(batch("batch_b", created_at=2000), [])
                 await b.set_batch_status("batch_b", BatchStatus.CANCELLING, now=2.0)
             assert await waiting is True, event
+        # the server drops the listening connection: the next wait listens again
+        async with b._engine.connect() as conn:
+            await conn.execute(text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE query LIKE 'LISTEN%' AND pid <> pg_backend_pid()"
+            ))  # fmt: skip
+            await conn.commit()
+        deadline = time.monotonic() + 60
+        while a._listener._raw is not None and not a._listener._raw.is_closed():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await a.wait_for_work(0.01)  # reconnects (and looks once)
+        waiting = asyncio.ensure_future(a.wait_for_work(600))
+        await asyncio.sleep(0)
+        await b.create_batch(batch("batch_c", created_at=3000), new_requests(1, "c"))
+        assert await waiting is True
 
     _two_stores(store_target, scenario)
 

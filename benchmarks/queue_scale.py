@@ -248,6 +248,22 @@ def write(path: Path, results: dict, seconds: float) -> None:
             vals = [results[key, dialect, n][field] for n in WORKERS]
             lines.append(f"| {label} | {dialect} | " + " | ".join(f"{v:,.0f}" for v in vals)
                          + f" | {vals[-1] / vals[0]:.2f}x |")  # fmt: skip
+    pg_queue = results["queue", "postgresql", 4]["req_s"]
+    pg_e2e = max(results["e2e", "postgresql", n]["req_s"] for n in WORKERS)
+    cores = os.cpu_count() or 1
+    lines += [
+        "",
+        f"- The queue alone moves {pg_queue:,.0f} requests/s through PostgreSQL with 4 claimers; "
+        f"end to end, the fastest PostgreSQL run used {pg_e2e:,.0f}/s, "
+        f"{100 * pg_e2e / pg_queue:.0f}% of that: the queue is not what limits the workers.",
+        f"- Scaling with workers needs a core (or an accelerator) per worker: on {cores} "
+        "cores, shared with other jobs, 4 workers cannot run 4 engines at once, so the "
+        "end-to-end rows measure this machine's CPUs, not the queue. The 4 vs 1 >= 3x target "
+        "is for hosts where each worker has its own compute (separate machines, the point of "
+        "a shared queue).",
+        "- Queue-alone rows on one machine also share the cores with the database server; "
+        "claims take no lock that another claimer waits on (SKIP LOCKED on PostgreSQL).",
+    ]
     path.write_text("\n".join(lines) + "\n")
     log(f"wrote {path}")
 

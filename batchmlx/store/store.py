@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import socket
 import time
 import zlib
@@ -236,6 +237,8 @@ class Store:
         `files_dir`, by default the SQLite file's folder/files, on SQLite; the database on
         PostgreSQL)."""
         t = parse_target(target)
+        if t.dialect is Dialect.POSTGRESQL and importlib.util.find_spec("asyncpg") is None:
+            raise RuntimeError("PostgreSQL needs asyncpg: pip install 'batchmlx[postgres]'")
         if t.dialect is Dialect.SQLITE:
             assert t.path is not None
             t.path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from batchmlx import service
 from batchmlx.store import Store
 from tests.e2e.helpers import cli_env, describe
 
-LEASE_S = 5  # short, so a killed worker's requests are taken over soon; heartbeats every third
+LEASE_S = 8  # short, so a killed worker's requests are taken over soon; heartbeats every third
 
 
 @dataclass

@@ -87,7 +87,7 @@ def _warn_if_slow_blas() -> None:
 
 def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
     """Open the store, run one service coroutine, close the store."""
-    from batchmlx.store import Store
+    from batchmlx.store import Store, StoreUnavailable
 
     settings = load_settings()
 
@@ -100,7 +100,7 @@ def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
 
     try:
         return asyncio.run(main())
-    except service.ServiceError as exc:
+    except (service.ServiceError, StoreUnavailable) as exc:
         raise _fail(str(exc)) from None
 
 
@@ -423,7 +423,12 @@ def worker(
         from batchmlx.ingest.inbox import Inbox
 
         box = Inbox(settings, inbox, settle_s=inbox_settle)
-    asyncio.run(run_worker(settings, opts, inbox=box))
+    from batchmlx.store import StoreUnavailable
+
+    try:
+        asyncio.run(run_worker(settings, opts, inbox=box))
+    except StoreUnavailable as exc:
+        raise _fail(str(exc)) from None
 
 
 @app.command()

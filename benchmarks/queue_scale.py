@@ -58,7 +58,7 @@ async def _claimer(target: str, worker_id: str, go: Path, out: Path) -> None:
     while not go.exists():
         await asyncio.sleep(0.002)
     t0, claims, done = time.monotonic(), 0, 0
-    while batch := await store.claim(worker_id, CLAIM, store.clock(), 60.0):
+    while batch := await store.claim(worker_id, CLAIM, store.clock(), 60.0, batch_id="batch_q"):
         claims += 1
         done += await store.complete(worker_id, [(c.id, result) for c in batch], store.clock())
     t1 = time.monotonic()

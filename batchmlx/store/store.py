@@ -43,6 +43,8 @@ from sqlalchemy import (
 from sqlalchemy import values as sql_values
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from batchmlx.config import Settings
@@ -61,7 +63,7 @@ from batchmlx.store.connection import BEGIN_OPTION, DEFAULT_BUSY_TIMEOUT_S, inst
 from batchmlx.store.listen import Listener
 from batchmlx.store.migrate import upgrade_to_head
 from batchmlx.store.models import BATCHES, FILES, REQUESTS, WORKERS
-from batchmlx.store.types import BatchRef, FileStorage, NewRequest, ResultRow
+from batchmlx.store.types import BatchRef, FileStorage, NewRequest, ResultRow, StoreUnavailable
 from batchmlx.store.url import Dialect, parse_target
 
 B, R, F, W = BATCHES, REQUESTS, FILES, WORKERS
@@ -244,7 +246,11 @@ class Store:
             t.path.parent.mkdir(parents=True, exist_ok=True)
             files_dir = files_dir or t.path.parent / "files"
         default = FileStorage.LOCAL if t.dialect is Dialect.SQLITE else FileStorage.DATABASE
-        await asyncio.to_thread(upgrade_to_head, t)
+        try:
+            await asyncio.to_thread(upgrade_to_head, t)
+        except (OSError, DBAPIError) as exc:
+            where = make_url(t.url).render_as_string(hide_password=True)
+            raise StoreUnavailable(f"cannot open the database {where}: {exc}") from exc
         if t.dialect is Dialect.SQLITE:
             engine = create_async_engine(t.url)
             install_sqlite_setup(engine.sync_engine, busy_timeout_s)
@@ -659,11 +665,13 @@ class Store:
             select(R.c.id)
             .join(B, B.c.id == R.c.batch_id)
             .where(B.c.status == BatchStatus.IN_PROGRESS.value, claimable)
-            .order_by(B.c.created_at, self._b_seq, R.c.line)
             .limit(limit)
         )
         if batch_id is not None:
-            pick = pick.where(R.c.batch_id == batch_id)
+            # line order alone: the (batch_id, line) index yields it, no sort of the whole batch
+            pick = pick.where(R.c.batch_id == batch_id).order_by(R.c.line)
+        else:
+            pick = pick.order_by(B.c.created_at, self._b_seq, R.c.line)
         if self.dialect is Dialect.POSTGRESQL:
             # rows another claimer is taking are skipped, not waited for (SQLite has one writer)
             pick = pick.with_for_update(of=R, skip_locked=True)

@@ -54,3 +54,7 @@ class FileStorage(enum.Enum):
 
     LOCAL = "local"  # $BATCHMLX_HOME/files on this host: SQLite's default
     DATABASE = "database"  # chunks in the database: PostgreSQL's default, hosts share no disk
+
+
+class StoreUnavailable(RuntimeError):
+    """The database cannot be reached or opened (the message says which and why)."""

@@ -40,3 +40,13 @@ def test_two_homes_share_batches_and_files_through_the_url(pg_url, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "batchmlx.cli", "list", "--json"], env=env_a,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0 and json.loads(proc.stdout) == [], describe(proc)
+
+
+def test_an_unreachable_database_is_a_clear_error(tmp_path):
+    (a,) = make_hosts(tmp_path, "postgresql://batchmlx:secret@127.0.0.1:1/nowhere", 1)
+    for args in (("status",), ("worker", "--until-idle")):
+        proc = a.cli(*args)
+        assert proc.returncode == 1, describe(proc)
+        assert "cannot open the database postgresql+asyncpg://batchmlx:***@127.0.0.1:1" in (
+            proc.stderr), describe(proc)
+        assert "Traceback" not in proc.stderr and "secret" not in proc.stderr

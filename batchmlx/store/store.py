@@ -26,11 +26,9 @@ from typing import Any
 
 import orjson
 from sqlalchemy import (
-    Integer,
     and_,
     bindparam,
     case,
-    column,
     delete,
     func,
     insert,
@@ -40,7 +38,6 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy import values as sql_values
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
@@ -124,7 +121,31 @@ def _result_values(result: RequestResult, now: float) -> dict[str, Any]:
     }
 
 
-_SAME_FOR_ALL = frozenset({"finished_at", "lease_expires_at"})  # in _result_values
+# PostgreSQL's complete (see Store._complete_pg): the per-row fields of _result_values as
+# arrays; finished_at and lease_expires_at are the same for every row
+_PER_ROW = ("status", "status_code", "response_body", "error", "prompt_tokens", "cached_tokens",
+            "completion_tokens", "cache_outcome")  # fmt: skip
+_SAME_FOR_ALL = frozenset({"finished_at", "lease_expires_at"})
+
+
+def _pg_complete_sql() -> Any:
+    from sqlalchemy.dialects import postgresql
+
+    pg = postgresql.dialect()
+    arrays = ", ".join(
+        f"CAST(:a_{k} AS {(R.c.id if k == 'id' else R.c[k]).type.compile(dialect=pg)}[])"
+        for k in ("id", *_PER_ROW)
+    )
+    sets = ", ".join(f"{k} = v.{k}" for k in _PER_ROW)
+    return text(
+        f"UPDATE requests SET {sets}, finished_at = :now, lease_expires_at = NULL "
+        f"FROM unnest({arrays}) AS v(id, {', '.join(_PER_ROW)}) "
+        f"WHERE requests.id = v.id AND requests.status = '{_RUNNING}' "
+        "AND requests.worker_id = :worker"
+    )
+
+
+_PG_COMPLETE = _pg_complete_sql()
 
 
 def _done_sum(col: Any) -> Any:
@@ -784,19 +805,20 @@ class Store:
     async def _complete_pg(
         self, worker_id: str, results: Sequence[tuple[int, RequestResult]], now: float
     ) -> int:
-        """`complete` as one `UPDATE … FROM (VALUES …)`: asyncpg's executemany reports no row
-        counts, and one statement per row costs a round trip each."""
-        per_row = [k for k in _result_values(results[0][1], now) if k not in _SAME_FOR_ALL]
-        v = sql_values(
-            column("id", Integer), *(column(k, R.c[k].type) for k in per_row), name="v"
-        ).data([(rid, *(_result_values(res, now)[k] for k in per_row)) for rid, res in results])
-        stmt = (
-            update(R)
-            .where(R.c.id == v.c.id, R.c.status == _RUNNING, R.c.worker_id == worker_id)
-            .values({k: v.c[k] for k in per_row} | {"finished_at": now, "lease_expires_at": None})
-        )
+        """`complete` as one `UPDATE … FROM unnest(arrays)`: asyncpg's executemany reports no
+        row counts, a statement per row costs a round trip each, and arrays keep the SQL text
+        the same for any number of rows (one prepared statement)."""
+        cols: dict[str, list[Any]] = {"id": []} | {k: [] for k in _PER_ROW}
+        for rid, res in results:
+            cols["id"].append(rid)
+            row = _result_values(res, now)
+            if row.keys() - _PER_ROW - _SAME_FOR_ALL:  # a field added to _result_values only
+                raise RuntimeError(f"_PER_ROW lacks {sorted(row.keys() - _PER_ROW)}")
+            for k in _PER_ROW:
+                cols[k].append(row[k])
+        params = {f"a_{k}": v for k, v in cols.items()} | {"now": now, "worker": worker_id}
         async with self._engine.begin() as conn:
-            return (await conn.execute(stmt)).rowcount
+            return (await conn.execute(_PG_COMPLETE, params)).rowcount
 
     async def release(self, worker_id: str, request_ids: Sequence[int] | None = None) -> int:
         """Put requests `worker_id` holds back in the queue (all of them when `request_ids` is

@@ -39,9 +39,9 @@ def log(msg: str) -> None:
     print(f"[queue-bench] {msg}", file=sys.stderr, flush=True)
 
 
-def _body(i: int) -> dict:
+def _body(i: int, tag: str = "") -> dict:
     return {"model": "default", "max_tokens": 1,
-            "messages": [{"role": "user", "content": f"Say {i}."}]}  # fmt: skip
+            "messages": [{"role": "user", "content": f"{tag}Say {i}."}]}  # fmt: skip
 
 
 # -- the queue alone -------------------------------------------------------------------------
@@ -147,9 +147,11 @@ def end_to_end(target: str, dialect: str, n: int, model: Path, tmp: Path) -> dic
     from batchmlx.store import Store
 
     def data(prefix: str, count: int) -> bytes:
-        return b"".join(json.dumps({"custom_id": f"{prefix}{i}", "method": "POST",
-                                    "url": "/v1/chat/completions", "body": _body(i)}).encode()
-                        + b"\n" for i in range(count))  # fmt: skip
+        return b"".join(
+            json.dumps({"custom_id": f"{prefix}{i}", "method": "POST",
+                        "url": "/v1/chat/completions", "body": _body(i, prefix)}).encode() + b"\n"
+            for i in range(count)
+        )  # fmt: skip
 
     fleet = Fleet(target, model, dialect, tmp, [])
 

@@ -108,3 +108,21 @@ def fetch_rows(store_target: str | Path, sql: str) -> list[tuple[Any, ...]]:
             await engine.dispose()
 
     return asyncio.run(main())
+
+
+def execute_sql(store_target: str | Path, sql: str) -> None:
+    """Run a raw SQL statement outside the store and commit it (either dialect)."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from batchmlx.store.url import parse_target
+
+    async def main() -> None:
+        engine = create_async_engine(parse_target(store_target).url)
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(text(sql))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())

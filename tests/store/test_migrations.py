@@ -149,3 +149,35 @@ def test_concurrent_first_open_of_postgresql_by_several_processes(pg_url):
         assert p.returncode == 0, err
     assert fetch_rows(pg_url, "SELECT count(*) FROM workers") == [(4,)]
     assert fetch_rows(pg_url, "SELECT version_num FROM alembic_version") == [(_head(),)]
+
+
+def test_a_database_made_by_0001_upgrades_with_its_rows(store_target):
+    """Existing queues move to 0002 in place: rows kept, insertion order kept (PostgreSQL's
+    new `seq` numbers old rows too)."""
+    import asyncio
+
+    from alembic import command
+
+    from batchmlx.store import Store
+
+    from .conftest import execute_sql, fetch_rows
+
+    if isinstance(store_target, Path):
+        store_target.parent.mkdir(parents=True)
+    command.upgrade(alembic_config(store_target), "0001")
+    for i, created in enumerate((100, 100, 50)):
+        execute_sql(store_target, (
+            "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, "
+            f"created_at) VALUES ('batch_{i}', '/v1/chat/completions', 'file-x', '24h', "
+            f"'completed', {created})"
+        ))  # fmt: skip
+
+    async def listed() -> list[str]:
+        store = await Store.open(store_target)
+        try:
+            return [b.id for b in await store.list_batches()]
+        finally:
+            await store.close()
+
+    assert asyncio.run(listed()) == ["batch_1", "batch_0", "batch_2"]
+    assert fetch_rows(store_target, "SELECT version_num FROM alembic_version") == [(_head(),)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,41 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Local, OpenAI-Batch-compatible job processor for LLM requests on MLX.",
 )
+
+DATABASE_URL_ENV = "BATCHMLX_DATABASE_URL"
+
+
+@app.callback()
+def _options(
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            "--database-url",
+            envvar=DATABASE_URL_ENV,
+            help="The queue: sqlite:///FILE (default: $BATCHMLX_HOME/batchmlx.db) or "
+            "postgresql://USER@HOST/DB, shared by workers on several hosts",
+        ),
+    ] = None,
+) -> None:
+    """Local, OpenAI-Batch-compatible job processor for LLM requests on MLX."""
+    if database_url:
+        os.environ[DATABASE_URL_ENV] = database_url  # load_settings reads it, as do children
+
+
+def _hoist_database_url(argv: list[str]) -> list[str]:
+    """`--database-url` may come after the command too (`batchmlx worker --database-url …`):
+    move it before the command, where the app's callback takes it."""
+    rest, front, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--database-url" and i + 1 < len(argv):
+            front += argv[i : i + 2]
+            i += 2
+            continue
+        (front if arg.startswith("--database-url=") else rest).append(arg)
+        i += 1
+    return front + rest
+
 
 DTYPE_HELP = "Weights: auto (float32 on the CPU, as stored on Metal/CUDA), stored, float32, …"
 # engine options shared by `worker` and `serve`
@@ -53,12 +89,12 @@ def _warn_if_slow_blas() -> None:
 
 def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
     """Open the store, run one service coroutine, close the store."""
-    from batchmlx.store import Store
+    from batchmlx.store import Store, StoreUnavailable
 
     settings = load_settings()
 
     async def main() -> Any:
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         try:
             return await coro_fn(store, settings, *args, **kwargs)
         finally:
@@ -66,7 +102,7 @@ def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
 
     try:
         return asyncio.run(main())
-    except service.ServiceError as exc:
+    except (service.ServiceError, StoreUnavailable) as exc:
         raise _fail(str(exc)) from None
 
 
@@ -133,7 +169,8 @@ def _describe(rec: BatchRecord, settings: Settings) -> None:
             typer.echo(f"    {where}: {e.code}{param}: {e.message}")
     for label, fid in (("output", rec.output_file_id), ("errors", rec.error_file_id)):
         if fid:
-            typer.echo(f"  {label}: {settings.files_dir / fid}  ({fid})")
+            where = "in the database" if settings.files_in_database else settings.files_dir / fid
+            typer.echo(f"  {label}: {where}  ({fid})")
     if rec.status.terminal and not rec.errors:
         typer.echo(f"  download: batchmlx results {rec.id} -o {rec.id}.jsonl  (--errors: errors)")
 
@@ -189,9 +226,9 @@ def _wait(batch_id: str, engine: dict[str, Any], quiet: bool) -> BatchRecord:
     settings = load_settings()
 
     async def main() -> BatchRecord:
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         try:
-            live = await store.live_workers(time.time(), settings.lease_s)
+            live = await store.live_workers(store.clock(), settings.lease_s)
             progress = ProgressView(store, batch_id, quiet)
             if live:
                 while not (await store.get_batch(batch_id)).status.terminal:
@@ -228,7 +265,7 @@ def status(
 
     async def current(store, settings) -> BatchRecord:
         rec = await service.get_batch(store, batch_id)
-        return await service.expire_unattended(store, settings, rec, now=time.time())
+        return await service.expire_unattended(store, settings, rec, now=store.clock())
 
     rec = _run(current)
     _show(rec, as_json)
@@ -260,20 +297,27 @@ def results(
 ) -> None:
     """Download a finished batch's output file (or, with --errors, its error file)."""
 
-    async def fetch(store, settings) -> bytes:
+    async def fetch(store, settings) -> int:
+        from batchmlx.store.blobs import LocalBlobs
+
         rec = await service.get_batch(store, batch_id)
         if not rec.status.terminal:
             raise service.ServiceError(f"batch {batch_id} is {rec.status.value}; not finished yet")
-        return await service.file_content(
+        chunks = service.iter_file_content(
             store, rec.error_file_id if errors else rec.output_file_id
         )
+        if output is not None:  # streamed to a temp file, fsynced, renamed
+            return (await LocalBlobs(output.parent).put(output.name, chunks))[0]
+        size = 0
+        async for chunk in chunks:
+            sys.stdout.buffer.write(chunk)
+            size += len(chunk)
+        sys.stdout.buffer.flush()
+        return size
 
-    data = _run(fetch)
-    if output is None:
-        sys.stdout.buffer.write(data)
-    else:
-        service.write_atomic(output, data)
-        typer.echo(f"wrote {len(data)} bytes to {output}", err=True)
+    size = _run(fetch)
+    if output is not None:
+        typer.echo(f"wrote {size} bytes to {output}", err=True)
 
 
 @app.command()
@@ -281,7 +325,7 @@ def cancel(batch_id: str, as_json: Annotated[bool, typer.Option("--json")] = Fal
     """Cancel a batch: running requests stop, finished results are kept."""
 
     async def do(store, settings):
-        now = time.time()
+        now = store.clock()
         rec = await service.cancel(store, batch_id, now=now)
         if rec.status is BatchStatus.CANCELLING and not await store.live_workers(
             now, settings.lease_s
@@ -328,6 +372,11 @@ def worker(
         int | None, typer.Option(help="Serve Prometheus metrics at http://HOST:PORT/metrics")
     ] = None,
     metrics_host: Annotated[str, typer.Option(help="Address for --metrics-port")] = "127.0.0.1",
+    only_model: Annotated[
+        list[str] | None,
+        typer.Option(help="Claim only batches of this model (repeatable); others are left to "
+                     "workers that serve them"),
+    ] = None,
 ) -> None:
     """Run a long-lived worker that processes queued batches."""
     import logging
@@ -350,7 +399,8 @@ def worker(
         cache_max_blocks=cache_max_blocks,
     )
     opts = WorkerOptions(
-        until_idle=until_idle, model=model, dtype=dtype, engine=engine, max_attempts=max_attempts
+        until_idle=until_idle, model=model, dtype=dtype, engine=engine, max_attempts=max_attempts,
+        only_models=tuple(only_model or ()),
     )
     settings = load_settings()
     box = None
@@ -358,13 +408,18 @@ def worker(
         from batchmlx.ingest.inbox import Inbox
 
         box = Inbox(settings, inbox, settle_s=inbox_settle)
+    from batchmlx.store import StoreUnavailable
+
     work = run_worker(settings, opts, inbox=box)
     if metrics_port is not None:
         from batchmlx.worker.metrics import serve_metrics, with_queue_metrics
 
         serve_metrics(metrics_port, metrics_host)
         work = with_queue_metrics(settings, work)
-    asyncio.run(work)
+    try:
+        asyncio.run(work)
+    except StoreUnavailable as exc:
+        raise _fail(str(exc)) from None
 
 
 @app.command()
@@ -394,7 +449,7 @@ def watch(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         try:
             await box.run(store, stop)
         finally:
@@ -484,7 +539,7 @@ def main() -> None:  # pragma: no cover - the console script
     from batchmlx.accel import ensure_fast_blas
 
     ensure_fast_blas()
-    app()
+    app(args=_hoist_database_url(sys.argv[1:]))
 
 
 if __name__ == "__main__":  # pragma: no cover

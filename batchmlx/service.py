@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -94,20 +95,15 @@ async def store_file(
     now: float,
     file_id: str | None = None,
 ) -> FileRecord:
-    """Write `data` under files/ and record it; a given `file_id` replaces that file."""
+    """Store `data` (under files/, or in the database) and record it; a given `file_id`
+    replaces that file."""
     replace = file_id is not None
     file_id = file_id or new_id(IdPrefix.FILE)
-    path = settings.files_dir / file_id
     crash_point("store_file")
-    write_atomic(path, data)
-    rec = FileRecord(file_id, text_name(filename), purpose, len(data), int(now), str(path))
-    try:
-        await store.add_file(rec, replace=replace)
-    except BaseException:
-        if not replace:
-            path.unlink(missing_ok=True)  # no bytes under files/ without their record
-        raise
-    return rec
+    return await store.save_file(
+        file_id, [data], filename=text_name(filename), purpose=purpose, created_at=int(now),
+        replace=replace,
+    )  # fmt: skip
 
 
 def _model_resolves(settings: Settings):
@@ -194,7 +190,18 @@ async def finalize(
     requests carry `batch_expired` (see `expire`). Idempotent and resumable: file ids and line
     ids are derived from the batch, files are written atomically, and the status moves last, so
     redoing a finalize a crash interrupted writes the same bytes; a finished batch is returned.
+    Runs once per batch whichever host gets there: the others find the batch locked (and
+    return it as it is) or finished.
     """
+    async with store.batch_lock(batch_id) as mine:
+        if not mine:
+            return await get_batch(store, batch_id)  # another process is finalizing it
+        return await _finalize(store, settings, batch_id, now=now)
+
+
+async def _finalize(
+    store: Store, settings: Settings, batch_id: str, *, now: float
+) -> BatchRecord:
     rec = await get_batch(store, batch_id)
     if rec.status.terminal:
         return rec
@@ -347,12 +354,18 @@ async def expire_unattended(
 
 
 async def file_content(store: Store, file_id: str | None) -> bytes:
+    return b"".join([c async for c in iter_file_content(store, file_id)])
+
+
+async def iter_file_content(store: Store, file_id: str | None) -> AsyncIterator[bytes]:
+    """A file's bytes in chunks, wherever they are stored (a 200 MB file is never whole)."""
     if file_id is None:
-        return b""
+        return
     f = await store.get_file(file_id)
     if f is None:
         raise ServiceError(f"no file with id {file_id!r}")
-    return Path(f.path).read_bytes()
+    async for chunk in store.read_file(f):
+        yield chunk
 
 
 # -- the HTTP API: batches from uploaded files, validated after create (as OpenAI does) --------
@@ -408,7 +421,7 @@ async def validate_batch(
     data, unreadable = None, f"The input file {rec.input_file_id} no longer exists."
     if f is not None:
         try:
-            data = Path(f.path).read_bytes()
+            data = await store.read_file_bytes(f)
         except FileNotFoundError:
             pass
         except OSError as exc:  # the batch fails once, not validated again every poll
@@ -449,5 +462,5 @@ async def delete_file(store: Store, file_id: str) -> bool:
     rec = await store.delete_file(file_id)
     if rec is None:
         return False
-    Path(rec.path).unlink(missing_ok=True)
+    await store.delete_file_bytes(rec)
     return True

@@ -48,7 +48,7 @@ def create_app(settings: Settings, options: ServerOptions, *, host: str) -> Star
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         validator = Validator(store, settings, options.model, options.validate_poll_s)
         ctx = ServerContext(store, settings, options, validator, spec.name)
         app.state.ctx = ctx

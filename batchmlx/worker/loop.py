@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -47,6 +46,9 @@ class WorkerOptions:
     claim_factor: int = 4  # hold up to this many times max_batch_size requests
     flush_s: float = 0.5  # results wait at most this long before their transaction
     max_attempts: int = 3  # claims of one request before it is given up (error file)
+    # claim only batches of these models (resolved names as batches record them; "default"
+    # covers batches naming none): workers on several hosts may each serve their own models
+    only_models: tuple[str, ...] = ()
 
 
 @dataclass
@@ -63,15 +65,16 @@ class Worker:
         settings: Settings,
         options: WorkerOptions,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         on_progress: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
         self.opts = options
-        self.clock = clock
+        self.clock = clock or store.clock  # leases in the database's time (PostgreSQL)
         self.on_progress = on_progress
-        self.worker_id = f"w-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.host = settings.hostname
+        self.worker_id = f"w-{self.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.loaded: _Loaded | None = None
         self.pending: dict[int, PendingRequest] = {}  # row id -> request in the engine
         self.online = OnlineQueue()  # the HTTP API's requests, ahead of batch work
@@ -108,7 +111,7 @@ class Worker:
                 if not busy:
                     if self.opts.until_idle:
                         break
-                    await self.online.wait(self.settings.poll_s)
+                    await self._idle()
         finally:
             await self._persist("write results", lambda: self._flush(force=True))
             if self.pending:
@@ -143,6 +146,28 @@ class Worker:
                     log.error("at shutdown, could not %s", what, exc_info=exc)
                     return
                 await asyncio.sleep(backoff.next())
+
+    async def _idle(self) -> None:
+        """Nothing to do: wait for an online request or new work. On PostgreSQL a NOTIFY
+        wakes the worker (no polling); it also wakes when the first running lease ends (a dead
+        worker's requests to take over) and to heartbeat."""
+        if not self.store.listens:
+            await self.online.wait(self.settings.poll_s)
+            return
+        timeout = self.settings.lease_s / 3
+        lease_end = await self.store.next_lease_end()
+        if lease_end is not None:
+            timeout = min(timeout, max(lease_end - self.clock(), 0.0) + 0.05)
+        waits = [
+            asyncio.ensure_future(self.online.wait(timeout)),
+            asyncio.ensure_future(self.store.wait_for_work(timeout)),
+        ]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     def install_signal_handlers(self) -> None:
         """First SIGTERM/SIGINT: finish the current step, release leases, exit. Second: now."""
@@ -243,6 +268,10 @@ class Worker:
             return False
         did = False
         for b in await self.store.active_batches():
+            if self.opts.only_models and (b.model or self.settings.default_model) not in (
+                self.opts.only_models
+            ):
+                continue  # another worker's model
             model = self._model_for(b.model)
             busy = self.pending or self.online_pending
             if self.loaded is not None and model != self.loaded.name and busy:
@@ -399,14 +428,17 @@ class Worker:
     async def _heartbeat(self, force: bool = False) -> None:
         now = self.clock()
         if force or now - self._last_beat >= self.settings.lease_s / 3:
-            await self.store.heartbeat(self.worker_id, now, self.settings.lease_s, pid=os.getpid())
+            await self.store.heartbeat(
+                self.worker_id, now, self.settings.lease_s, pid=os.getpid(), hostname=self.host
+            )
             self._last_beat = now
-            await self._recover_dead_workers()
+            if self.store.one_host:
+                await self._recover_dead_workers()
 
     async def _recover_dead_workers(self) -> None:
         """Workers of this host whose process is gone (SIGKILL, crash, power loss) hold leases
         nobody renews: end them now instead of waiting `lease_s`."""
-        for wid, pid in await self.store.workers_on_host(socket.gethostname()):
+        for wid, pid in await self.store.workers_on_host(self.host):
             if wid != self.worker_id and pid is not None and not _pid_alive(pid):
                 n = await self.store.abandon_worker(wid)
                 log.info("worker %s (pid %s) is gone; %d requests claimable again", wid, pid, n)
@@ -500,10 +532,7 @@ async def run_worker(
     """Run a worker until it stops; with `inbox` (an ingest.inbox.Inbox), watch its folder in
     the same event loop and stop watching when the worker stops."""
     own = store is None
-    if store is None:
-        timeout = settings.busy_timeout_s
-        busy = {} if timeout is None else {"busy_timeout_s": timeout}
-        store = await Store.open(settings.db_path, **busy)
+    store = store or await Store.from_settings(settings)
     try:
         worker = Worker(store, settings, options, on_progress=on_progress)
         if signals:

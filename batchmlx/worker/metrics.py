@@ -225,7 +225,7 @@ async def with_queue_metrics(settings: Any, work: Awaitable[None]) -> None:
                 await refresh_queue(store)
             await asyncio.sleep(QUEUE_REFRESH_S)
 
-    store = await Store.open(settings.db_path)
+    store = await Store.from_settings(settings)
     task = asyncio.create_task(refresh_forever(store))
     try:
         await work

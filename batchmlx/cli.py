@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,13 +14,14 @@ import typer
 
 import batchmlx.ingest  # noqa: F401  (registers the inbox's finalize hook)
 from batchmlx.batches.errors import BatchError
-from batchmlx.batches.files import file_content, write_atomic
+from batchmlx.batches.files import iter_file_content
 from batchmlx.batches.finalize import get_batch
 from batchmlx.batches.intake import submit as submit_batch
 from batchmlx.batches.lifecycle import cancel_unattended, expire_unattended
 from batchmlx.config import Settings, load_settings
 from batchmlx.core.engine_api import ENGINE_DEFAULTS, EngineSettings
 from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.progress import estimate_batch, format_eta, format_rate
 from batchmlx.core.records import BatchRecord
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import batch_object
@@ -29,6 +31,41 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Local, OpenAI-Batch-compatible job processor for LLM requests on MLX.",
 )
+
+DATABASE_URL_ENV = "BATCHMLX_DATABASE_URL"
+
+
+@app.callback()
+def _options(
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            "--database-url",
+            envvar=DATABASE_URL_ENV,
+            help="The queue: sqlite:///FILE (default: $BATCHMLX_HOME/batchmlx.db) or "
+            "postgresql://USER@HOST/DB, shared by workers on several hosts",
+        ),
+    ] = None,
+) -> None:
+    """Local, OpenAI-Batch-compatible job processor for LLM requests on MLX."""
+    if database_url:
+        os.environ[DATABASE_URL_ENV] = database_url  # load_settings reads it, as do children
+
+
+def _hoist_database_url(argv: list[str]) -> list[str]:
+    """`--database-url` may come after the command too (`batchmlx worker --database-url …`):
+    move it before the command, where the app's callback takes it."""
+    rest, front, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--database-url" and i + 1 < len(argv):
+            front += argv[i : i + 2]
+            i += 2
+            continue
+        (front if arg.startswith("--database-url=") else rest).append(arg)
+        i += 1
+    return front + rest
+
 
 DTYPE_HELP = "Weights: auto (float32 on the CPU, as stored on Metal/CUDA), stored, float32, …"
 # engine options shared by `worker` and `serve`
@@ -58,12 +95,12 @@ def _warn_if_slow_blas() -> None:
 
 def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
     """Open the store, run one coroutine, close the store."""
-    from batchmlx.store import Store
+    from batchmlx.store import Store, StoreUnavailable
 
     settings = load_settings()
 
     async def main() -> Any:
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         try:
             return await coro_fn(store, settings, *args, **kwargs)
         finally:
@@ -71,7 +108,7 @@ def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
 
     try:
         return asyncio.run(main())
-    except BatchError as exc:
+    except (BatchError, StoreUnavailable) as exc:
         raise _fail(str(exc)) from None
 
 
@@ -94,6 +131,12 @@ def _stats_lines(rec: BatchRecord) -> list[str]:
         f"tokens: {u.input_tokens} prompt ({u.cached_tokens} from the prefix cache), "
         f"{u.output_tokens} generated"
     ]
+    if rec.in_progress_at is not None:
+        est = estimate_batch(rec, time.time())
+        line = f"throughput: {format_rate(est.tokens_per_s)} generated"
+        if rec.status is BatchStatus.IN_PROGRESS:
+            line += f"; ETA {format_eta(est.eta_s)} (at the rate measured since it started)"
+        lines.append(line)
     s = rec.stats or {}
     if "hits" in s or "prefix_hits" in s or u.input_tokens:
         hits, phits, misses = s.get("hits", 0), s.get("prefix_hits", 0), s.get("misses", 0)
@@ -132,7 +175,8 @@ def _describe(rec: BatchRecord, settings: Settings) -> None:
             typer.echo(f"    {where}: {e.code}{param}: {e.message}")
     for label, fid in (("output", rec.output_file_id), ("errors", rec.error_file_id)):
         if fid:
-            typer.echo(f"  {label}: {settings.files_dir / fid}  ({fid})")
+            where = "in the database" if settings.files_in_database else settings.files_dir / fid
+            typer.echo(f"  {label}: {where}  ({fid})")
     if rec.status.terminal and not rec.errors:
         typer.echo(f"  download: batchmlx results {rec.id} -o {rec.id}.jsonl  (--errors: errors)")
 
@@ -183,20 +227,21 @@ def submit(
 
 def _wait(batch_id: str, engine: EngineSettings, quiet: bool) -> BatchRecord:
     """Follow a batch to its end; with no live worker, run one in this process."""
+    from batchmlx.cli_progress import REFRESH_S, ProgressView
     from batchmlx.store import Store
     from batchmlx.worker import WorkerOptions, run_worker
 
     settings = load_settings()
 
     async def main() -> BatchRecord:
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         try:
-            live = await store.live_workers(time.time(), settings.lease_s)
-            progress = _Progress(store, batch_id, quiet)
+            live = await store.live_workers(store.clock(), settings.lease_s)
+            progress = ProgressView(store, batch_id, quiet)
             if live:
                 while not (await store.get_batch(batch_id)).status.terminal:
                     await progress.show()
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(REFRESH_S)
             else:
                 opts = WorkerOptions(until_idle=True, engine=engine)
                 task = asyncio.create_task(progress.run())
@@ -210,33 +255,6 @@ def _wait(batch_id: str, engine: EngineSettings, quiet: bool) -> BatchRecord:
             await store.close()
 
     return asyncio.run(main())
-
-
-class _Progress:
-    def __init__(self, store, batch_id: str, quiet: bool) -> None:
-        self.store, self.batch_id, self.quiet = store, batch_id, quiet
-        self.t0 = time.time()
-
-    async def run(self) -> None:
-        while True:
-            await self.show()
-            await asyncio.sleep(0.5)
-
-    async def show(self, final: bool = False) -> None:
-        if self.quiet:
-            return
-        rec = await self.store.get_batch(self.batch_id)
-        c = rec.request_counts
-        done = c.completed + c.failed
-        width = 30
-        filled = width * done // max(c.total, 1)
-        bar = "#" * filled + "-" * (width - filled)
-        sys.stderr.write(
-            f"\r[{bar}] {done}/{c.total}  {rec.status.value:<11} {time.time() - self.t0:6.1f}s"
-        )
-        if final:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 # -- status, list, results, cancel -------------------------------------------------------------
@@ -255,7 +273,7 @@ def status(
 
     async def current(store, settings) -> BatchRecord:
         rec = await get_batch(store, batch_id)
-        return await expire_unattended(store, settings, rec, now=time.time())
+        return await expire_unattended(store, settings, rec, now=store.clock())
 
     rec = _run(current)
     _show(rec, as_json)
@@ -287,20 +305,27 @@ def results(
 ) -> None:
     """Download a finished batch's output file (or, with --errors, its error file)."""
 
-    async def fetch(store, settings) -> bytes:
+    async def fetch(store, settings) -> int:
+        from batchmlx.store.blobs import LocalBlobs
+
         rec = await get_batch(store, batch_id)
         if not rec.status.terminal:
             raise BatchError(f"batch {batch_id} is {rec.status.value}; not finished yet")
-        return await file_content(
+        chunks = iter_file_content(
             store, rec.error_file_id if errors else rec.output_file_id
         )
+        if output is not None:  # streamed to a temp file, fsynced, renamed
+            return (await LocalBlobs(output.parent).put(output.name, chunks))[0]
+        size = 0
+        async for chunk in chunks:
+            sys.stdout.buffer.write(chunk)
+            size += len(chunk)
+        sys.stdout.buffer.flush()
+        return size
 
-    data = _run(fetch)
-    if output is None:
-        sys.stdout.buffer.write(data)
-    else:
-        write_atomic(output, data)
-        typer.echo(f"wrote {len(data)} bytes to {output}", err=True)
+    size = _run(fetch)
+    if output is not None:
+        typer.echo(f"wrote {size} bytes to {output}", err=True)
 
 
 @app.command()
@@ -308,7 +333,7 @@ def cancel(batch_id: str, as_json: Annotated[bool, typer.Option("--json")] = Fal
     """Cancel a batch: running requests stop, finished results are kept."""
 
     rec = _run(
-        lambda store, settings: cancel_unattended(store, settings, batch_id, now=time.time())
+        lambda store, settings: cancel_unattended(store, settings, batch_id, now=store.clock())
     )
     _show(rec, as_json)
 
@@ -344,6 +369,15 @@ def worker(
     inbox_settle: Annotated[
         float, typer.Option(help="Seconds an inbox file must stay unchanged to be complete")
     ] = 1.0,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus metrics at http://HOST:PORT/metrics")
+    ] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address for --metrics-port")] = "127.0.0.1",
+    only_model: Annotated[
+        list[str] | None,
+        typer.Option(help="Claim only batches of this model (repeatable); others are left to "
+                     "workers that serve them"),
+    ] = None,
 ) -> None:
     """Run a long-lived worker that processes queued batches."""
     import logging
@@ -366,7 +400,8 @@ def worker(
         cache_max_blocks=cache_max_blocks,
     )
     opts = WorkerOptions(
-        until_idle=until_idle, model=model, dtype=dtype, engine=engine, max_attempts=max_attempts
+        until_idle=until_idle, model=model, dtype=dtype, engine=engine, max_attempts=max_attempts,
+        only_models=tuple(only_model or ()),
     )
     settings = load_settings()
     box = None
@@ -374,7 +409,18 @@ def worker(
         from batchmlx.ingest.inbox import Inbox
 
         box = Inbox(settings, inbox, settle_s=inbox_settle)
-    asyncio.run(run_worker(settings, opts, inbox=box))
+    from batchmlx.store import StoreUnavailable
+
+    work = run_worker(settings, opts, inbox=box)
+    if metrics_port is not None:
+        from batchmlx.worker.metrics import serve_metrics, with_queue_metrics
+
+        serve_metrics(metrics_port, metrics_host)
+        work = with_queue_metrics(settings, work)
+    try:
+        asyncio.run(work)
+    except StoreUnavailable as exc:
+        raise _fail(str(exc)) from None
 
 
 @app.command()
@@ -404,7 +450,7 @@ def watch(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         try:
             await box.run(store, stop)
         finally:
@@ -494,7 +540,7 @@ def main() -> None:  # pragma: no cover - the console script
     from batchmlx.accel import ensure_fast_blas
 
     ensure_fast_blas()
-    app()
+    app(args=_hoist_database_url(sys.argv[1:]))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,9 +1,11 @@
-"""Files under files/ and their records: written atomically, never one without the other."""
+"""Files and their records, never one without the other: the bytes go through the store's blob
+seam (under files/ with SQLite, in the database with PostgreSQL) and stream back in chunks."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from batchmlx.batches.errors import BatchError
@@ -49,29 +51,30 @@ async def store_file(
     now: float,
     file_id: str | None = None,
 ) -> FileRecord:
-    """Write `data` under files/ and record it; a given `file_id` replaces that file."""
+    """Store `data` (under files/, or in the database) and record it; a given `file_id`
+    replaces that file."""
     replace = file_id is not None
     file_id = file_id or new_id(IdPrefix.FILE)
-    path = settings.files_dir / file_id
     crash_point("store_file")
-    write_atomic(path, data)
-    rec = FileRecord(file_id, text_name(filename), purpose, len(data), int(now), str(path))
-    try:
-        await store.add_file(rec, replace=replace)
-    except BaseException:
-        if not replace:
-            path.unlink(missing_ok=True)  # no bytes under files/ without their record
-        raise
-    return rec
+    return await store.save_file(
+        file_id, [data], filename=text_name(filename), purpose=purpose, created_at=int(now),
+        replace=replace,
+    )  # fmt: skip
 
 
 async def file_content(store: Store, file_id: str | None) -> bytes:
+    return b"".join([c async for c in iter_file_content(store, file_id)])
+
+
+async def iter_file_content(store: Store, file_id: str | None) -> AsyncIterator[bytes]:
+    """A file's bytes in chunks, wherever they are stored (a 200 MB file is never whole)."""
     if file_id is None:
-        return b""
+        return
     f = await store.get_file(file_id)
     if f is None:
         raise BatchError(f"no file with id {file_id!r}")
-    return Path(f.path).read_bytes()
+    async for chunk in store.read_file(f):
+        yield chunk
 
 
 async def delete_file(store: Store, file_id: str) -> bool:
@@ -79,5 +82,5 @@ async def delete_file(store: Store, file_id: str) -> bool:
     rec = await store.delete_file(file_id)
     if rec is None:
         return False
-    Path(rec.path).unlink(missing_ok=True)
+    await store.delete_file_bytes(rec)
     return True

@@ -61,7 +61,18 @@ async def finalize(
     requests carry `batch_expired` (see `expire`). Idempotent and resumable: file ids and line
     ids are derived from the batch, files are written atomically, and the status moves last, so
     redoing a finalize a crash interrupted writes the same bytes; a finished batch is returned.
+    Runs once per batch whichever host gets there: the others find the batch locked (and
+    return it as it is) or finished.
     """
+    async with store.batch_lock(batch_id) as mine:
+        if not mine:
+            return await get_batch(store, batch_id)  # another process is finalizing it
+        return await _finalize(store, settings, batch_id, now=now)
+
+
+async def _finalize(
+    store: Store, settings: Settings, batch_id: str, *, now: float
+) -> BatchRecord:
     rec = await get_batch(store, batch_id)
     if rec.status.terminal:
         return rec

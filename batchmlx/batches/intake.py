@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable
-from pathlib import Path
 
 from batchmlx.batches.errors import BatchError
 from batchmlx.batches.files import delete_file, store_file
@@ -17,7 +16,7 @@ from batchmlx.batches.finalize import get_batch
 from batchmlx.batches.windows import parse_window
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, TransitionError
-from batchmlx.core.records import BatchErrorRecord, BatchRecord
+from batchmlx.core.records import BatchErrorRecord, BatchRecord, FileRecord
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import IdPrefix, new_id
 from batchmlx.formats.validate import SUPPORTED_URLS, validate_batch_file
@@ -98,12 +97,12 @@ async def create_batch(
     return await get_batch(store, rec.id)
 
 
-def _read_input(path: str | None, file_id: str) -> tuple[bytes | None, str]:
-    """The input file's bytes, or None and why not."""
-    if path is None:
+async def _read_input(store: Store, f: FileRecord | None, file_id: str) -> tuple[bytes | None, str]:
+    """The input file's bytes, wherever they are stored, or None and why not."""
+    if f is None:
         return None, f"The input file {file_id} no longer exists."
     try:
-        return Path(path).read_bytes(), ""
+        return await store.read_file_bytes(f), ""
     except FileNotFoundError:
         return None, f"The input file {file_id} no longer exists."
     except OSError as exc:  # the batch fails once, not validated again every poll
@@ -127,7 +126,7 @@ async def validate_batch(
         return rec
     if data is None:
         f = await store.get_file(rec.input_file_id)
-        data, unreadable = _read_input(f.path if f else None, rec.input_file_id)
+        data, unreadable = await _read_input(store, f, rec.input_file_id)
     if data is None:
         await _fail(store, batch_id, now, (BatchErrorRecord(ErrorCode.INVALID_REQUEST.value,
                                                             unreadable),))  # fmt: skip

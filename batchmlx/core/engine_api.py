@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from batchmlx.core.request import GenerationOutput, GenerationRequest
+from batchmlx.core.telemetry import EngineCounters
 
 TokenCallback = Callable[[str, int], None]  # (request id, token id), for every emitted token
 
@@ -66,3 +67,16 @@ class EngineProtocol(Protocol):
         ...
 
     def has_unfinished(self) -> bool: ...
+
+
+class EngineTelemetry(Protocol):
+    """What an engine may also offer for metrics (the MLX engine does; an engine without it,
+    such as a test fake, is simply not measured): read by worker/metrics once per step."""
+
+    def counters(self) -> EngineCounters:
+        """Cumulative counters and current gauges (core/telemetry)."""
+        ...
+
+    def generated_so_far(self, request_id: str) -> int:
+        """Tokens a running request has generated (0 once done or unknown)."""
+        ...

@@ -26,6 +26,7 @@ from batchmlx.core.request import (
     TokenLogprob,
 )
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
+from batchmlx.core.telemetry import EngineCounters
 from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
 from batchmlx.engine.runner import ModelRunner, model_dims
 from batchmlx.engine.sampler import SampleRow, sample
@@ -156,6 +157,21 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         self._live.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
+
+    def generated_so_far(self, request_id: str) -> int:
+        """Tokens a running request has generated (0 once it is done or unknown)."""
+        seq = self.scheduler.get(request_id)
+        return 0 if seq is None else seq.num_tokens - seq.num_prompt_tokens
+
+    def counters(self) -> EngineCounters:
+        """Read once per step by the worker's metrics."""
+        st, sched, pool = self.stats, self.scheduler.stats, self.pool
+        return EngineCounters(
+            steps=st.steps, step_s=st.step_s, generated_tokens=st.generated_tokens,
+            preemptions=sched.preemptions, hits=sched.hits, prefix_hits=sched.prefix_hits,
+            misses=sched.misses, running=len(self.scheduler.running),
+            blocks_in_use=pool.num_used, blocks_cached=pool.num_cached, blocks_free=pool.num_free,
+        )  # fmt: skip
 
     @property
     def pool_blocks(self) -> int:

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from batchmlx.config import Settings
 from batchmlx.core.models import resolve_model
-from batchmlx.server import batches, files, online
+from batchmlx.server import batches, dashboard, files, metrics, online
 from batchmlx.server.auth import BearerAuth
 from batchmlx.server.context import ServerContext, ServerOptions, Validator, log
 from batchmlx.server.errors import EXCEPTION_HANDLERS
@@ -48,7 +48,7 @@ def create_app(settings: Settings, options: ServerOptions, *, host: str) -> Star
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         validator = Validator(store, settings, options.model, options.validate_poll_s)
         ctx = ServerContext(store, settings, options, validator, spec.name)
         app.state.ctx = ctx
@@ -88,11 +88,15 @@ def create_app(settings: Settings, options: ServerOptions, *, host: str) -> Star
         *batches.ROUTES,
         *online.ROUTES,
         Route("/v1/models", list_models, methods=["GET"]),
+        *metrics.ROUTES,
+        *dashboard.ROUTES,
     ]
     hosts = HostPolicy.for_bind(host, api_key=options.api_key, extra=options.allowed_hosts)
     middleware = [Middleware(RequestGuard, policy=hosts)]
     if options.api_key:
-        middleware.append(Middleware(BearerAuth, api_key=options.api_key))
+        middleware.append(
+            Middleware(BearerAuth, api_key=options.api_key, public=dashboard.is_public)
+        )
     return Starlette(
         routes=routes,
         middleware=middleware,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -48,12 +49,15 @@ def bearer_token(header: bytes) -> bytes | None:
 class BearerAuth:
     """ASGI middleware: 401 with OpenAI's envelope unless `Authorization: Bearer <key>`."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str, public: Callable[[str], bool] = lambda path: False
+    ) -> None:
         self.app = app
         self.expected = api_key.encode()
+        self.public = public  # paths that hold no data (the dashboard page's own files)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or self.public(scope["path"]):
             await self.app(scope, receive, send)
             return
         got = dict(scope["headers"]).get(b"authorization", b"")

@@ -6,14 +6,15 @@ Output and error files of batches are files too, with purpose `batch_output`.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from batchmlx.batches.files import delete_file, file_content, store_file
+from batchmlx.batches.files import delete_file, iter_file_content, store_file
 from batchmlx.core.records import FileRecord
 from batchmlx.formats.openai import file_deleted_object, file_object
 from batchmlx.server.bodies import BodyTooLarge, bounded, declared_length, media_type
@@ -100,12 +101,21 @@ async def retrieve(request: Request) -> JSONResponse:
 
 async def content(request: Request) -> Response:
     rec = await _file(request)
-    try:
-        data = await file_content(request.app.state.ctx.store, rec.id)
+    chunks = iter_file_content(request.app.state.ctx.store, rec.id)
+    try:  # the first chunk before any header: bytes gone from the data directory are a 410
+        first = await anext(chunks, b"")
     except FileNotFoundError:
         raise ApiError(410, f"The content of file '{rec.id}' is gone: its bytes are missing "
                        "from the data directory.", code="file_content_missing") from None
-    return Response(data, media_type="application/octet-stream")
+
+    async def body() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    # streamed: a 200 MB output file is never held whole; the length is the recorded size
+    headers = {"content-length": str(rec.bytes)}
+    return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
 
 
 async def delete(request: Request) -> JSONResponse:

@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.faults import crash_point
 from batchmlx.store import Store
 from batchmlx.worker.build import EngineFactory, ServingModel, mlx_engine_factory
+from batchmlx.worker.metrics import EngineMetrics, register_worker
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
 from batchmlx.worker.resilience import Backoff, is_transient
 from batchmlx.worker.translate import (
@@ -49,6 +49,9 @@ class WorkerOptions:
     claim_factor: int = 4  # hold up to this many times max_batch_size requests
     flush_s: float = 0.5  # results wait at most this long before their transaction
     max_attempts: int = 3  # claims of one request before it is given up (error file)
+    # claim only batches of these models (resolved names as batches record them; "default"
+    # covers batches naming none): workers on several hosts may each serve their own models
+    only_models: tuple[str, ...] = ()
 
 
 class Worker:
@@ -58,7 +61,7 @@ class Worker:
         settings: Settings,
         options: WorkerOptions,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         on_progress: Callable[[], None] | None = None,
         engine_factory: EngineFactory | None = None,
     ) -> None:
@@ -67,9 +70,10 @@ class Worker:
         self.store = store
         self.settings = settings
         self.opts = options
-        self.clock = clock
+        self.clock = clock or store.clock  # leases in the database's time (PostgreSQL)
         self.on_progress = on_progress
-        self.worker_id = f"w-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.host = settings.hostname
+        self.worker_id = f"w-{self.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.build = engine_factory or mlx_engine_factory(
             cache_dir=settings.cache_dir, dtype=options.dtype, engine=options.engine
         )
@@ -78,7 +82,10 @@ class Worker:
         self.online = OnlineQueue()  # the HTTP API's requests, ahead of batch work
         self.online_pending: dict[int, PendingRequest] = {}  # ticket id (< 0) -> request
         self.ready: list[tuple[int, RequestResult]] = []  # results waiting for a flush
+        self.ready_tokens: dict[str, int] = {}  # batch id -> completion tokens in `ready`
         self.stop_requested = False
+        self.metrics = EngineMetrics()  # this process's registry and chart series
+        register_worker(self)  # the dashboard and `submit --wait` read inflight_tokens()
         self._last_flush = 0.0
         self._last_beat = -math.inf  # the first tick registers the worker
         self._backoff = Backoff()  # between ticks that failed
@@ -100,10 +107,13 @@ class Worker:
                     await self._pause_after(exc)
                     continue
                 self._backoff.reset()
+                # a tick between housekeeping rounds may never suspend: let the server's
+                # handlers (dashboard polls, API calls) run between engine steps
+                await asyncio.sleep(0)
                 if not busy:
                     if self.opts.until_idle:
                         break
-                    await self.online.wait(self.settings.poll_s)
+                    await self._idle()
         finally:
             await self._persist("write results", lambda: self._flush(force=True))
             if self.pending:
@@ -138,6 +148,28 @@ class Worker:
                     log.error("at shutdown, could not %s", what, exc_info=exc)
                     return
                 await asyncio.sleep(backoff.next())
+
+    async def _idle(self) -> None:
+        """Nothing to do: wait for an online request or new work. On PostgreSQL a NOTIFY
+        wakes the worker (no polling); it also wakes when the first running lease ends (a dead
+        worker's requests to take over) and to heartbeat."""
+        if not self.store.listens:
+            await self.online.wait(self.settings.poll_s)
+            return
+        timeout = self.settings.lease_s / 3
+        lease_end = await self.store.next_lease_end()
+        if lease_end is not None:
+            timeout = min(timeout, max(lease_end - self.clock(), 0.0) + 0.05)
+        waits = [
+            asyncio.ensure_future(self.online.wait(timeout)),
+            asyncio.ensure_future(self.store.wait_for_work(timeout)),
+        ]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     def install_signal_handlers(self) -> None:
         """First SIGTERM/SIGINT: finish the current step, release leases, exit. Second: now."""
@@ -238,6 +270,10 @@ class Worker:
             return False
         did = False
         for b in await self.store.active_batches():
+            if self.opts.only_models and (b.model or self.settings.default_model) not in (
+                self.opts.only_models
+            ):
+                continue  # another worker's model
             model = self._model_for(b.model)
             busy = self.pending or self.online_pending
             if self.loaded is not None and model != self.loaded.name and busy:
@@ -308,6 +344,18 @@ class Worker:
         return self.opts.engine.running_bound
 
     # -- running -------------------------------------------------------------------------------
+    def inflight_tokens(self) -> dict[str, int]:
+        """Tokens generated so far by batch requests not yet in the store, per batch."""
+        engine = self.loaded.engine if self.loaded is not None else None
+        so_far = getattr(engine, "generated_so_far", None)
+        out = dict(self.ready_tokens)
+        if so_far is None:
+            return out
+        for row, p in self.pending.items():
+            n = sum(so_far(f"{row}:{i}") for i in range(p.parsed.n) if i not in p.outputs)
+            out[p.claimed.batch_id] = out.get(p.claimed.batch_id, 0) + n
+        return out
+
     def _step(self) -> None:
         loaded = self.loaded
         now = int(self.clock())
@@ -329,8 +377,12 @@ class Worker:
             result = loaded.translator.result(p, now)
             if table is self.online_pending:
                 self.online.done(row, result.status_code, result.body)
+                self.metrics.results([result], "online")
             else:
                 self.ready.append((row, result))
+                b = p.claimed.batch_id
+                self.ready_tokens[b] = self.ready_tokens.get(b, 0) + result.completion_tokens
+        self.metrics.after_step(loaded.engine, time.time())
         crash_point("mid_generation")
 
     def _fail_running(self, exc: Exception) -> None:
@@ -362,6 +414,8 @@ class Worker:
         batch = list(self.ready)
         await self.store.complete(self.worker_id, batch, now)  # may fail: results stay ready
         del self.ready[: len(batch)]
+        self.ready_tokens.clear()  # now in the store's usage (a dashboard figure only)
+        self.metrics.results(r for _, r in batch)
         crash_point("after_result_write")
         self._last_flush = now
         if self.on_progress:
@@ -370,14 +424,17 @@ class Worker:
     async def _heartbeat(self, force: bool = False) -> None:
         now = self.clock()
         if force or now - self._last_beat >= self.settings.lease_s / 3:
-            await self.store.heartbeat(self.worker_id, now, self.settings.lease_s, pid=os.getpid())
+            await self.store.heartbeat(
+                self.worker_id, now, self.settings.lease_s, pid=os.getpid(), hostname=self.host
+            )
             self._last_beat = now
-            await self._recover_dead_workers()
+            if self.store.one_host:
+                await self._recover_dead_workers()
 
     async def _recover_dead_workers(self) -> None:
         """Workers of this host whose process is gone (SIGKILL, crash, power loss) hold leases
         nobody renews: end them now instead of waiting `lease_s`."""
-        for wid, pid in await self.store.workers_on_host(socket.gethostname()):
+        for wid, pid in await self.store.workers_on_host(self.host):
             if wid != self.worker_id and pid is not None and not _pid_alive(pid):
                 n = await self.store.abandon_worker(wid)
                 log.info("worker %s (pid %s) is gone; %d requests claimable again", wid, pid, n)
@@ -472,10 +529,7 @@ async def run_worker(
     """Run a worker until it stops; with `inbox` (an ingest.inbox.Inbox), watch its folder in
     the same event loop and stop watching when the worker stops."""
     own = store is None
-    if store is None:
-        timeout = settings.busy_timeout_s
-        busy = {} if timeout is None else {"busy_timeout_s": timeout}
-        store = await Store.open(settings.db_path, **busy)
+    store = store or await Store.from_settings(settings)
     try:
         worker = Worker(
             store, settings, options, on_progress=on_progress, engine_factory=engine_factory

@@ -20,7 +20,7 @@ class _Late(Store):
     after this side read (what a second process does between our read and our write)."""
 
     def __init__(self, inner: Store) -> None:
-        super().__init__(inner._engine, inner.path)
+        self.__dict__.update(inner.__dict__)  # the same engine, dialect and file storage
         self.before = None
 
     async def get_batch(self, batch_id: str):

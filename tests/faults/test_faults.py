@@ -87,7 +87,7 @@ def _inbox_results_blocked(s: Scenario, tmp: Path) -> dict[str, str]:
     path = write_jsonl(inbox / "done" / "boxed.jsonl", [
         request_line(i, {"model": "default", "messages": [{"role": "user", "content": i}],
                          "max_tokens": 4}) for i in ids])  # fmt: skip
-    submit(s, path, ids, source=SOURCE_PREFIX + str(inbox / "boxed.jsonl"))
+    submit(s, path, ids, source=f"{SOURCE_PREFIX}{inbox / 'boxed.jsonl'}")
     return {}
 
 

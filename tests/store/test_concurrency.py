@@ -18,7 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 CLAIMER = Path(__file__).with_name("claimer.py")
 
 
-def test_two_processes_claim_disjoint_sets_without_locking_errors(with_store, db_path, tmp_path):
+def test_two_processes_claim_disjoint_sets_without_locking_errors(
+    with_store, store_target, tmp_path
+):
     n = 2000
 
     async def setup(store: Store) -> None:
@@ -33,7 +35,7 @@ def test_two_processes_claim_disjoint_sets_without_locking_errors(with_store, db
     }
     procs = []
     for w in ("w1", "w2"):
-        args = [db_path, w, tmp_path / f"{w}.ready", go, tmp_path / f"{w}.json"]
+        args = [store_target, w, tmp_path / f"{w}.ready", go, tmp_path / f"{w}.json"]
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(CLAIMER), *map(str, args)],

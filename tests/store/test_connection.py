@@ -13,6 +13,8 @@ from batchmlx.store import Store
 
 from .conftest import add_batch, batch, new_requests
 
+pytestmark = pytest.mark.dialects("sqlite")  # SQLite's pragmas and locking
+
 
 def test_pragmas_on_every_connection(with_store):
     pragmas = with_store(lambda store: store.pragmas())

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import sqlite3
-
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus
 from batchmlx.core.records import RequestCounts, RequestResult
 from batchmlx.store import Store
 
-from .conftest import add_batch, batch, failed, new_requests, ok
+from .conftest import add_batch, batch, failed, fetch_rows, new_requests, ok
 
 LEASE = 30.0
 
 
-def _statuses(db_path) -> dict[int, tuple[str, str | None, int]]:
-    with sqlite3.connect(db_path) as conn:
-        rows = conn.execute("SELECT id, status, worker_id, attempts FROM requests").fetchall()
+def _statuses(store_target) -> dict[int, tuple[str, str | None, int]]:
+    rows = fetch_rows(store_target, "SELECT id, status, worker_id, attempts FROM requests")
     return {r[0]: r[1:] for r in rows}
 
 
@@ -52,7 +49,7 @@ def test_claim_can_be_restricted_to_one_batch(with_store):
     with_store(scenario)
 
 
-def test_complete_is_fenced_against_stale_workers(with_store, db_path):
+def test_complete_is_fenced_against_stale_workers(with_store):
     async def scenario(store: Store) -> None:
         await add_batch(store, batch("batch_a"), new_requests(2))
         (r1, r2) = await store.claim("w1", 2, now=100.0, lease_s=LEASE)
@@ -109,7 +106,7 @@ def test_unexpired_lease_is_not_reclaimed_and_heartbeat_extends_it(with_store):
     with_store(scenario)
 
 
-def test_heartbeat_records_live_workers(with_store, db_path):
+def test_heartbeat_records_live_workers(with_store, store_target):
     async def scenario(store: Store) -> None:
         assert await store.heartbeat("w1", now=100.0, lease_s=5.0, pid=11, hostname="h") == 0
         await store.heartbeat("w2", now=150.0, lease_s=5.0)
@@ -118,9 +115,8 @@ def test_heartbeat_records_live_workers(with_store, db_path):
         assert await store.live_workers(now=170.0, within_s=30.0) == ["w1", "w2"]
 
     with_store(scenario)
-    with sqlite3.connect(db_path) as conn:
-        row = conn.execute("SELECT pid, started_at, heartbeat_at FROM workers WHERE id='w1'")
-        assert row.fetchone() == (11, 100.0, 160.0)
+    sql = "SELECT pid, started_at, heartbeat_at FROM workers WHERE id='w1'"
+    assert fetch_rows(store_target, sql) == [(11, 100.0, 160.0)]
 
     async def remove(store: Store) -> None:
         await store.remove_worker("w1")
@@ -129,7 +125,7 @@ def test_heartbeat_records_live_workers(with_store, db_path):
     with_store(remove)
 
 
-def test_release_returns_requests_to_the_queue(with_store, db_path):
+def test_release_returns_requests_to_the_queue(with_store, store_target):
     async def scenario(store: Store) -> list[int]:
         await add_batch(store, batch("batch_a"), new_requests(4))
         claimed = await store.claim("w1", 4, now=0.0, lease_s=LEASE)
@@ -142,7 +138,7 @@ def test_release_returns_requests_to_the_queue(with_store, db_path):
         return ids
 
     ids = with_store(scenario)
-    rows = _statuses(db_path)
+    rows = _statuses(store_target)
     assert rows[ids[0]] == ("queued", None, 0)  # stopping is not failing: the attempt is undone
     assert rows[ids[1]] == ("succeeded", "w1", 1)
     assert rows[ids[2]] == rows[ids[3]] == ("queued", None, 0)
@@ -155,7 +151,7 @@ def test_release_returns_requests_to_the_queue(with_store, db_path):
     with_store(reclaim)
 
 
-def test_release_keeps_the_attempts_of_runs_that_crashed(with_store, db_path):
+def test_release_keeps_the_attempts_of_runs_that_crashed(with_store, store_target):
     """A lease taken over from a dead worker counts; the graceful release after it does not."""
 
     async def scenario(store: Store) -> int:
@@ -170,7 +166,7 @@ def test_release_keeps_the_attempts_of_runs_that_crashed(with_store, db_path):
         return again.id
 
     rid = with_store(scenario)
-    assert _statuses(db_path)[rid] == ("running", "w2", 2)
+    assert _statuses(store_target)[rid] == ("running", "w2", 2)
 
 
 def test_batches_to_finalize_and_iter_results(with_store):

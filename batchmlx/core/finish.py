@@ -1,7 +1,8 @@
 """Finish rules, in one place: when a sequence is done, and where its text ends.
 
 - Context length: checked once, before a request enters the engine (`fits_context`; the worker
-  answers 400 `context_length_exceeded`); `max_new_tokens` bounds generation by what is left.
+  answers 400 `context_length_exceeded` when the prompt, or the prompt plus the `max_tokens` the
+  request sets, does not fit); `max_new_tokens` bounds generation by what is left.
 - Per sampled token (`FinishRules.on_token`): an end-of-sequence token ends with STOP (the token
   is not output), reaching max tokens ends with LENGTH.
 - Stop strings are matched on decoded text: the engine stops generating when one appears in the
@@ -20,9 +21,12 @@ from batchmlx.core.request import FinishReason
 STOP_TAIL_EXTRA_TOKENS = 8  # decoded tail = longest stop string in characters + this many tokens
 
 
-def fits_context(prompt_tokens: int, context_tokens: int) -> bool:
-    """Whether a prompt leaves room for at least one generated token."""
-    return prompt_tokens < context_tokens
+def fits_context(prompt_tokens: int, context_tokens: int, max_tokens: int | None = None) -> bool:
+    """Whether a prompt leaves room for the tokens asked for: `max_tokens` of them when the
+    request sets it (OpenAI refuses rather than clamps), else at least one."""
+    if max_tokens is None:
+        return prompt_tokens < context_tokens
+    return prompt_tokens + max_tokens <= context_tokens
 
 
 def max_new_tokens(requested: int, prompt_tokens: int, context_tokens: int) -> int:

@@ -435,13 +435,24 @@ def parse_request(endpoint: str, body: dict[str, Any]) -> ParsedRequest | Reques
         return reject.error
 
 
-def context_length_error(context: int, prompt_tokens: int, endpoint: Endpoint) -> RequestError:
-    """The 400 for a prompt that leaves no room in the model's context (never a 500)."""
+def context_length_error(
+    context: int, prompt_tokens: int, endpoint: Endpoint, max_tokens: int | None = None
+) -> RequestError:
+    """The 400 for a prompt (plus the completion it asks for) past the model's context, in
+    OpenAI's words; never a 500, never a silent clamp."""
+    where = "messages" if endpoint is Endpoint.CHAT else "prompt"
+    if max_tokens is None:
+        detail = f"your {where} resulted in {prompt_tokens} tokens. Please reduce the length of "
+        detail += f"the {where}."
+    else:
+        detail = (
+            f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+            f"{where}, {max_tokens} in the completion). Please reduce the length of the "
+            f"{where} or completion."
+        )
     return RequestError(
         400,
         ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
-        f"This model's maximum context length is {context} tokens. "
-        f"However, your messages resulted in {prompt_tokens} tokens. "
-        "Please reduce the length of the messages.",
-        "messages" if endpoint is Endpoint.CHAT else "prompt",
+        f"This model's maximum context length is {context} tokens. However, {detail}",
+        where,
     )

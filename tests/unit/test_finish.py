@@ -23,6 +23,8 @@ def decode(ids: list[int]) -> str:
 def test_context_leaves_room_for_one_token_at_least():
     assert fits_context(99, 100)
     assert not fits_context(100, 100)
+    assert fits_context(90, 100, max_tokens=10)  # what the request sets must fit whole
+    assert not fits_context(90, 100, max_tokens=11)
     assert max_new_tokens(16, 90, 100) == 10  # the context bounds what was asked
     assert max_new_tokens(16, 10, 100) == 16
 

@@ -36,7 +36,26 @@ def test_a_prompt_that_fills_the_context_is_a_400_not_an_engine_error():
     assert result.body["error"]["code"] == "context_length_exceeded"
     assert result.body["error"]["param"] == "prompt"
     assert "maximum context length is 10 tokens" in result.body["error"]["message"]
-    pending, gens, result = tr.prepare(claimed("x" * 9))  # one token of room: accepted
+    pending, gens, result = tr.prepare(claimed("x" * 9, max_tokens=1))  # room for one: taken
+    assert result is None and len(gens) == 1
+
+
+def test_max_tokens_past_what_the_context_leaves_is_a_400_not_a_clamp():
+    tr = Translator(CharTokenizer(), "m", context_length=10, eos_ids=[0])
+    _, gens, result = tr.prepare(claimed("x" * 6, max_tokens=5))
+    assert gens == [] and result is not None and result.status_code == 400
+    assert result.body["error"]["code"] == "context_length_exceeded"
+    assert result.body["error"]["message"] == (
+        "This model's maximum context length is 10 tokens. However, you requested 11 tokens "
+        "(6 in the prompt, 5 in the completion). Please reduce the length of the prompt or "
+        "completion."
+    )
+    # completions count their default max_tokens (16), as OpenAI's do
+    _, _, result = tr.prepare(claimed("x" * 9))
+    assert result is not None and "9 in the prompt, 16 in the completion" in (
+        result.body["error"]["message"]
+    )
+    _, gens, result = tr.prepare(claimed("x" * 6, max_tokens=4))  # exactly full: accepted
     assert result is None and len(gens) == 1
 
 

@@ -96,7 +96,10 @@ def start_postgres() -> PgServer:
         raise PgUnavailable(f"no PostgreSQL binaries in {install}")
     root = Path(tempfile.mkdtemp(prefix="batchmlx-pg-"))
     as_root = os.geteuid() == 0
-    kw: dict = {}
+    # the suite runs re-executed onto a preloaded OpenBLAS whose Fortran runtime sits in a
+    # private folder the server's user cannot read: the server gets none of that
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")}
+    kw: dict = {"env": env}
     if as_root:
         # the server's user must reach the binaries, their bundled libraries (found through
         # an rpath relative to bin/) and the data folder
@@ -107,7 +110,7 @@ def start_postgres() -> PgServer:
             _link_tree(libs, root / libs.name)
         install = root / pkg.name / "pginstall"
         os.chmod(root, 0o755)
-        kw = dict(user=NOBODY, group=NOBODY, extra_groups=[])
+        kw.update(user=NOBODY, group=NOBODY, extra_groups=[])
     data = root / "data"
     data.mkdir()
     if as_root:

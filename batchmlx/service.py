@@ -73,13 +73,16 @@ async def store_file(
     purpose: str,
     now: float,
     file_id: str | None = None,
+    expires_after: int | None = None,
 ) -> FileRecord:
-    """Write `data` under files/ and record it; a given `file_id` replaces that file."""
+    """Write `data` under files/ and record it; a given `file_id` replaces that file. With
+    `expires_after` (seconds) the worker deletes it that long after `now`."""
     replace = file_id is not None
     file_id = file_id or new_id(IdPrefix.FILE)
     path = settings.files_dir / file_id
     write_atomic(path, data)
-    rec = FileRecord(file_id, filename, purpose, len(data), int(now), str(path))
+    expires_at = None if expires_after is None else int(now) + expires_after
+    rec = FileRecord(file_id, filename, purpose, len(data), int(now), str(path), expires_at)
     await store.add_file(rec, replace=replace)
     return rec
 
@@ -101,8 +104,10 @@ async def submit(
     completion_window: str = "24h",
     metadata: dict[str, str] | None = None,
     source: str | None = "cli",
+    output_expires_after: int | None = None,
 ) -> BatchRecord:
-    """Validate a batch input file and enqueue it; a file that fails gives a `failed` batch."""
+    """Validate a batch input file and enqueue it; a file that fails gives a `failed` batch.
+    `output_expires_after` (seconds) makes its output and error files expire."""
     window_s = parse_window(completion_window)
     if model is not None and not _model_resolves(settings)(model):
         raise ServiceError(
@@ -125,6 +130,7 @@ async def submit(
         created_at=created,
         expires_at=created + window_s,
         metadata=metadata,
+        output_expires_after=output_expires_after,
     )
     if result.ok:
         rec = BatchRecord(status=BatchStatus.IN_PROGRESS, in_progress_at=created, **common)
@@ -210,13 +216,26 @@ async def finalize(
             f = await store_file(
                 store, settings, bytes(data), filename=f"{batch_id}_{suffix}.jsonl",
                 purpose="batch_output", now=now, file_id=_line_id(batch_id, suffix, "file-"),
+                expires_after=rec.output_expires_after,
             )  # fmt: skip
             fields[key] = f.id
         if suffix == "output":
             crash_point("mid_finalize")
+    served = _served_model(rows)
+    if served is not None:
+        fields["model"] = served  # the model actually used, as its response bodies name it
     await _write_inbox_results(store, batch_id, bytes(out), bytes(err))
     crash_point("after_finalize_files")
     return await _move(store, batch_id, end, now, **fields)
+
+
+def _served_model(rows) -> str | None:
+    for row in rows:
+        body = row.response_body
+        if row.status is RequestStatus.SUCCEEDED and isinstance(body, dict):
+            if isinstance(body.get("model"), str):
+                return body["model"]
+    return None
 
 
 async def _move(store: Store, batch_id: str, status: BatchStatus, now: float, **fields: Any):
@@ -314,6 +333,7 @@ async def create_batch(
     completion_window: str = "24h",
     metadata: dict[str, str] | None = None,
     source: str | None = "api",
+    output_expires_after: int | None = None,
 ) -> BatchRecord:
     """Create a `validating` batch from an uploaded file; `validate_batch` runs it or fails it."""
     from batchmlx.formats.validate import SUPPORTED_URLS
@@ -333,6 +353,7 @@ async def create_batch(
         id=new_id(IdPrefix.BATCH), endpoint=endpoint, model=None, input_file_id=input_file_id,
         completion_window=completion_window, status=BatchStatus.VALIDATING, created_at=created,
         expires_at=created + window_s, metadata=metadata,
+        output_expires_after=output_expires_after,
     )  # fmt: skip
     await store.create_batch(rec, [], source=source)
     return await store.get_batch(rec.id)
@@ -383,6 +404,16 @@ async def validate_batch(
         except TransitionError:
             pass  # another process validated it meanwhile
     return await get_batch(store, batch_id)
+
+
+async def delete_expired_files(store: Store, *, now: float) -> list[str]:
+    """Delete every file past its `expires_at`, record and bytes (the worker's housekeeping);
+    returns their ids."""
+    gone = []
+    for f in await store.expired_files(now):
+        if await delete_file(store, f.id):
+            gone.append(f.id)
+    return gone
 
 
 async def delete_file(store: Store, file_id: str) -> bool:

@@ -24,6 +24,8 @@ from batchmlx.core.request import (
     TokenLogprob,
 )
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
+from batchmlx.engine.embed import Embedder
+from batchmlx.engine.grammar import Grammars
 from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage, install_paged_attention
 from batchmlx.engine.runner import ModelRunner, model_dims
 from batchmlx.engine.sampler import SampleRow, sample
@@ -71,6 +73,7 @@ class _Live:
     first_token_at: float | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_hit: bool = False
+    matcher: Any = None  # llguidance matcher of a constrained request
 
 
 @dataclass(slots=True)
@@ -136,6 +139,9 @@ class Engine:
         )
         install_paged_attention(model)
         self.runner = ModelRunner(model, self.storage)
+        vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+        self.grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
+        self._embedder: Embedder | None = None
         self._live: dict[str, _Live] = {}
         # called with (request_id, token_id) for every token a request emits (streaming)
         self.on_token: Callable[[str, int], None] | None = None
@@ -156,6 +162,7 @@ class Engine:
             max_tokens=min(req.params.max_tokens, room),
             added_at=self.clock(),
             entropy=self._rand.getrandbits(63),
+            matcher=self.grammars.matcher(req.grammar) if req.grammar else None,
         )
         self.scheduler.add(req)
 
@@ -165,6 +172,13 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         self._live.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
+
+    @property
+    def embedder(self) -> Embedder:
+        """Mean-pooled embeddings of the same model (engine/embed.py)."""
+        if self._embedder is None:
+            self._embedder = Embedder(self.runner.model)
+        return self._embedder
 
     @property
     def pool_blocks(self) -> int:
@@ -237,6 +251,12 @@ class Engine:
                 SampleRow(live.request.params, seq.num_tokens - seq.num_prompt_tokens, live.entropy)
             )
         t0 = time.perf_counter()
+        constrained = [
+            (self._live[step.seqs[i].seq.seq_id].matcher, j)
+            for j, i in enumerate(rows)
+            if self._live[step.seqs[i].seq.seq_id].matcher is not None
+        ]
+        logits = self.grammars.mask(logits, constrained)
         tokens, lps = sample(logits, sample_rows)
         st.sample_s += time.perf_counter() - t0
 
@@ -259,7 +279,10 @@ class Engine:
                 live.logprobs.append(lp)
             if self.on_token is not None:
                 self.on_token(seq.seq_id, tok)
-            if n_gen >= live.max_tokens:
+            if live.matcher is not None and self.grammars.advance(live.matcher, tok):
+                finished.add(seq.seq_id)  # the JSON value is complete
+                live.stop_hit = True
+            elif n_gen >= live.max_tokens:
                 finished.add(seq.seq_id)
             elif live.request.params.stop and self._hits_stop(seq, tok, live):
                 finished.add(seq.seq_id)

@@ -31,6 +31,8 @@ class IdPrefix(enum.StrEnum):
     FILE = "file-"
     CHAT_COMPLETION = "chatcmpl-"
     COMPLETION = "cmpl-"
+    RESPONSE = "resp_"
+    MESSAGE = "msg_"
 
 
 _SEPARATORS = {"batch": "_", "batch_req": "_", "file": "-", "chatcmpl": "-", "cmpl": "-"}

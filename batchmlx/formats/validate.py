@@ -14,9 +14,17 @@ from typing import Any
 import orjson
 
 from batchmlx.core.records import BatchErrorRecord
+from batchmlx.formats.embeddings import (
+    EMBEDDINGS_URL,
+    MAX_EMBEDDING_INPUTS,
+    check_embeddings_input,
+    count_inputs,
+    too_many_inputs,
+)
 from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.responses import check_responses_input
 
-SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
+SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 MAX_FILE_BYTES = 200 * 1024 * 1024
 MAX_TASKS = 50_000
 
@@ -161,6 +169,7 @@ def validate_batch_file(
     model: str | None = model_override
     model_line: int | None = None
     tasks = 0
+    embedding_inputs = 0
 
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
@@ -272,8 +281,9 @@ def validate_batch_file(
                         )
                     )
             if url is not None:
-                check = _check_chat if url == SUPPORTED_URLS[0] else _check_prompt
-                problem = check(body)
+                problem = _CHECKS[url](body)
+                if problem is None and url == EMBEDDINGS_URL:
+                    embedding_inputs += count_inputs(body["input"])
                 if problem:
                     param, what = problem
                     line_errors.append(_invalid(number, param, f"'{param}' {what}."))
@@ -296,6 +306,8 @@ def validate_batch_file(
 
     if tasks == 0:
         errors.append(_err(ErrorCode.EMPTY_FILE, "The batch input file has no requests."))
+    if embedding_inputs > MAX_EMBEDDING_INPUTS:
+        errors.append(too_many_inputs(embedding_inputs))
     if (
         model_override is None
         and model is not None
@@ -316,3 +328,9 @@ def validate_batch_file(
 
 
 _NOT_JSON = object()  # a sentinel no JSON value can equal
+_CHECKS = {
+    SUPPORTED_URLS[0]: _check_chat,
+    SUPPORTED_URLS[1]: _check_prompt,
+    SUPPORTED_URLS[2]: check_responses_input,
+    EMBEDDINGS_URL: check_embeddings_input,
+}

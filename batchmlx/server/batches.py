@@ -13,6 +13,7 @@ from starlette.routing import Route
 from batchmlx import service
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchRecord
+from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
 from batchmlx.formats.openai import batch_object
 from batchmlx.server.context import ServerContext
 from batchmlx.server.errors import ApiError, not_found
@@ -72,6 +73,12 @@ async def create(request: Request) -> JSONResponse:
     endpoint = _required_str(body, "endpoint")
     window = _required_str(body, "completion_window")
     metadata = _metadata(body.get("metadata"))
+    try:
+        output_expires_after = parse_expires_after(
+            body.get("output_expires_after"), "output_expires_after"
+        )
+    except ExpiresAfterError as exc:
+        raise ApiError(400, str(exc), code="invalid_value", param=exc.param) from None
     if await ctx.store.get_file(input_file_id) is None:
         raise ApiError(400, f"No file found with id '{input_file_id}'.",
                        code="invalid_value", param="input_file_id")  # fmt: skip
@@ -79,6 +86,7 @@ async def create(request: Request) -> JSONResponse:
         rec = await service.create_batch(
             ctx.store, ctx.settings, input_file_id=input_file_id, endpoint=endpoint,
             now=time.time(), completion_window=window, metadata=metadata,
+            output_expires_after=output_expires_after,
         )  # fmt: skip
     except service.ServiceError as exc:
         param = "endpoint" if "endpoint" in str(exc) else (

@@ -151,6 +151,7 @@ def _batch_record(m: Mapping[str, Any], progress: Sequence[Any] | None) -> Batch
         usage=usage,
         metadata=_loads(m["metadata"]),
         stats=_loads(m["stats"]) or {},
+        output_expires_after=m.get("output_expires_after"),
     )
 
 
@@ -162,6 +163,7 @@ def _file_record(m: Mapping[str, Any]) -> FileRecord:
         bytes=m["bytes"],
         created_at=m["created_at"],
         path=m["path"],
+        expires_at=m.get("expires_at"),
     )
 
 
@@ -211,6 +213,7 @@ class Store:
                     bytes=rec.bytes,
                     created_at=rec.created_at,
                     path=rec.path,
+                    expires_at=rec.expires_at,
                 )
             )
 
@@ -261,6 +264,7 @@ class Store:
             "content_hash": content_hash,
             "source": source,
             "stats": _dumps(rec.stats or {}),
+            "output_expires_after": rec.output_expires_after,
         }
         dumps = orjson.dumps
         rows = [
@@ -664,6 +668,13 @@ class Store:
                     )
                 query = query.where(beyond)
             rows = (await conn.execute(query.limit(limit))).mappings().all()
+        return [_file_record(r) for r in rows]
+
+    async def expired_files(self, now: float) -> list[FileRecord]:
+        """Files whose `expires_at` has passed, oldest expiry first."""
+        query = select(F).where(F.c.expires_at <= int(now)).order_by(F.c.expires_at)
+        async with self._reader.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
         return [_file_record(r) for r in rows]
 
     async def delete_file(self, file_id: str) -> FileRecord | None:

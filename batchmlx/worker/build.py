@@ -23,6 +23,7 @@ def build_engine(name: str, *, cache_dir: Path, dtype: str = "auto", **engine_cf
         config=EngineConfig(**engine_cfg),
     )
     translator = Translator(
-        loaded.tokenizer, loaded.spec.name, loaded.context_length, loaded.eos_token_ids
+        loaded.tokenizer, loaded.spec.name, loaded.context_length, loaded.eos_token_ids,
+        grammar_check=engine.grammars.check,
     )
     return engine, translator

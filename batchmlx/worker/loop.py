@@ -24,6 +24,7 @@ from batchmlx.core.lifecycle import BatchStatus, is_expired
 from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.faults import crash_point
 from batchmlx.store import Store
+from batchmlx.worker.embeddings import EmbeddingJobs, is_embeddings
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
 from batchmlx.worker.translate import (
     PendingRequest,
@@ -74,6 +75,7 @@ class Worker:
         self.online = OnlineQueue()  # the HTTP API's requests, ahead of batch work
         self.online_pending: dict[int, PendingRequest] = {}  # ticket id (< 0) -> request
         self.ready: list[tuple[int, RequestResult]] = []  # results waiting for a flush
+        self.embeddings = EmbeddingJobs()  # /v1/embeddings requests for the next batched pass
         self.stop_requested = False
         self._last_flush = 0.0
         self._last_beat = 0.0
@@ -123,12 +125,16 @@ class Worker:
             self._next_housekeeping = now + self.settings.poll_s
             did |= await self._settle_batches()
             did |= await self._expire_batches()
+            await service.delete_expired_files(self.store, now=self.clock())
         did |= self._admit_online()
         if housekeeping or (len(self.pending) < self._max_batch() and not self._queue_dry):
             claimed = await self._claim()
             self._queue_dry = not claimed
             did |= claimed
         running = self.loaded is not None and self.loaded.engine.has_unfinished()
+        if self.embeddings:
+            self._run_embeddings()
+            did = True
         if running:
             self._step()
         # nothing left to step: write what is ready now rather than wait for the timer
@@ -159,6 +165,11 @@ class Worker:
                 id=t.id, batch_id="", custom_id="", line=0, endpoint=t.endpoint,
                 model=loaded.name, body=t.body, attempts=1,
             )  # fmt: skip
+            if is_embeddings(t.endpoint):
+                error = self._add_embeddings(loaded, claimed)
+                if error is not None:
+                    self.online.done(t.id, error.status_code, error.body)
+                continue
             pending, gens, error = loaded.translator.prepare(claimed)
             if error is not None:
                 self.online.done(t.id, error.status_code, error.body)
@@ -220,6 +231,11 @@ class Worker:
             self.ready.append((c.id, server_error_result(message)))
             return
         loaded = self._ensure_model(self._model_for(c.model))
+        if is_embeddings(c.endpoint):
+            error = self._add_embeddings(loaded, c)
+            if error is not None:
+                self.ready.append((c.id, error))
+            return
         pending, gens, error = loaded.translator.prepare(c)
         if error is not None:
             self.ready.append((c.id, error))
@@ -278,6 +294,21 @@ class Worker:
             else:
                 self.ready.append((row, result))
         crash_point("mid_generation")
+
+    def _add_embeddings(self, loaded: _Loaded, c: ClaimedRequest) -> RequestResult | None:
+        tr = loaded.translator
+        dims = loaded.engine.embedder.dimensions
+        return self.embeddings.add(c, tr.tok, tr.context_length, dims)
+
+    def _run_embeddings(self) -> None:
+        """Every waiting embeddings request in one batched pass, before the next engine step."""
+        loaded = self.loaded
+        results = self.embeddings.run(loaded.engine.embedder, loaded.translator.model_name)
+        for key, result in results:
+            if OnlineQueue.owns(key):
+                self.online.done(key, result.status_code, result.body)
+            else:
+                self.ready.append((key, result))
 
     async def _flush(self, force: bool = False) -> None:
         now = self.clock()

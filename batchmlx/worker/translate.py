@@ -3,6 +3,7 @@ template on the way in, completion bodies on the way out."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,6 +25,10 @@ from batchmlx.formats.openai import (
     text_completion_body,
 )
 from batchmlx.formats.params import Endpoint, ParsedRequest, RequestError, parse_request
+from batchmlx.formats.responses import response_body
+from batchmlx.formats.structured import schema_error_message
+
+_PROMPT_PARAM = {Endpoint.CHAT: "messages", Endpoint.RESPONSES: "input"}
 
 
 @dataclass(slots=True)
@@ -63,8 +68,16 @@ def server_error_result(message: str) -> RequestResult:
 
 
 class Translator:
-    def __init__(self, tokenizer: Any, model_name: str, context_length: int, eos_ids) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_name: str,
+        context_length: int,
+        eos_ids,
+        grammar_check: Callable[[str], str | None] | None = None,
+    ) -> None:
         self.tok = tokenizer
+        self.grammar_check = grammar_check  # schema → None, or why it cannot be compiled
         self.model_name = model_name
         self.context_length = context_length
         self.eos_ids = frozenset(eos_ids)
@@ -76,6 +89,12 @@ class Translator:
         parsed = parse_request(claimed.endpoint, claimed.body)
         if isinstance(parsed, RequestError):
             return None, [], error_result(parsed)
+        if parsed.grammar is not None and self.grammar_check is not None:
+            detail = self.grammar_check(parsed.grammar.schema)
+            if detail is not None:
+                msg = schema_error_message(parsed.grammar, detail)
+                err = RequestError(400, ErrorCode.INVALID_VALUE.value, msg, parsed.grammar.param)
+                return None, [], error_result(err)
         try:
             tokens, text = self._prompt(parsed)
         except Exception as exc:  # a template that rejects these messages, say
@@ -87,7 +106,7 @@ class Translator:
                 f"However, your messages resulted in {len(tokens)} tokens. "
                 "Please reduce the length of the messages."
             )
-            param = "messages" if parsed.endpoint is Endpoint.CHAT else "prompt"
+            param = _PROMPT_PARAM.get(parsed.endpoint, "prompt")
             err = RequestError(400, ErrorCode.CONTEXT_LENGTH_EXCEEDED.value, msg, param)
             return None, [], error_result(err)
         pending = PendingRequest(claimed, parsed, tokens, text, {})
@@ -103,12 +122,13 @@ class Translator:
                     prompt_tokens=tokens,
                     params=params,
                     stop_token_ids=self.eos_ids,
+                    grammar=parsed.grammar.schema if parsed.grammar else None,
                 )
             )
         return pending, gens, None
 
     def _prompt(self, parsed: ParsedRequest) -> tuple[list[int], str]:
-        if parsed.endpoint is Endpoint.CHAT:
+        if parsed.messages is not None:  # chat and responses
             messages = [dict(m) for m in parsed.messages or ()]
             text = self.tok.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
@@ -138,7 +158,14 @@ class Translator:
             completion_tokens=completion_tokens,
             cached_tokens=first.cached_tokens,
         )
-        if p.parsed.endpoint is Endpoint.CHAT:
+        if p.parsed.endpoint is Endpoint.RESPONSES:
+            body = response_body(
+                id=new_id(IdPrefix.RESPONSE), message_id=new_id(IdPrefix.MESSAGE), created=now,
+                model=self.model_name, request=p.claimed.body, choice=choices[0],
+                input_tokens=usage["prompt_tokens"], output_tokens=completion_tokens,
+                cached_tokens=first.cached_tokens,
+            )  # fmt: skip
+        elif p.parsed.endpoint is Endpoint.CHAT:
             body = chat_completion_body(
                 id=new_id(IdPrefix.CHAT_COMPLETION), created=now, model=self.model_name,
                 choices=choices, **usage,

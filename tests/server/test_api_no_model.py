@@ -131,7 +131,7 @@ def test_create_is_validating_then_runs_or_fails(client):
 
 
 def wait_failed(client):
-    bad = jsonl(["not json", request_line("a", chat_body("q"), url="/v1/embeddings")])
+    bad = jsonl(["not json", request_line("a", chat_body("q"), url="/v1/moderations")])
     f = client.files.create(file=("bad.jsonl", bad), purpose="batch")
     b = client.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -162,7 +162,7 @@ def test_bad_create_requests(client):
     f = client.files.create(file=("in.jsonl", good_file()), purpose="batch")
     with pytest.raises(openai.BadRequestError) as exc:
         client.batches.create(
-            input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h"
+            input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h"
         )
     assert _envelope(exc.value)["param"] == "endpoint"
 

@@ -78,3 +78,23 @@ def test_expires_after_bounds():
         with pytest.raises(ExpiresAfterError) as exc:
             parse_expires_after(value, "p")
         assert exc.value.param == param
+
+
+def test_the_worker_housekeeping_deletes_expired_files(with_store, tmp_path):
+    from batchmlx.worker import WorkerOptions
+    from batchmlx.worker.loop import Worker
+
+    settings = _settings(tmp_path)
+    now = [1000.0]
+
+    async def go(store):
+        f = await service.store_file(store, settings, b"x", filename="x", purpose="batch",
+                                     now=now[0], expires_after=HOUR)  # fmt: skip
+        worker = Worker(store, settings, WorkerOptions(), clock=lambda: now[0])
+        await worker.tick()
+        assert await store.get_file(f.id) is not None
+        now[0] += HOUR
+        await worker.tick()
+        assert await store.get_file(f.id) is None and not Path(f.path).exists()
+
+    with_store(go)

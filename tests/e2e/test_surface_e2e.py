@@ -68,9 +68,13 @@ def check_outputs(name: str, out: list[dict[str, Any]], err: list[dict[str, Any]
         assert sorted(bodies) == ["obj", "s0", "s1", "s2"] and not err
         for cid, body in bodies.items():
             c = ChatCompletion.model_validate(body)
-            value = json.loads(c.choices[0].message.content)
-            assert c.choices[0].finish_reason == "stop"
-            jsonschema.validate(value, SCHEMA if cid != "obj" else {"type": "object"})
+            text, finish = c.choices[0].message.content, c.choices[0].finish_reason
+            if cid == "obj" and finish == "length":  # any object: it may outgrow max_tokens
+                with pytest.raises(json.JSONDecodeError):
+                    json.loads(text)
+                continue
+            assert finish == "stop", text  # bounded schema: it always ends
+            jsonschema.validate(json.loads(text), SCHEMA if cid != "obj" else {"type": "object"})
     elif name == "responses":
         assert sorted(bodies) == ["json", "plain"]
         for body in bodies.values():

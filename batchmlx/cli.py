@@ -153,11 +153,12 @@ def submit(
         raise _fail(f"no such file: {file}")
     from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
 
-    try:
-        parse_expires_after({"anchor": "created_at", "seconds": output_expires_after},
-                            "--output-expires-after") if output_expires_after else None
-    except ExpiresAfterError as exc:
-        raise _fail(str(exc)) from None
+    if output_expires_after is not None:
+        try:
+            parse_expires_after({"anchor": "created_at", "seconds": output_expires_after},
+                                "output_expires_after")  # fmt: skip
+        except ExpiresAfterError as exc:
+            raise _fail(str(exc)) from None
     bad = [m for m in metadata or [] if "=" not in m]
     if bad:
         raise _fail(f"--metadata expects key=value, got {bad[0]!r}")

@@ -6,5 +6,8 @@ from setuptools import find_packages, setup
 setup(
     packages=[*find_packages(include=["batchmlx", "batchmlx.*"]), "batchmlx.migrations"],
     package_dir={"batchmlx.migrations": "migrations"},
-    package_data={"batchmlx.migrations": ["script.py.mako", "versions/*.py"]},
+    package_data={
+        "batchmlx.migrations": ["script.py.mako", "versions/*.py"],
+        "batchmlx.server": ["static/*"],  # the dashboard's page, script and styles
+    },
 )

@@ -1,8 +1,9 @@
-"""The command line: parse, call a service function, print. Imports no MLX at import time."""
+"""The command line: parse, call batches/ or the worker, print. Imports no MLX at import time."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -11,10 +12,18 @@ from typing import Annotated, Any
 import orjson
 import typer
 
-from batchmlx import service
+import batchmlx.ingest  # noqa: F401  (registers the inbox's finalize hook)
+from batchmlx.batches.errors import BatchError
+from batchmlx.batches.files import iter_file_content
+from batchmlx.batches.finalize import get_batch
+from batchmlx.batches.intake import submit as submit_batch
+from batchmlx.batches.lifecycle import cancel_unattended, expire_unattended
 from batchmlx.config import Settings, load_settings
-from batchmlx.core.lifecycle import BatchStatus, is_expired
+from batchmlx.core.engine_api import ENGINE_DEFAULTS, EngineSettings
+from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.progress import estimate_batch, format_eta, format_rate
 from batchmlx.core.records import BatchRecord
+from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import batch_object
 
 app = typer.Typer(
@@ -22,6 +31,41 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Local, OpenAI-Batch-compatible job processor for LLM requests on MLX.",
 )
+
+DATABASE_URL_ENV = "BATCHMLX_DATABASE_URL"
+
+
+@app.callback()
+def _options(
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            "--database-url",
+            envvar=DATABASE_URL_ENV,
+            help="The queue: sqlite:///FILE (default: $BATCHMLX_HOME/batchmlx.db) or "
+            "postgresql://USER@HOST/DB, shared by workers on several hosts",
+        ),
+    ] = None,
+) -> None:
+    """Local, OpenAI-Batch-compatible job processor for LLM requests on MLX."""
+    if database_url:
+        os.environ[DATABASE_URL_ENV] = database_url  # load_settings reads it, as do children
+
+
+def _hoist_database_url(argv: list[str]) -> list[str]:
+    """`--database-url` may come after the command too (`batchmlx worker --database-url …`):
+    move it before the command, where the app's callback takes it."""
+    rest, front, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--database-url" and i + 1 < len(argv):
+            front += argv[i : i + 2]
+            i += 2
+            continue
+        (front if arg.startswith("--database-url=") else rest).append(arg)
+        i += 1
+    return front + rest
+
 
 DTYPE_HELP = "Weights: auto (float32 on the CPU, as stored on Metal/CUDA), stored, float32, …"
 # engine options shared by `worker` and `serve`
@@ -50,13 +94,13 @@ def _warn_if_slow_blas() -> None:
 
 
 def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
-    """Open the store, run one service coroutine, close the store."""
-    from batchmlx.store import Store
+    """Open the store, run one coroutine, close the store."""
+    from batchmlx.store import Store, StoreUnavailable
 
     settings = load_settings()
 
     async def main() -> Any:
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         try:
             return await coro_fn(store, settings, *args, **kwargs)
         finally:
@@ -64,7 +108,7 @@ def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
 
     try:
         return asyncio.run(main())
-    except service.ServiceError as exc:
+    except (BatchError, StoreUnavailable) as exc:
         raise _fail(str(exc)) from None
 
 
@@ -87,6 +131,12 @@ def _stats_lines(rec: BatchRecord) -> list[str]:
         f"tokens: {u.input_tokens} prompt ({u.cached_tokens} from the prefix cache), "
         f"{u.output_tokens} generated"
     ]
+    if rec.in_progress_at is not None:
+        est = estimate_batch(rec, time.time())
+        line = f"throughput: {format_rate(est.tokens_per_s)} generated"
+        if rec.status is BatchStatus.IN_PROGRESS:
+            line += f"; ETA {format_eta(est.eta_s)} (at the rate measured since it started)"
+        lines.append(line)
     s = rec.stats or {}
     if "hits" in s or "prefix_hits" in s or u.input_tokens:
         hits, phits, misses = s.get("hits", 0), s.get("prefix_hits", 0), s.get("misses", 0)
@@ -113,14 +163,20 @@ def _describe(rec: BatchRecord, settings: Settings) -> None:
     for line in _stats_lines(rec):
         typer.echo("  " + line)
     if rec.errors:
-        typer.echo(f"  validation failed with {len(rec.errors)} error(s):")
+        cut = rec.errors[-1].code == ErrorCode.TOO_MANY_ERRORS  # its message gives the total
+        typer.echo(
+            f"  validation failed; the first {len(rec.errors) - 1} errors:"
+            if cut
+            else f"  validation failed with {len(rec.errors)} error(s):"
+        )
         for e in rec.errors:
             where = f"line {e.line}" if e.line else "file"
             param = f" [{e.param}]" if e.param else ""
             typer.echo(f"    {where}: {e.code}{param}: {e.message}")
     for label, fid in (("output", rec.output_file_id), ("errors", rec.error_file_id)):
         if fid:
-            typer.echo(f"  {label}: {settings.files_dir / fid}  ({fid})")
+            where = "in the database" if settings.files_in_database else settings.files_dir / fid
+            typer.echo(f"  {label}: {where}  ({fid})")
     if rec.status.terminal and not rec.errors:
         typer.echo(f"  download: batchmlx results {rec.id} -o {rec.id}.jsonl  (--errors: errors)")
 
@@ -141,7 +197,9 @@ def submit(
     metadata: Annotated[list[str] | None, typer.Option(help="key=value, repeatable")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the Batch object")] = False,
     simple: Annotated[bool, typer.Option(help="With --wait: simple mode")] = False,
-    max_batch_size: Annotated[int, typer.Option(help="With --wait: running batch bound")] = 32,
+    max_batch_size: Annotated[
+        int, typer.Option(help="With --wait: running batch bound")
+    ] = ENGINE_DEFAULTS.max_batch_size,
     output_expires_after: Annotated[
         int | None,
         typer.Option(help="Seconds (3600-2592000) after which the output and error files are "
@@ -164,7 +222,7 @@ def submit(
         raise _fail(f"--metadata expects key=value, got {bad[0]!r}")
     meta = dict(m.split("=", 1) for m in metadata or []) or None
     rec = _run(
-        lambda store, settings: service.submit(
+        lambda store, settings: submit_batch(
             store, settings, file.read_bytes(), filename=file.name, now=time.time(),
             model=model, completion_window=completion_window, metadata=meta,
             output_expires_after=output_expires_after,
@@ -175,28 +233,29 @@ def submit(
         raise typer.Exit(1)
     if wait:
         _warn_if_slow_blas()
-        rec = _wait(rec.id, {"simple": simple, "max_batch_size": max_batch_size}, as_json)
+        rec = _wait(rec.id, EngineSettings(simple=simple, max_batch_size=max_batch_size), as_json)
     _show(rec, as_json)
     if wait and rec.status is not BatchStatus.COMPLETED:
         raise typer.Exit(1)
 
 
-def _wait(batch_id: str, engine: dict[str, Any], quiet: bool) -> BatchRecord:
+def _wait(batch_id: str, engine: EngineSettings, quiet: bool) -> BatchRecord:
     """Follow a batch to its end; with no live worker, run one in this process."""
+    from batchmlx.cli_progress import REFRESH_S, ProgressView
     from batchmlx.store import Store
     from batchmlx.worker import WorkerOptions, run_worker
 
     settings = load_settings()
 
     async def main() -> BatchRecord:
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         try:
-            live = await store.live_workers(time.time(), settings.lease_s)
-            progress = _Progress(store, batch_id, quiet)
+            live = await store.live_workers(store.clock(), settings.lease_s)
+            progress = ProgressView(store, batch_id, quiet)
             if live:
                 while not (await store.get_batch(batch_id)).status.terminal:
                     await progress.show()
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(REFRESH_S)
             else:
                 opts = WorkerOptions(until_idle=True, engine=engine)
                 task = asyncio.create_task(progress.run())
@@ -210,33 +269,6 @@ def _wait(batch_id: str, engine: dict[str, Any], quiet: bool) -> BatchRecord:
             await store.close()
 
     return asyncio.run(main())
-
-
-class _Progress:
-    def __init__(self, store, batch_id: str, quiet: bool) -> None:
-        self.store, self.batch_id, self.quiet = store, batch_id, quiet
-        self.t0 = time.time()
-
-    async def run(self) -> None:
-        while True:
-            await self.show()
-            await asyncio.sleep(0.5)
-
-    async def show(self, final: bool = False) -> None:
-        if self.quiet:
-            return
-        rec = await self.store.get_batch(self.batch_id)
-        c = rec.request_counts
-        done = c.completed + c.failed
-        width = 30
-        filled = width * done // max(c.total, 1)
-        bar = "#" * filled + "-" * (width - filled)
-        sys.stderr.write(
-            f"\r[{bar}] {done}/{c.total}  {rec.status.value:<11} {time.time() - self.t0:6.1f}s"
-        )
-        if final:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 # -- status, list, results, cancel -------------------------------------------------------------
@@ -254,14 +286,8 @@ def status(
         return
 
     async def current(store, settings) -> BatchRecord:
-        # with no worker running, nobody else applies the completion window
-        now = time.time()
-        rec = await service.get_batch(store, batch_id)
-        if is_expired(rec.status, rec.expires_at, now) and not await store.live_workers(
-            now, settings.lease_s
-        ):
-            rec = await service.expire(store, settings, batch_id, now=now)
-        return rec
+        rec = await get_batch(store, batch_id)
+        return await expire_unattended(store, settings, rec, now=store.clock())
 
     rec = _run(current)
     _show(rec, as_json)
@@ -293,36 +319,36 @@ def results(
 ) -> None:
     """Download a finished batch's output file (or, with --errors, its error file)."""
 
-    async def fetch(store, settings) -> bytes:
-        rec = await service.get_batch(store, batch_id)
+    async def fetch(store, settings) -> int:
+        from batchmlx.store.blobs import LocalBlobs
+
+        rec = await get_batch(store, batch_id)
         if not rec.status.terminal:
-            raise service.ServiceError(f"batch {batch_id} is {rec.status.value}; not finished yet")
-        return await service.file_content(
+            raise BatchError(f"batch {batch_id} is {rec.status.value}; not finished yet")
+        chunks = iter_file_content(
             store, rec.error_file_id if errors else rec.output_file_id
         )
+        if output is not None:  # streamed to a temp file, fsynced, renamed
+            return (await LocalBlobs(output.parent).put(output.name, chunks))[0]
+        size = 0
+        async for chunk in chunks:
+            sys.stdout.buffer.write(chunk)
+            size += len(chunk)
+        sys.stdout.buffer.flush()
+        return size
 
-    data = _run(fetch)
-    if output is None:
-        sys.stdout.buffer.write(data)
-    else:
-        service.write_atomic(output, data)
-        typer.echo(f"wrote {len(data)} bytes to {output}", err=True)
+    size = _run(fetch)
+    if output is not None:
+        typer.echo(f"wrote {size} bytes to {output}", err=True)
 
 
 @app.command()
 def cancel(batch_id: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Cancel a batch: running requests stop, finished results are kept."""
 
-    async def do(store, settings):
-        now = time.time()
-        rec = await service.cancel(store, batch_id, now=now)
-        if rec.status is BatchStatus.CANCELLING and not await store.live_workers(
-            now, settings.lease_s
-        ):
-            rec = await service.settle_cancelling(store, settings, batch_id, now=now)
-        return rec
-
-    rec = _run(do)
+    rec = _run(
+        lambda store, settings: cancel_unattended(store, settings, batch_id, now=store.clock())
+    )
     _show(rec, as_json)
 
 
@@ -333,20 +359,20 @@ def cancel(batch_id: str, as_json: Annotated[bool, typer.Option("--json")] = Fal
 def worker(
     until_idle: Annotated[bool, typer.Option(help="Exit when nothing is left to do")] = False,
     model: Annotated[str | None, typer.Option(help="Serve every batch with this model")] = None,
-    simple: SimpleOpt = False,
-    max_batch_size: MaxBatchOpt = 32,
-    block_size: BlockSizeOpt = 16,
-    use_paged_cache: PagedCacheOpt = True,
-    cache_memory_mb: CacheMemoryMbOpt = None,
+    simple: SimpleOpt = ENGINE_DEFAULTS.simple,
+    max_batch_size: MaxBatchOpt = ENGINE_DEFAULTS.max_batch_size,
+    block_size: BlockSizeOpt = ENGINE_DEFAULTS.block_size,
+    use_paged_cache: PagedCacheOpt = ENGINE_DEFAULTS.use_paged_cache,
+    cache_memory_mb: CacheMemoryMbOpt = ENGINE_DEFAULTS.cache_memory_mb,
     cache_memory_percent: Annotated[
         float, typer.Option(help="KV memory bound as a share of available memory")
-    ] = 0.20,
+    ] = ENGINE_DEFAULTS.cache_memory_percent,
     memory_aware_cache: Annotated[
         bool, typer.Option(help="Bound the cache by memory; off: by --cache-max-blocks")
-    ] = True,
+    ] = ENGINE_DEFAULTS.memory_aware,
     cache_max_blocks: Annotated[
         int, typer.Option(help="Block bound without memory awareness")
-    ] = 4096,
+    ] = ENGINE_DEFAULTS.cache_max_blocks,
     dtype: DtypeOpt = "auto",
     max_attempts: Annotated[
         int, typer.Option(help="Runs of one request (each ended by a crash) before giving up")
@@ -357,6 +383,15 @@ def worker(
     inbox_settle: Annotated[
         float, typer.Option(help="Seconds an inbox file must stay unchanged to be complete")
     ] = 1.0,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus metrics at http://HOST:PORT/metrics")
+    ] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address for --metrics-port")] = "127.0.0.1",
+    only_model: Annotated[
+        list[str] | None,
+        typer.Option(help="Claim only batches of this model (repeatable); others are left to "
+                     "workers that serve them"),
+    ] = None,
 ) -> None:
     """Run a long-lived worker that processes queued batches."""
     import logging
@@ -368,7 +403,7 @@ def worker(
 
     logging.getLogger("batchmlx.worker").info("BLAS: %s", active_blas().note)
     _warn_if_slow_blas()
-    engine = dict(
+    engine = EngineSettings(
         simple=simple,
         max_batch_size=max_batch_size,
         block_size=block_size,
@@ -379,7 +414,8 @@ def worker(
         cache_max_blocks=cache_max_blocks,
     )
     opts = WorkerOptions(
-        until_idle=until_idle, model=model, dtype=dtype, engine=engine, max_attempts=max_attempts
+        until_idle=until_idle, model=model, dtype=dtype, engine=engine, max_attempts=max_attempts,
+        only_models=tuple(only_model or ()),
     )
     settings = load_settings()
     box = None
@@ -387,7 +423,18 @@ def worker(
         from batchmlx.ingest.inbox import Inbox
 
         box = Inbox(settings, inbox, settle_s=inbox_settle)
-    asyncio.run(run_worker(settings, opts, inbox=box))
+    from batchmlx.store import StoreUnavailable
+
+    work = run_worker(settings, opts, inbox=box)
+    if metrics_port is not None:
+        from batchmlx.worker.metrics import serve_metrics, with_queue_metrics
+
+        serve_metrics(metrics_port, metrics_host)
+        work = with_queue_metrics(settings, work)
+    try:
+        asyncio.run(work)
+    except StoreUnavailable as exc:
+        raise _fail(str(exc)) from None
 
 
 @app.command()
@@ -417,7 +464,7 @@ def watch(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         try:
             await box.run(store, stop)
         finally:
@@ -450,6 +497,10 @@ def serve(
     allow_remote: Annotated[
         bool, typer.Option(help="Bind a non-loopback address without an API key")
     ] = False,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(help="Also answer to this Host name (a proxy's, the machine's); repeatable"),
+    ] = None,
     worker: Annotated[
         bool, typer.Option(help="Run the worker in this process (--no-worker: API only)")
     ] = True,
@@ -460,11 +511,11 @@ def serve(
         int, typer.Option(min=1, help="Streamed tokens per chunk (1: every token)")
     ] = 1,
     max_upload_mb: Annotated[int, typer.Option(min=1, help="Largest file upload")] = 200,
-    simple: SimpleOpt = False,
-    max_batch_size: MaxBatchOpt = 32,
-    block_size: BlockSizeOpt = 16,
-    use_paged_cache: PagedCacheOpt = True,
-    cache_memory_mb: CacheMemoryMbOpt = None,
+    simple: SimpleOpt = ENGINE_DEFAULTS.simple,
+    max_batch_size: MaxBatchOpt = ENGINE_DEFAULTS.max_batch_size,
+    block_size: BlockSizeOpt = ENGINE_DEFAULTS.block_size,
+    use_paged_cache: PagedCacheOpt = ENGINE_DEFAULTS.use_paged_cache,
+    cache_memory_mb: CacheMemoryMbOpt = ENGINE_DEFAULTS.cache_memory_mb,
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Serve the OpenAI-compatible HTTP API (Files, Batches, chat/completions, models)."""
@@ -479,7 +530,7 @@ def serve(
     from batchmlx.server.context import ServerOptions
     from batchmlx.worker import WorkerOptions
 
-    engine = dict(
+    engine = EngineSettings(
         simple=simple, max_batch_size=max_batch_size, block_size=block_size,
         use_paged_cache=use_paged_cache, cache_memory_mb=cache_memory_mb,
     )  # fmt: skip
@@ -487,6 +538,7 @@ def serve(
         model=model,
         api_key=api_key,
         max_upload_bytes=max_upload_mb * 1024 * 1024,
+        allowed_hosts=tuple(allowed_host or ()),
         stream_interval=stream_interval,
         worker=WorkerOptions(model=model, dtype=dtype, engine=engine) if worker else None,
     )
@@ -502,7 +554,7 @@ def main() -> None:  # pragma: no cover - the console script
     from batchmlx.accel import ensure_fast_blas
 
     ensure_fast_blas()
-    app()
+    app(args=_hoist_database_url(sys.argv[1:]))
 
 
 if __name__ == "__main__":  # pragma: no cover

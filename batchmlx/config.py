@@ -3,31 +3,96 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_HOME = Path("~/.batchmlx")
+DEFAULT_LEASE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     home: Path  # $BATCHMLX_HOME, default ~/.batchmlx
     cache_dir: Path  # converted models; $BATCHMLX_CACHE_DIR, default $BATCHMLX_HOME/cache
-    lease_s: float = 60.0  # a claimed request's lease; renewed by heartbeat at a third of it
-    poll_s: float = 0.5  # how often an idle worker looks for work
+    lease_s: float = DEFAULT_LEASE_S  # a claimed request's lease; renewed at a third of it
+    poll_s: float = 0.5  # how often an idle worker looks for work (SQLite; PostgreSQL listens)
     default_model: str = "default"
+    busy_timeout_s: float | None = None  # $BATCHMLX_BUSY_TIMEOUT_S; None: the store's default
+    # $BATCHMLX_DATABASE_URL: sqlite:///… or postgresql+asyncpg://…; None: $BATCHMLX_HOME's file
+    database: str | None = None
+    # $BATCHMLX_WORKER_HOST: the host name workers register under (tests run several "hosts")
+    host: str | None = None
+    # $BATCHMLX_FILE_STORAGE: "local" or "database"; None: local on SQLite, database otherwise
+    file_storage: str | None = None
 
     @property
     def db_path(self) -> Path:
         return self.home / "batchmlx.db"
 
     @property
+    def database_url(self) -> str:
+        return self.database or f"sqlite:///{self.db_path}"
+
+    @property
     def files_dir(self) -> Path:
         return self.home / "files"
+
+    @property
+    def files_in_database(self) -> bool:
+        """Where file bytes live: in the database (PostgreSQL's default: hosts share nothing
+        else) or under files_dir (SQLite's)."""
+        if self.file_storage:
+            return self.file_storage == "database"
+        url = self.database_url
+        return "://" in url and not url.startswith("sqlite")
+
+    @property
+    def hostname(self) -> str:
+        return self.host or socket.gethostname()
 
 
 def load_settings(env: dict[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     home = Path(env.get("BATCHMLX_HOME") or DEFAULT_HOME).expanduser()
     cache = Path(env.get("BATCHMLX_CACHE_DIR") or home / "cache").expanduser()
-    return Settings(home=home, cache_dir=cache)
+    busy = env.get("BATCHMLX_BUSY_TIMEOUT_S")
+    lease = float(env.get("BATCHMLX_LEASE_S") or DEFAULT_LEASE_S)
+    return Settings(
+        home=home,
+        cache_dir=cache,
+        lease_s=lease,
+        database=env.get("BATCHMLX_DATABASE_URL") or None,
+        host=env.get("BATCHMLX_WORKER_HOST") or None,
+        file_storage=env.get("BATCHMLX_FILE_STORAGE") or None,
+        busy_timeout_s=float(busy) if busy else None,
+    )
+
+
+# The database and files/ hold every prompt and answer: the data directory is the user's alone.
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` and its missing parents for the owner alone. A mode given to mkdir only
+    loses bits to the umask, and `parents=True` ignores it, so each level is made and set."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=PRIVATE_DIR_MODE)
+        except FileExistsError:
+            continue  # another process made it first, with the same mode
+        folder.chmod(PRIVATE_DIR_MODE)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """Create `path` empty for the owner alone unless it exists (SQLite gives its -wal and -shm
+    files the database file's mode, so creating the database this way covers them)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    except FileExistsError:
+        return path
+    os.close(fd)
+    return path

@@ -16,8 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine, EngineConfig
+from batchmlx.engine.llm_engine import Engine
 
 
 @dataclass(slots=True)
@@ -70,7 +71,7 @@ def _start_memory() -> int:
 
 
 def run_ours(
-    loaded: Any, prompts: list[list[int]], max_tokens: int, config: EngineConfig, label: str
+    loaded: Any, prompts: list[list[int]], max_tokens: int, config: EngineSettings, label: str
 ) -> RunResult:
     base = _start_memory()
     eng = Engine(

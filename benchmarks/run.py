@@ -20,11 +20,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from batchmlx.core.prefix_trie import block_prefix_lower_bound
+from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine, EngineConfig
+from batchmlx.engine.llm_engine import Engine
 from benchmarks import workloads as wl
 from benchmarks.measure import RunResult, agreement, run_ours, run_peer, summary
+from benchmarks.prefix_trie import block_prefix_lower_bound
 
 ALL_SECTIONS = (1, 2, 3, 4, 5, 6)
 
@@ -92,7 +93,7 @@ class Bench:
     # -- engine configurations -----------------------------------------------------------------
     def config(self, *, simple: bool = False, sharing: bool = True, grow: int | None = None):
         s = self.s
-        return EngineConfig(
+        return EngineSettings(
             simple=simple,
             max_batch_size=s.max_batch_size,
             block_size=s.block_size,
@@ -575,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_tokens:
         s = replace(s, max_tokens=args.max_tokens)
 
-    from batchmlx.engine.loader import load_model, resolve_model
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.loader import load_model
 
     cache = Path(os.environ.get("BATCHMLX_CACHE_DIR", "~/.cache/batchmlx-test")).expanduser()
     spec = resolve_model(s.model, cache_dir=cache)

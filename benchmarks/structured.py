@@ -49,10 +49,11 @@ def _requests(tok, eos, n: int, max_tokens: int, grammar: str | None, tag: str):
 
 
 def _run(loaded, reqs) -> tuple[float, int, float]:
-    from batchmlx.engine.llm_engine import Engine, EngineConfig
+    from batchmlx.core.engine_api import EngineSettings
+    from batchmlx.engine.llm_engine import Engine
 
     engine = Engine(loaded.model, loaded.tokenizer, context_length=loaded.context_length,
-                    config=EngineConfig(max_batch_size=32), seed=0)  # fmt: skip
+                    config=EngineSettings(max_batch_size=32), seed=0)  # fmt: skip
     t0 = time.perf_counter()
     outs = engine.generate(reqs)
     wall = time.perf_counter() - t0
@@ -68,7 +69,8 @@ def main() -> None:
     from batchmlx.accel import active_blas, ensure_fast_blas
 
     ensure_fast_blas()  # re-executes once onto the fast BLAS, as every batchmlx command does
-    from batchmlx.engine.loader import load_model, resolve_model
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.loader import load_model
     from batchmlx.formats.structured import canonical_schema
 
     cache = Path(os.environ.get("BATCHMLX_CACHE_DIR", Path.home() / ".cache" / "batchmlx-test"))

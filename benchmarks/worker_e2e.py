@@ -61,8 +61,9 @@ def batch_file(msgs: list[list[dict[str, str]]], max_tokens: int) -> bytes:
 
 async def run_worker(data: bytes, dtype: str, batch: int) -> dict[str, Any]:
     """Submit the file to a fresh home and run one worker until idle; model load excluded."""
-    from batchmlx import service
+    from batchmlx import batches
     from batchmlx.config import load_settings
+    from batchmlx.core.engine_api import EngineSettings
     from batchmlx.store import Store
     from batchmlx.worker import Worker, WorkerOptions
 
@@ -70,10 +71,11 @@ async def run_worker(data: bytes, dtype: str, batch: int) -> dict[str, Any]:
     settings = load_settings({"BATCHMLX_HOME": home, "BATCHMLX_CACHE_DIR": str(CACHE)})
     store = await Store.open(settings.db_path)
     try:
-        opts = WorkerOptions(until_idle=True, dtype=dtype, engine={"max_batch_size": batch})
+        engine = EngineSettings(max_batch_size=batch)
+        opts = WorkerOptions(until_idle=True, dtype=dtype, engine=engine)
         worker = Worker(store, settings, opts)
         worker.load("default")
-        rec = await service.submit(
+        rec = await batches.intake.submit(
             store, settings, data, filename="bench.jsonl", now=time.time(), model="default"
         )
         t0 = time.perf_counter()
@@ -102,7 +104,8 @@ def run_peer(msgs: list[list[dict[str, str]]], max_tokens: int, dtype: str) -> d
     """mlx_lm.batch_generate as a user runs it (stops at eos, like the worker's requests)."""
     import mlx_lm
 
-    from batchmlx.engine.loader import dequantize_model, model_folder, resolve_model
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.loader import dequantize_model, model_folder
 
     folder = model_folder(resolve_model("default", cache_dir=CACHE), cache_dir=CACHE)
     model, tok = mlx_lm.load(str(folder))
@@ -131,7 +134,8 @@ def child(args: argparse.Namespace) -> None:
     """One measurement in this process (the parent starts this without the fast BLAS)."""
     from mlx_lm import load as _  # noqa: F401  (import cost out of the timing)
 
-    from batchmlx.engine.loader import model_folder, resolve_model
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.loader import model_folder
 
     folder = model_folder(resolve_model("default", cache_dir=CACHE), cache_dir=CACHE)
     from transformers import AutoTokenizer
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_fast_blas()  # re-executes once onto the fast BLAS
     from batchmlx.accel import active_blas, measure_matmul_gflops
-    from batchmlx.engine.loader import model_folder, resolve_model
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.loader import model_folder
 
     folder = model_folder(resolve_model("default", cache_dir=CACHE), cache_dir=CACHE)
     from transformers import AutoTokenizer

@@ -1,11 +1,16 @@
-"""Alembic environment for batchmlx: synchronous SQLite, one immediate transaction per run."""
+"""Alembic environment for batchmlx: SQLite (sync, BEGIN IMMEDIATE) or PostgreSQL (asyncpg,
+an advisory lock), one transaction per run."""
 
 from __future__ import annotations
 
+import asyncio
+
 from alembic import context
-from sqlalchemy import create_engine, pool
+from sqlalchemy import Connection, create_engine, pool, text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from batchmlx.store.connection import install_sqlite_setup
+from batchmlx.store.migrate import MIGRATE_LOCK_KEY
 from batchmlx.store.models import Base
 
 config = context.config
@@ -23,19 +28,40 @@ def run_migrations_offline() -> None:
         context.run_migrations()
 
 
+def _migrate(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=True,
+        transactional_ddl=True,
+    )
+    with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # hosts share no disk: serialise first-use upgrades in the database itself; the
+            # version is read after the lock, so the second process finds the first's work
+            connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATE_LOCK_KEY})
+        context.run_migrations()
+
+
+async def _migrate_async(url: str) -> None:
+    engine = create_async_engine(url, poolclass=pool.NullPool)
+    try:
+        async with engine.connect() as connection:
+            await connection.run_sync(_migrate)
+    finally:
+        await engine.dispose()
+
+
 def run_migrations_online() -> None:
-    engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
+    url = config.get_main_option("sqlalchemy.url")
+    if url.startswith("postgresql"):
+        asyncio.run(_migrate_async(url))  # upgrade_to_head runs in a thread of its own
+        return
+    engine = create_engine(url, poolclass=pool.NullPool)
     install_sqlite_setup(engine)  # WAL from the start; the whole upgrade under BEGIN IMMEDIATE
     try:
         with engine.connect() as connection:
-            context.configure(
-                connection=connection,
-                target_metadata=target_metadata,
-                render_as_batch=True,
-                transactional_ddl=True,
-            )
-            with context.begin_transaction():
-                context.run_migrations()
+            _migrate(connection)
     finally:
         engine.dispose()
 

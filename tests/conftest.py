@@ -23,3 +23,46 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", model_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A PostgreSQL server for the session (tests/pg_server.py). On CI ($CI set) a server that
+    cannot start fails the tests; elsewhere they are skipped, saying why."""
+    import os
+
+    from tests.pg_server import PgUnavailable, start_postgres
+
+    try:
+        server = start_postgres()
+    except PgUnavailable as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no PostgreSQL for these tests: {exc}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server) -> str:
+    """A fresh, empty PostgreSQL database for one test."""
+    return pg_server.new_database()
+
+
+DIALECTS = ("sqlite", "postgresql")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test taking `dialect` (or `store_target`) runs once per dialect; the marker
+    `@pytest.mark.dialects("sqlite")` keeps it to those it names."""
+    if "dialect" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("dialects")
+        metafunc.parametrize("dialect", marker.args if marker else DIALECTS)
+
+
+@pytest.fixture
+def store_target(dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -> str | Path:
+    """What `Store.open` takes: a SQLite file under tmp_path, or a fresh PostgreSQL database."""
+    if dialect == "sqlite":
+        return tmp_path / "state" / "batchmlx.db"
+    return request.getfixturevalue("pg_url")

@@ -38,7 +38,8 @@ def build_tiny_model(dest: Path, cache: Path) -> Path:
 
     src = tokenizer_source(cache)
     if not all((src / f).is_file() for f in TOKENIZER_FILES):
-        from batchmlx.engine.loader import model_folder, resolve_model
+        from batchmlx.core.models import resolve_model
+        from batchmlx.engine.loader import model_folder
 
         model_folder(resolve_model("default", cache_dir=cache), cache_dir=cache)
     dest.mkdir(parents=True, exist_ok=True)

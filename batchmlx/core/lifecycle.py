@@ -58,10 +58,6 @@ def check_transition(current: BatchStatus, new: BatchStatus) -> None:
         raise TransitionError(f"a batch cannot move from {current.value} to {new.value}")
 
 
-def can_transition(current: BatchStatus, new: BatchStatus) -> bool:
-    return new in BATCH_TRANSITIONS[current]
-
-
 # Batches the completion window still applies to: once finalizing, every request has a result.
 EXPIRABLE = frozenset({BatchStatus.IN_PROGRESS})
 

@@ -8,22 +8,26 @@ decided are finished. A fake runner therefore drives this module in unit tests o
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from batchmlx.core.blocks import Block, BlockPool
+from batchmlx.core.blocks import BlockPool
+from batchmlx.core.engine_api import ENGINE_DEFAULTS
+from batchmlx.core.kv_manager import KVCacheManager, blocks_for
 from batchmlx.core.request import CacheOutcome, FinishReason, GenerationRequest
 from batchmlx.core.sequence import Sequence, SequenceStatus
+from batchmlx.core.waiting import WaitingQueue
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_batch_size: int = 32  # running sequences at most
-    block_size: int = 16
+    max_batch_size: int = ENGINE_DEFAULTS.max_batch_size  # running sequences at most
+    block_size: int = ENGINE_DEFAULTS.block_size
     num_blocks: int = 1024  # pool size incl. the reserved block 0
-    max_prefill_tokens: int = 2048  # token budget of one prefill step (a longer prompt is chunked)
-    enable_prefix_cache: bool = True
-    prefix_grouping: bool = True  # shared prefix blocks computed once per step group
+    # token budget of one prefill step (a longer prompt is chunked)
+    max_prefill_tokens: int = ENGINE_DEFAULTS.max_prefill_tokens
+    enable_prefix_cache: bool = ENGINE_DEFAULTS.use_paged_cache
+    prefix_grouping: bool = ENGINE_DEFAULTS.prefix_grouping  # shared prefix blocks computed once
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.block_size < 1 or self.max_prefill_tokens < 1:
@@ -81,78 +85,6 @@ class _Admission(enum.Enum):
     BLOCKED = "blocked"  # the pool cannot hold it now: stop admitting
 
 
-class _WaitingQueue:
-    """Waiting sequences in admission order.
-
-    Preempted sequences come first (the earliest admitted first). New arrivals follow by
-    priority (online requests before batch work), and within a priority in groups keyed by
-    their first full block, so requests sharing a system prompt sit together; groups keep the
-    FIFO order of their first member, and members keep FIFO order within a group.
-    """
-
-    def __init__(self, block_size: int, grouping: bool) -> None:
-        self._block_size = block_size
-        self._grouping = grouping
-        self._front: list[Sequence] = []
-        # priority -> group key -> members (dicts as ordered sets)
-        self._groups: dict[int, dict[object, dict[Sequence, None]]] = {}
-
-    def __len__(self) -> int:
-        return len(self._front) + sum(
-            len(g) for groups in self._groups.values() for g in groups.values()
-        )
-
-    def __bool__(self) -> bool:
-        return bool(self._front or self._groups)
-
-    def _key(self, seq: Sequence) -> object:
-        if self._grouping and seq.num_prompt_tokens >= self._block_size:
-            return tuple(seq.token_ids[: self._block_size])
-        return seq  # a group of its own
-
-    def push(self, seq: Sequence) -> None:
-        groups = self._groups.setdefault(seq.request.priority, {})
-        groups.setdefault(self._key(seq), {})[seq] = None
-
-    def push_front(self, seq: Sequence) -> None:
-        self._front.insert(0, seq)
-
-    def remove(self, seq: Sequence) -> None:
-        if seq in self._front:
-            self._front.remove(seq)
-            return
-        prio = seq.request.priority
-        key = self._key(seq)
-        group = self._groups[prio][key]
-        del group[seq]
-        if not group:
-            del self._groups[prio][key]
-            if not self._groups[prio]:
-                del self._groups[prio]
-
-    def groups(self) -> Iterator[list[Sequence] | dict[Sequence, None]]:
-        """Groups in admission order; do not mutate the queue while iterating.
-
-        Per priority, most urgent first: its preempted sequences, then its groups."""
-        prios = sorted({s.request.priority for s in self._front} | set(self._groups))
-        for prio in prios:
-            for seq in self._front:
-                if seq.request.priority == prio:
-                    yield [seq]
-            yield from self._groups.get(prio, {}).values()
-
-    def count_new(self, priority: int) -> int:
-        """New (never preempted) sequences waiting at `priority`."""
-        return sum(len(g) for g in self._groups.get(priority, {}).values())
-
-    def most_urgent_priority(self) -> int | None:
-        return min(self._groups) if self._groups else None
-
-    def __iter__(self) -> Iterator[Sequence]:
-        for group in self.groups():
-            yield from group
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool | None = None) -> None:
         if pool is None:
@@ -160,10 +92,11 @@ class Scheduler:
         elif pool.block_size != config.block_size:
             raise ValueError("pool.block_size differs from config.block_size")
         self.config = config
-        self.pool = pool
+        self.pool = pool  # counters (blocks in use, cached, free) for stats and dashboards
+        self.kv = KVCacheManager(pool, enable_prefix_cache=config.enable_prefix_cache)
         self.stats = SchedulerStats()
         self.running: list[Sequence] = []  # admission order; preemption takes from the tail
-        self.waiting = _WaitingQueue(config.block_size, config.prefix_grouping)
+        self.waiting = WaitingQueue(config.block_size, config.prefix_grouping)
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
         self._arrivals = 0
 
@@ -226,8 +159,7 @@ class Scheduler:
             if seq.num_computed_tokens != sched.start:
                 raise RuntimeError(f"update() out of order for {seq.seq_id}")
             seq.num_computed_tokens += sched.num_new_tokens
-            if self.config.enable_prefix_cache:
-                self._register_full_blocks(seq)
+            self.kv.register_full_blocks(seq)
             if sched.samples:
                 token = sampled.get(seq.seq_id)
                 if token is not None:
@@ -236,12 +168,12 @@ class Scheduler:
                     raise ValueError(f"no token sampled for {seq.seq_id}")
         done: list[Sequence] = []
         for seq_id in finished:
-            seq = self._seqs.get(seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
+            ended = self._seqs.get(seq_id)
+            if ended is None or ended.status is not SequenceStatus.RUNNING:
                 continue  # aborted, or already ended by the scheduler
-            self.running.remove(seq)
-            self._finish(seq, None)
-            done.append(seq)
+            self.running.remove(ended)
+            self._finish(ended, None)
+            done.append(ended)
         return done
 
     def abort(self, seq_id: str) -> Sequence | None:
@@ -343,42 +275,34 @@ class Scheduler:
         if not pending or not self.config.enable_prefix_cache or len(group) < 2:
             return False
         first = next(iter(group))
-        bs = self.config.block_size
-        if (first.num_prompt_tokens - 1) // bs < 1:
+        if (first.num_prompt_tokens - 1) // self.config.block_size < 1:
             return False
-        h0 = self._hashes(first, 1)[0]
-        return h0 in pending and self.pool.lookup(h0, first.block_tokens(0, bs)) is None
+        return self.kv.hashes(first, 1)[0] in pending and self.kv.lookup(first, 0) is None
 
     def _admit(self, seq: Sequence, budget: int, pending: set[int]) -> ScheduledSeq | _Admission:
         """Admit seq with a first chunk of at most `budget` tokens, reusing cached blocks."""
         bs = self.config.block_size
-        hits: list[Block] = []
-        max_hit = (seq.num_tokens - 1) // bs  # the last token must be computed for its logits
-        if self.config.enable_prefix_cache and max_hit > 0:
-            hashes = self._hashes(seq, max_hit)
-            for i in range(max_hit):
-                block = self.pool.lookup(hashes[i], seq.block_tokens(i, bs))
-                if block is None:
-                    break
-                hits.append(block)
-            if self.config.prefix_grouping and len(hits) < max_hit and hashes[len(hits)] in pending:
-                return _Admission.DEFERRED
+        max_hit = self.kv.max_cached_blocks(seq, bs)
+        hits = self.kv.cached_prefix(seq)
+        if (
+            self.config.enable_prefix_cache
+            and self.config.prefix_grouping
+            and len(hits) < max_hit
+            and self.kv.hashes(seq, max_hit)[len(hits)] in pending
+        ):
+            return _Admission.DEFERRED
         start = len(hits) * bs
         n = min(seq.num_tokens - start, budget)
-        available = self.pool.num_free - sum(1 for b in hits if b.ref_count == 0)
-        if -(-n // bs) > available:
+        available = self.kv.free_after(hits)
+        if blocks_for(n, bs) > available:
             if self.running:
                 return _Admission.BLOCKED
             n = min(n, available * bs)  # alone in the pool: a smaller chunk rather than never
             if n == 0:
                 return _Admission.BLOCKED
-        for block in hits:
-            self.pool.touch(block)
-        new = self.pool.allocate_many(-(-n // bs))
-        assert new is not None  # checked against num_free above
-        seq.block_table = [b.block_id for b in hits] + [b.block_id for b in new]
+        taken = self.kv.admit(seq, hits, n)
+        assert taken  # checked against the free blocks above
         seq.num_computed_tokens = start
-        seq.num_registered_blocks = len(hits)
         seq.prefill_end = seq.num_tokens
         seq.status = SequenceStatus.RUNNING
         self.stats.prefill_tokens_reused += start
@@ -415,7 +339,7 @@ class Scheduler:
                 out.append(self._scheduled(seq, 1))
         return out
 
-    # -- blocks -----------------------------------------------------------------------------
+    # -- growth and eviction ---------------------------------------------------------------
 
     def _reserve(
         self, seq: Sequence, n: int, preempted: list[Sequence], finished: list[Sequence]
@@ -427,14 +351,8 @@ class Scheduler:
         takes a smaller chunk if any room is left, else it ends with LENGTH (the pool is its
         context), rather than being preempted and recomputed into the same wall forever.
         """
-        bs = self.config.block_size
         while True:
-            need = -(-(seq.num_computed_tokens + n) // bs) - len(seq.block_table)
-            if need <= 0:
-                return n
-            new = self.pool.allocate_many(need)
-            if new is not None:
-                seq.block_table.extend(b.block_id for b in new)
+            if self.kv.reserve(seq, n):
                 return n
             victim = self.running[-1]
             if victim is not seq:
@@ -445,7 +363,7 @@ class Scheduler:
                 self._preempt(seq)
                 preempted.append(seq)
                 return 0
-            room = len(seq.block_table) * bs - seq.num_computed_tokens + self.pool.num_free * bs
+            room = self.kv.room(seq)
             if room > 0:
                 n = min(n, room)
                 continue
@@ -456,9 +374,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)  # full cached blocks stay in the prefix cache, evictable
+        self.kv.free(seq)  # full cached blocks stay in the prefix cache, evictable
         seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
         seq.prefill_end = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -466,37 +383,12 @@ class Scheduler:
         self.waiting.push_front(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason | None) -> None:
-        self._release(seq)
+        self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq.cache_outcome is None:  # ended before its first admission
             seq.cache_outcome = CacheOutcome.MISS
         del self._seqs[seq.seq_id]
-
-    def _release(self, seq: Sequence) -> None:
-        # Reverse order: the tail of a sequence is evicted before its head.
-        self.pool.free(self.pool.blocks[i] for i in reversed(seq.block_table))
-        seq.block_table = []
-
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        bs = self.config.block_size
-        full = seq.num_computed_tokens // bs
-        if full <= seq.num_registered_blocks:
-            return
-        hashes = self._hashes(seq, full)
-        for i in range(seq.num_registered_blocks, full):
-            block = self.pool.blocks[seq.block_table[i]]
-            self.pool.cache_block(block, hashes[i], seq.block_tokens(i, bs))
-        seq.num_registered_blocks = full
-
-    def _hashes(self, seq: Sequence, n: int) -> list[int]:
-        """seq.block_hashes extended to at least n full blocks (hashes depend on tokens only)."""
-        bs = self.config.block_size
-        hashes = seq.block_hashes
-        while len(hashes) < n:
-            parent = hashes[-1] if hashes else None
-            hashes.append(self.pool.hash_fn(parent, seq.block_tokens(len(hashes), bs)))
-        return hashes
 
     def _inflight_hashes(self, seq: Sequence) -> list[int]:
         """Hashes of the full blocks seq will compute before it samples: its uncached prompt."""
@@ -504,7 +396,7 @@ class Scheduler:
             return []
         bs = self.config.block_size
         first, end = seq.num_computed_tokens // bs, seq.prefill_end // bs
-        return self._hashes(seq, end)[first:end] if end > first else []
+        return self.kv.hashes(seq, end)[first:end] if end > first else []
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens

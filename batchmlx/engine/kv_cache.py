@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-SCRATCH_BLOCK = 0  # block 0 is never handed out by the pool ...
-SCRATCH_ROW = 0  # ... so padding writes land in its first row
+from batchmlx.core.blocks import NULL_BLOCK_ID
+
+SCRATCH_ROW = 0  # first row of block NULL_BLOCK_ID, which the pool never hands out: padding
 
 
 class PagedKVStorage:
@@ -178,7 +179,7 @@ def _shared_prefix_blocks(table: np.ndarray, lens: np.ndarray, computed: int) ->
         return 0
     same = np.all(table[:, :computed] == table[:1, :computed], axis=0)
     n = int(np.argmin(same)) if not same.all() else computed
-    return n if n and table[0, 0] != SCRATCH_BLOCK else 0
+    return n if n and table[0, 0] != NULL_BLOCK_ID else 0
 
 
 class PagedLayerCache:
@@ -222,67 +223,3 @@ class PagedLayerCache:
 
     def is_trimmable(self) -> bool:  # pragma: no cover
         return False
-
-
-def cascade_attention(
-    queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    prefix: tuple[mx.array, mx.array],
-    scale: float,
-    mask: mx.array,
-) -> mx.array:
-    """Attention over [a prefix every sequence shares] + [each sequence's own keys].
-
-    The prefix part runs all sequences' queries against one copy of the shared keys; the two
-    partial softmaxes are merged by their maxima and sums (the log-sum-exp merge), which equals
-    attention over the concatenated keys.
-    queries [B, Hq, Q, D]; keys, values [B, H, Ks, D]; prefix [H, Kp, D] each; mask [B, 1, Q, Ks].
-    """
-    b, hq, ql, d = queries.shape
-    kp, vp = prefix
-    h = kp.shape[0]
-    rep = hq // h
-    q = (queries * scale).reshape(b, h, rep * ql, d)  # query heads h*rep + r share kv head h
-
-    qp = q.transpose(1, 0, 2, 3).reshape(h, b * rep * ql, d)
-    s1 = qp @ kp.swapaxes(-1, -2)
-    m1 = s1.max(axis=-1, keepdims=True)
-    p1 = mx.exp(s1 - m1)
-
-    def per_seq(x: mx.array) -> mx.array:  # [H, B*rep*Q, X] -> [B, H, rep*Q, X]
-        return x.reshape(h, b, rep * ql, x.shape[-1]).transpose(1, 0, 2, 3)
-
-    o1, l1, m1 = per_seq(p1 @ vp), per_seq(p1.sum(axis=-1, keepdims=True)), per_seq(m1)
-
-    s2 = (q @ keys.swapaxes(-1, -2)).reshape(b, h, rep, ql, -1)
-    s2 = mx.where(mask[:, :, None], s2, mx.array(-mx.inf, s2.dtype)).reshape(b, h, rep * ql, -1)
-    m2 = s2.max(axis=-1, keepdims=True)
-    p2 = mx.exp(s2 - m2)
-    o2, l2 = p2 @ values, p2.sum(axis=-1, keepdims=True)
-
-    m = mx.maximum(m1, m2)
-    a1, a2 = mx.exp(m1 - m), mx.exp(m2 - m)
-    out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
-    return out.reshape(b, hq, ql, d)
-
-
-def install_paged_attention(model) -> None:
-    """Route the attention of `model`'s module through cascade_attention for paged steps that
-    share a prefix. mlx-lm model modules bind `scaled_dot_product_attention` at import and pass
-    the layer's cache to it: that call is the seam; other caches go to the original."""
-    import sys
-
-    module = sys.modules.get(type(model).__module__)
-    original = getattr(module, "scaled_dot_product_attention", None)
-    if original is None or getattr(original, "_batchmlx_paged", False):
-        return
-
-    def sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kw):
-        if isinstance(cache, PagedLayerCache) and cache.prefix is not None and sinks is None:
-            return cascade_attention(queries, keys, values, cache.prefix, scale, mask)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                        sinks=sinks, **kw)  # fmt: skip
-
-    sdpa._batchmlx_paged = True
-    module.scaled_dot_product_attention = sdpa

@@ -16,6 +16,8 @@ from typing import Any
 import mlx.core as mx
 
 from batchmlx.core.blocks import BlockPool
+from batchmlx.core.engine_api import EngineSettings, StepError
+from batchmlx.core.finish import FinishRules, fits_context, grammar_finish, max_new_tokens
 from batchmlx.core.request import (
     CacheOutcome,
     FinishReason,
@@ -24,26 +26,13 @@ from batchmlx.core.request import (
     TokenLogprob,
 )
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
+from batchmlx.core.telemetry import EngineCounters
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
-from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage, install_paged_attention
+from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
 from batchmlx.engine.runner import ModelRunner, model_dims
 from batchmlx.engine.sampler import SampleRow, sample
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    simple: bool = False  # one request at a time
-    max_batch_size: int = 32
-    block_size: int = 16
-    max_prefill_tokens: int = 2048
-    use_paged_cache: bool = True  # share prefix blocks between requests and keep them cached
-    memory_aware: bool = True
-    cache_memory_mb: int | None = None  # explicit bound on KV memory
-    cache_memory_percent: float = 0.20  # of available memory, when no explicit bound
-    cache_max_blocks: int = 4096  # the bound when memory_aware is off (an entry count)
-    prefix_grouping: bool = True
-    kv_grow_blocks: int = 64  # KV storage grows this many blocks at a time, up to the bound
+from batchmlx.faults import crash_point
 
 
 def available_memory_bytes() -> int:
@@ -53,7 +42,7 @@ def available_memory_bytes() -> int:
         return int(mx.device_info().get("memory_size", 8 << 30))
 
 
-def kv_block_budget(cfg: EngineConfig, bytes_per_block: int) -> int:
+def kv_block_budget(cfg: EngineSettings, bytes_per_block: int) -> int:
     """Blocks the KV cache may hold, block 0 (scratch) included."""
     if not cfg.memory_aware:
         return cfg.cache_max_blocks + 1
@@ -67,7 +56,7 @@ def kv_block_budget(cfg: EngineConfig, bytes_per_block: int) -> int:
 @dataclass(slots=True)
 class _Live:
     request: GenerationRequest
-    max_tokens: int
+    rules: FinishRules
     added_at: float
     entropy: int
     first_token_at: float | None = None
@@ -100,11 +89,11 @@ class Engine:
         tokenizer: Any,
         *,
         context_length: int,
-        config: EngineConfig | None = None,
+        config: EngineSettings | None = None,
         clock=time.perf_counter,
         seed: int | None = None,
     ) -> None:
-        self.cfg = cfg = config or EngineConfig()
+        self.cfg = cfg = config or EngineSettings()
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.clock = clock
@@ -128,7 +117,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_batch_size=1 if cfg.simple else cfg.max_batch_size,
+                max_batch_size=cfg.running_bound,
                 block_size=cfg.block_size,
                 num_blocks=num_blocks,
                 max_prefill_tokens=cfg.max_prefill_tokens,
@@ -137,7 +126,6 @@ class Engine:
             ),
             self.pool,
         )
-        install_paged_attention(model)
         self.runner = ModelRunner(model, self.storage)
         vocab = getattr(getattr(model, "args", None), "vocab_size", None)
         self.grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
@@ -151,15 +139,19 @@ class Engine:
         n_prompt = len(req.prompt_tokens)
         if n_prompt == 0:
             raise ValueError("empty prompt")
-        room = min(self.context_length, (self.pool_blocks - 1) * self.cfg.block_size) - n_prompt
-        if room < 1:
+        if not fits_context(n_prompt, self.max_context_tokens):
+            # callers check the context first (a 400): reaching here is a bug
             raise ValueError(
                 f"prompt of {n_prompt} tokens leaves no room in a context of "
-                f"{self.context_length} tokens"
+                f"{self.max_context_tokens} tokens"
             )
         self._live[req.request_id] = _Live(
             request=req,
-            max_tokens=min(req.params.max_tokens, room),
+            rules=FinishRules(
+                max_new_tokens(req.params.max_tokens, n_prompt, self.max_context_tokens),
+                req.stop_token_ids,
+                req.params.stop,
+            ),
             added_at=self.clock(),
             entropy=self._rand.getrandbits(63),
             matcher=self.grammars.matcher(req.grammar) if req.grammar else None,
@@ -173,6 +165,21 @@ class Engine:
         self._live.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
 
+    def generated_so_far(self, request_id: str) -> int:
+        """Tokens a running request has generated (0 once it is done or unknown)."""
+        seq = self.scheduler.get(request_id)
+        return 0 if seq is None else seq.num_tokens - seq.num_prompt_tokens
+
+    def counters(self) -> EngineCounters:
+        """Read once per step by the worker's metrics."""
+        st, sched, pool = self.stats, self.scheduler.stats, self.pool
+        return EngineCounters(
+            steps=st.steps, step_s=st.step_s, generated_tokens=st.generated_tokens,
+            preemptions=sched.preemptions, hits=sched.hits, prefix_hits=sched.prefix_hits,
+            misses=sched.misses, running=len(self.scheduler.running),
+            blocks_in_use=pool.num_used, blocks_cached=pool.num_cached, blocks_free=pool.num_free,
+        )  # fmt: skip
+
     @property
     def embedder(self) -> Embedder:
         """Mean-pooled embeddings of the same model (engine/embed.py)."""
@@ -184,12 +191,22 @@ class Engine:
     def pool_blocks(self) -> int:
         return self.storage.max_blocks
 
+    @property
+    def max_context_tokens(self) -> int:
+        """Prompt plus generated tokens one sequence may reach: the model's context, or the KV
+        pool when that is smaller."""
+        return min(self.context_length, (self.pool_blocks - 1) * self.cfg.block_size)
+
     def step(self) -> list[GenerationOutput]:
         t0 = time.perf_counter()
         step = self.scheduler.schedule()
         if step is None:
             return []
-        sampled, finished = self._run(step)
+        try:
+            crash_point("engine_step")
+            sampled, finished = self._run(step)
+        except Exception as exc:
+            raise StepError([s.seq.seq_id for s in step.seqs], exc) from exc
         done = self.scheduler.update(step, sampled, finished)
         self.stats.step_s += time.perf_counter() - t0
         # sequences the scheduler ended itself (the pool cannot hold them even alone)
@@ -270,8 +287,9 @@ class Engine:
                 live.first_token_at = now
             sampled[seq.seq_id] = tok
             self.stats.generated_tokens += 1
-            n_gen = seq.num_tokens - seq.num_prompt_tokens + 1
-            if tok in live.request.stop_token_ids:
+            rules = live.rules
+            reason = rules.on_token(tok, seq.num_generated + 1)
+            if reason is FinishReason.STOP:  # end of sequence: not output
                 finished.add(seq.seq_id)
                 live.stop_hit = True
                 continue
@@ -279,27 +297,24 @@ class Engine:
                 live.logprobs.append(lp)
             if self.on_token is not None:
                 self.on_token(seq.seq_id, tok)
-            if live.matcher is not None and self.grammars.advance(live.matcher, tok):
-                finished.add(seq.seq_id)  # the JSON value is complete
-                live.stop_hit = True
-            elif n_gen >= live.max_tokens:
+            complete = live.matcher is not None and self.grammars.advance(live.matcher, tok)
+            reason = grammar_finish(reason, complete)
+            if reason is FinishReason.STOP:  # the JSON value is complete (the token is output)
                 finished.add(seq.seq_id)
-            elif live.request.params.stop and self._hits_stop(seq, tok, live):
+                live.stop_hit = True
+            elif reason is FinishReason.LENGTH:
+                finished.add(seq.seq_id)
+            elif rules.stops and rules.stop_in_tail(
+                [*seq.generated_token_ids, tok], self.tokenizer.decode
+            ):
                 finished.add(seq.seq_id)
                 live.stop_hit = True
         return sampled, finished
 
-    def _hits_stop(self, seq, tok: int, live: _Live) -> bool:
-        gen = seq.token_ids[seq.num_prompt_tokens :] + [tok]
-        # only the tail can newly contain a stop string
-        longest = max(len(s) for s in live.request.params.stop)
-        tail = self.tokenizer.decode(gen[-(longest + 8) :])
-        return any(s in tail for s in live.request.params.stop)
-
     def _output(self, seq) -> GenerationOutput:
         live = self._live.pop(seq.seq_id)
         gen = list(seq.token_ids[seq.num_prompt_tokens :])
-        if live.stop_hit and gen and gen[-1] in live.request.stop_token_ids:
+        if live.stop_hit and gen and live.rules.is_eos(gen[-1]):
             gen = gen[:-1]
         ttft = None if live.first_token_at is None else live.first_token_at - live.added_at
         return GenerationOutput(

@@ -12,15 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec
 from batchmlx.engine.default_model import ensure_default_gguf
 from batchmlx.engine.gguf import convert_gguf
-from batchmlx.models import (  # noqa: F401  (re-exported)
-    DEFAULT_MODEL_ALIAS,
-    DEFAULT_MODEL_NAME,
-    ModelSpec,
-    model_resolves,
-    resolve_model,
-)
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _FALLBACK_CONTEXT = 2048

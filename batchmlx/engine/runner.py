@@ -7,6 +7,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from batchmlx.engine.attention import AttentionRoute, PrefixAttention, cascade_attention
 from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage, PagedLayerCache
 
 
@@ -30,10 +31,16 @@ class ModelRunner:
     of its last token only, not of all 500.
     """
 
-    def __init__(self, model: nn.Module, storage: PagedKVStorage) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        storage: PagedKVStorage,
+        prefix_attention: PrefixAttention = cascade_attention,
+    ) -> None:
         self.model = model
         self.storage = storage
         self.body, self.head = _split(model)
+        self.attention = AttentionRoute(model, prefix_attention)
 
     def forward(self, layout: BatchLayout, rows: list[int] | None) -> mx.array:
         """Hidden states of each sequence's last new token → logits [len(rows), V].
@@ -42,7 +49,8 @@ class ModelRunner:
         caches = [
             PagedLayerCache(self.storage, i, layout) for i in range(self.storage.num_layers)
         ]
-        hidden = self.body(layout.tokens, caches)  # [B, Q, H]
+        with self.attention.active():  # the graph is built here; evaluation comes later
+            hidden = self.body(layout.tokens, caches)  # [B, Q, H]
         last = mx.take_along_axis(hidden, layout.last_index[:, None, None], axis=1)[:, 0, :]
         if rows is not None and len(rows) != hidden.shape[0]:
             last = last[mx.array(rows, dtype=mx.int32)]

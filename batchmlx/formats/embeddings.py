@@ -120,7 +120,8 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingsRequest:
             f"{count_inputs(value)}.",
             "input",
         )
-    texts = ids = None
+    texts: tuple[str, ...] | None = None
+    ids: tuple[tuple[int, ...], ...] | None = None
     if shape == "text":
         texts = (value,)
     elif shape == "texts":

@@ -25,6 +25,9 @@ class ErrorCode(enum.StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     INVALID_URL = "invalid_url"  # an endpoint batchmlx does not serve
     TOO_MANY_EMBEDDING_INPUTS = "too_many_embedding_inputs"  # over 50,000 across one batch
+    TOO_MANY_ERRORS = "too_many_errors"  # the last item of a cut list: how many in all
+    # an inbox file that cannot be taken (a symlink, a name not UTF-8, unreadable)
+    FILE_REFUSED = "file_refused"
     # line-level errors of the error file (the request never ran)
     BATCH_EXPIRED = "batch_expired"
     BATCH_CANCELLED = "batch_cancelled"
@@ -45,3 +48,20 @@ def error_dict(err: BatchErrorRecord) -> dict[str, Any]:
 def errors_object(errors: Iterable[BatchErrorRecord]) -> dict[str, Any]:
     """OpenAI's `Batch.errors`: {"object": "list", "data": [...]}."""
     return {"object": "list", "data": [error_dict(e) for e in errors]}
+
+
+def json_type(value: Any) -> str:
+    """The JSON type of a parsed value, as error messages name it: "an integer", "null"."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

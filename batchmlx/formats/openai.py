@@ -15,8 +15,8 @@ from typing import Any
 
 import orjson
 
-from batchmlx.core.records import BatchRecord
-from batchmlx.formats.errors import ErrorCode, errors_object
+from batchmlx.core.records import BatchRecord, FileRecord
+from batchmlx.formats.errors import errors_object
 
 # OpenAI's own line-level messages for requests that never ran.
 BATCH_EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
@@ -208,21 +208,6 @@ def error_line(*, id: str, custom_id: str, code: str, message: str) -> dict[str,
     }
 
 
-def expired_line(*, id: str, custom_id: str) -> dict[str, Any]:
-    return error_line(
-        id=id, custom_id=custom_id, code=ErrorCode.BATCH_EXPIRED, message=BATCH_EXPIRED_MESSAGE
-    )
-
-
-def cancelled_line(*, id: str, custom_id: str) -> dict[str, Any]:
-    return error_line(
-        id=id,
-        custom_id=custom_id,
-        code=ErrorCode.BATCH_CANCELLED,
-        message=BATCH_CANCELLED_MESSAGE,
-    )
-
-
 def batch_object(rec: BatchRecord) -> dict[str, Any]:
     """The Batch object exactly as openai.types.Batch types it."""
     usage = rec.usage
@@ -261,6 +246,26 @@ def batch_object(rec: BatchRecord) -> dict[str, Any]:
             "total_tokens": usage.total_tokens,
         },
     }
+
+
+def file_object(f: FileRecord) -> dict[str, Any]:
+    """openai.types.FileObject."""
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": f.bytes,
+        "created_at": f.created_at,
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": f.expires_at,
+    }
+
+
+def file_deleted_object(file_id: str) -> dict[str, Any]:
+    """openai.types.FileDeleted."""
+    return {"id": file_id, "object": "file", "deleted": True}
 
 
 def dumps_line(obj: Any) -> bytes:

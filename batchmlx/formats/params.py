@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchmlx.core.request import SamplingParams
-from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.errors import ErrorCode, json_type
 from batchmlx.formats.structured import FormatError, Grammar, chat_grammar
 
 # SamplingParams.max_tokens is an int; this one means "until the context is full" and the engine
@@ -30,6 +30,22 @@ class Endpoint(enum.StrEnum):
     COMPLETIONS = "/v1/completions"
     RESPONSES = "/v1/responses"
     EMBEDDINGS = "/v1/embeddings"  # parsed by formats.embeddings; no generation
+
+
+class Role(enum.StrEnum):
+    """Chat message roles a batch file may hold."""
+
+    SYSTEM = "system"
+    DEVELOPER = "developer"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"  # well-formed, but refused per request: tools are not supported
+
+
+# The role a local chat template sees; OpenAI treats "developer" as "system".
+TEMPLATE_ROLE = {
+    Role.SYSTEM: "system", Role.DEVELOPER: "system", Role.USER: "user", Role.ASSISTANT: "assistant",
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,29 +114,13 @@ _UNSUPPORTED = frozenset(
         "audio", "prediction", "web_search_options", "verbosity",
     }
 )  # fmt: skip
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-def _got(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a decimal"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
 def _type_error(param: str, expected: str, value: Any) -> _Reject:
     return _fail(
         ErrorCode.INVALID_TYPE,
-        f"Invalid type for '{param}': expected {expected}, but got {_got(value)} instead.",
+        f"Invalid type for '{param}': expected {expected}, but got {json_type(value)} instead.",
         param,
     )
 
@@ -278,7 +278,7 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
         role = msg.get("role")
         if role == "tool" or role == "function":
             raise _unsupported(f"{at}.role", "tool messages are not supported.")
-        if not isinstance(role, str) or role not in _CHAT_ROLES:
+        if not isinstance(role, str) or role not in TEMPLATE_ROLE:
             raise _fail(
                 ErrorCode.INVALID_VALUE,
                 f"Invalid value for '{at}.role': {role!r}. Supported values are: "
@@ -288,7 +288,7 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
         # chat templates of local models know "system"; OpenAI treats "developer" the same way
         out.append(
             {
-                "role": _CHAT_ROLES[role],
+                "role": TEMPLATE_ROLE[Role(role)],
                 "content": _content_text(msg.get("content"), f"{at}.content"),
             }
         )
@@ -435,23 +435,16 @@ def parse_request(endpoint: str, body: dict[str, Any]) -> ParsedRequest | Reques
         return reject.error
 
 
-def context_length_error(
-    context: int,
-    prompt_tokens: int,
-    max_tokens: int | None,
-    *,
-    endpoint: Endpoint = Endpoint.CHAT,
-) -> RequestError:
-    """The 400 OpenAI answers when prompt + max_tokens do not fit the model's context."""
-    what = "messages" if endpoint is Endpoint.CHAT else "prompt"
-    asked = prompt_tokens + (max_tokens or 0)
-    detail = f"{prompt_tokens} in the {what}"
-    if max_tokens:
-        detail += f", {max_tokens} in the completion"
+def context_length_error(context: int, prompt_tokens: int, endpoint: Endpoint) -> RequestError:
+    """The 400 for a prompt that leaves no room in the model's context (never a 500)."""
     return RequestError(
         400,
         ErrorCode.CONTEXT_LENGTH_EXCEEDED.value,
-        f"This model's maximum context length is {context} tokens. However, you requested "
-        f"{asked} tokens ({detail}). Please reduce the length of the {what} or completion.",
-        what,
+        f"This model's maximum context length is {context} tokens. "
+        f"However, your messages resulted in {prompt_tokens} tokens. "
+        "Please reduce the length of the messages.",
+        _PROMPT_PARAM.get(endpoint, "prompt"),
     )
+
+
+_PROMPT_PARAM = {Endpoint.CHAT: "messages", Endpoint.RESPONSES: "input"}

@@ -13,16 +13,18 @@ from batchmlx.core.request import SamplingParams
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import ChoiceResult
 from batchmlx.formats.params import (
+    TEMPLATE_ROLE,
     UNTIL_CONTEXT,
     Endpoint,
     ParsedRequest,
+    Role,
     _fail,
     _float,
     _int,
     _Reject,
     _type_error,
 )
-from batchmlx.formats.structured import FormatError, responses_grammar
+from batchmlx.formats.structured import FormatError, Grammar, responses_grammar
 
 MIN_OUTPUT_TOKENS = 16  # OpenAI's minimum for max_output_tokens
 
@@ -36,7 +38,6 @@ _ACCEPTED = frozenset(
 )  # fmt: skip
 # Real parameters that need state or services on OpenAI's side: a 400 whenever they are set.
 _SERVER_ONLY = frozenset({"previous_response_id", "conversation", "prompt", "max_tool_calls"})
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -135,7 +136,7 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
         if kind != "message":
             raise _unsupported_parameter(f"{at}.type", "only message items are supported.")
         role = item.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in TEMPLATE_ROLE:
             raise _fail(
                 ErrorCode.INVALID_VALUE,
                 f"Invalid value for '{at}.role': {role!r}. Supported values are: 'system', "
@@ -143,11 +144,11 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
                 f"{at}.role",
             )
         text = _content(item.get("content"), f"{at}.content")
-        out.append({"role": _ROLES[role], "content": text})
+        out.append({"role": TEMPLATE_ROLE[Role(role)], "content": text})
     return tuple(out)
 
 
-def _text_grammar(body: dict[str, Any]):
+def _text_grammar(body: dict[str, Any]) -> Grammar | None:
     text = body.get("text")
     if text is None:
         return None
@@ -207,7 +208,9 @@ def response_body(
     """A `response` object (openai.types.responses.Response), echoing the request's settings."""
     cut = choice.finish_reason == "length"
     status = "incomplete" if cut else "completed"
-    text = request.get("text") if isinstance(request.get("text"), dict) else {}
+    text = request.get("text")
+    if not isinstance(text, dict):
+        text = {}
     return {
         "id": id,
         "object": "response",

@@ -60,7 +60,7 @@ def _kind(fmt: Any, param: str) -> FormatKind:
             param,
         )
     try:
-        return FormatKind(fmt.get("type"))
+        return FormatKind(str(fmt.get("type")))
     except ValueError:
         raise FormatError(
             ErrorCode.INVALID_VALUE,

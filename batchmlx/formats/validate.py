@@ -1,13 +1,16 @@
 """Validate a batch input file the way the OpenAI Batch API does, before anything is enqueued.
 
-The file either passes whole or fails whole: every error is collected (in line order) so the user
-fixes the file in one go. Only the shape is checked here; odd parameter values (temperature 7,
-stream true, unknown keys) are per-request 400s decided at run time by `formats.params`.
+The file either passes whole or fails whole: every error is counted, and the first
+`MAX_REPORTED_ERRORS` (in line order) are reported with a last item giving the total, so a file of
+garbage gives a small Batch object. Lines are read one at a time and a good line keeps only its
+re-encoded body, so memory stays near the file's size. Only the shape is checked here; odd
+parameter values (temperature 7, stream true, unknown keys) are per-request 400s decided at run
+time by `formats.params`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,21 +18,23 @@ import orjson
 
 from batchmlx.core.records import BatchErrorRecord
 from batchmlx.formats.embeddings import (
-    EMBEDDINGS_URL,
     MAX_EMBEDDING_INPUTS,
     check_embeddings_input,
     count_inputs,
     too_many_inputs,
 )
-from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.errors import ErrorCode, json_type
+from batchmlx.formats.params import Endpoint, Role
 from batchmlx.formats.responses import check_responses_input
 
-SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
+SUPPORTED_URLS = tuple(Endpoint)
+_ROLES = frozenset(Role)
 MAX_FILE_BYTES = 200 * 1024 * 1024
 MAX_TASKS = 50_000
+MAX_REPORTED_ERRORS = 100  # errors listed on a failed batch; the rest are only counted
 
 _ENVELOPE_KEYS = ("custom_id", "method", "url", "body")
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_NESTING = 254  # the deepest body orjson writes (the store writes bodies with orjson)
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -38,41 +43,38 @@ class BatchLine:
     line: int  # 1-based, counting every input line (blank ones too)
     custom_id: str
     url: str
-    body: dict[str, Any]
+    # the body as orjson writes it: proven storable, smaller than a dict; text, because orjson's
+    # bytes keep their whole write buffer allocated (about 64 KB each, whatever their length)
+    body_json: str
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return orjson.loads(self.body_json)
 
 
 @dataclass(frozen=True, slots=True)
 class ValidationResult:
     lines: tuple[BatchLine, ...]  # the lines without errors (all of them when ok)
-    errors: tuple[BatchErrorRecord, ...]  # in line order; file-level errors (line None) first
+    # in line order, file-level errors (line None) first; at most MAX_REPORTED_ERRORS of them,
+    # then one `too_many_errors` item saying how many there were in all
+    errors: tuple[BatchErrorRecord, ...]
     endpoint: str | None  # the one url of the file
     model: str | None  # the one body model of the file; the override when one is given
+    error_count: int = 0  # every error found, listed or not
 
     @property
     def ok(self) -> bool:
         return not self.errors and bool(self.lines)
 
 
-def _err(code: ErrorCode, message: str, line: int | None = None, param: str | None = None):
+def _err(
+    code: ErrorCode, message: str, line: int | None = None, param: str | None = None
+) -> BatchErrorRecord:
     return BatchErrorRecord(code=code.value, message=message, line=line, param=param)
 
 
 def _invalid(line: int, param: str, message: str) -> BatchErrorRecord:
     return _err(ErrorCode.INVALID_REQUEST, f"Line {line}: {message}", line, param)
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
 
 
 def _is_int(value: Any) -> bool:
@@ -142,6 +144,47 @@ def _check_prompt(body: dict[str, Any]) -> tuple[str, str] | None:
     return "body.prompt", "must be a string, an array of strings or an array of token ids"
 
 
+def _split_lines(data: bytes, start: int = 0) -> Iterator[tuple[int, bytes]]:
+    """(1-based number, line) one at a time: no list of every line of a 200 MB file."""
+    number, end = 1, len(data)
+    while start <= end:
+        stop = data.find(b"\n", start)
+        if stop < 0:
+            stop = end
+        yield number, data[start:stop]
+        start, number = stop + 1, number + 1
+
+
+class _Errors:
+    """The first `limit` errors in the order found, and a count of all of them."""
+
+    __slots__ = ("kept", "limit", "total")
+
+    def __init__(self, limit: int) -> None:
+        self.kept: list[BatchErrorRecord] = []
+        self.limit = limit
+        self.total = 0
+
+    def add(self, err: BatchErrorRecord, *, keep: bool = False) -> None:
+        """`keep`: listed even past the limit (file-level errors found last, sorted first)."""
+        self.total += 1
+        if keep or len(self.kept) < self.limit:
+            self.kept.append(err)
+
+    def final(self) -> tuple[BatchErrorRecord, ...]:
+        # stable: file-level errors first, then by line, each line's errors in the order found
+        kept = sorted(self.kept, key=lambda e: e.line or 0)[: self.limit]
+        if self.total > len(kept):
+            kept.append(
+                _err(
+                    ErrorCode.TOO_MANY_ERRORS,
+                    f"... and {self.total - len(kept):,} more errors ({self.total:,} in all); "
+                    f"only the first {len(kept)} are listed.",
+                )
+            )
+        return tuple(kept)
+
+
 def validate_batch_file(
     data: bytes,
     *,
@@ -149,6 +192,7 @@ def validate_batch_file(
     model_override: str | None = None,
     max_bytes: int = MAX_FILE_BYTES,
     max_tasks: int = MAX_TASKS,
+    max_errors: int = MAX_REPORTED_ERRORS,
 ) -> ValidationResult:
     """Check every line of a batch input file; O(n) in its size.
 
@@ -158,11 +202,11 @@ def validate_batch_file(
     """
     if len(data) > max_bytes:
         msg = f"The batch input file is {len(data)} bytes; the limit is {max_bytes} bytes."
-        return ValidationResult((), (_err(ErrorCode.FILE_TOO_LARGE, msg),), None, None)
-    if data.startswith(_BOM):
-        data = data[len(_BOM) :]
+        return ValidationResult((), (_err(ErrorCode.FILE_TOO_LARGE, msg),), None, None, 1)
+    # a BOM is skipped by starting after it, not by copying the file without it
+    lines = _split_lines(data, len(_BOM) if data.startswith(_BOM) else 0)
 
-    errors: list[BatchErrorRecord] = []
+    errors = _Errors(max_errors)
     good: list[BatchLine] = []
     seen_ids: dict[str, int] = {}
     endpoint: str | None = None
@@ -171,12 +215,12 @@ def validate_batch_file(
     tasks = 0
     embedding_inputs = 0
 
-    for number, raw in enumerate(data.split(b"\n"), start=1):
+    for number, raw in lines:
         if not raw.strip():
             continue  # blank lines (and the empty tail after the final newline) still count
         tasks += 1
         if tasks == max_tasks + 1:
-            errors.append(
+            errors.add(
                 _err(
                     ErrorCode.TOO_MANY_TASKS,
                     f"The batch input file has more than {max_tasks} requests; "
@@ -190,7 +234,7 @@ def validate_batch_file(
         except orjson.JSONDecodeError:
             obj = _NOT_JSON
         if not isinstance(obj, dict):
-            errors.append(
+            errors.add(
                 _err(
                     ErrorCode.INVALID_JSON_LINE,
                     f"Line {number} is not a valid JSON object.",
@@ -225,7 +269,7 @@ def validate_batch_file(
         url = obj.get("url")
         if not isinstance(url, str):
             line_errors.append(
-                _invalid(number, "url", f"'url' must be a string, not {_type_name(url)}.")
+                _invalid(number, "url", f"'url' must be a string, not {json_type(url)}.")
                 if "url" in obj
                 else _invalid(number, "url", "'url' is required.")
             )
@@ -257,7 +301,7 @@ def validate_batch_file(
         body = obj.get("body")
         if not isinstance(body, dict):
             what = (
-                "is required" if "body" not in obj else f"must be an object, not {_type_name(body)}"
+                "is required" if "body" not in obj else f"must be an object, not {json_type(body)}"
             )
             line_errors.append(_invalid(number, "body", f"'body' {what}."))
         else:
@@ -281,8 +325,8 @@ def validate_batch_file(
                         )
                     )
             if url is not None:
-                problem = _CHECKS[url](body)
-                if problem is None and url == EMBEDDINGS_URL:
+                problem = _CHECKS[Endpoint(url)](body)
+                if problem is None and url == Endpoint.EMBEDDINGS:
                     embedding_inputs += count_inputs(body["input"])
                 if problem:
                     param, what = problem
@@ -299,38 +343,50 @@ def validate_batch_file(
                     )
                 )
 
-        if line_errors:
-            errors.extend(line_errors)
-        else:
-            good.append(BatchLine(number, custom_id, url, body))
+        if not line_errors:
+            # no error on the line: each field passed its check above
+            assert isinstance(custom_id, str) and url is not None and isinstance(body, dict)
+            try:  # orjson reads JSON nested 1024 deep but writes at most 254: refuse it here
+                good.append(BatchLine(number, custom_id, url, orjson.dumps(body).decode()))
+            except orjson.JSONEncodeError:
+                line_errors.append(
+                    _err(
+                        ErrorCode.INVALID_JSON_LINE,
+                        f"Line {number}: 'body' is nested too deeply to be stored "
+                        f"(at most {MAX_NESTING} levels).",
+                        number,
+                        "body",
+                    )
+                )
+        for err in line_errors:
+            errors.add(err)
 
     if tasks == 0:
-        errors.append(_err(ErrorCode.EMPTY_FILE, "The batch input file has no requests."))
+        errors.add(_err(ErrorCode.EMPTY_FILE, "The batch input file has no requests."), keep=True)
     if embedding_inputs > MAX_EMBEDDING_INPUTS:
-        errors.append(too_many_inputs(embedding_inputs))
+        errors.add(too_many_inputs(embedding_inputs), keep=True)
     if (
         model_override is None
         and model is not None
         and model_resolves is not None
         and not model_resolves(model)
     ):
-        errors.append(
+        errors.add(
             _err(
                 ErrorCode.MODEL_NOT_FOUND,
                 f"The model {model!r} does not exist or could not be loaded.",
                 model_line,
                 "body.model",
-            )
+            ),
+            keep=True,
         )
-    # stable: file-level errors first, then by line, each line's errors in the order found
-    errors.sort(key=lambda e: e.line or 0)
-    return ValidationResult(tuple(good), tuple(errors), endpoint, model)
+    return ValidationResult(tuple(good), errors.final(), endpoint, model, errors.total)
 
 
 _NOT_JSON = object()  # a sentinel no JSON value can equal
 _CHECKS = {
-    SUPPORTED_URLS[0]: _check_chat,
-    SUPPORTED_URLS[1]: _check_prompt,
-    SUPPORTED_URLS[2]: check_responses_input,
-    EMBEDDINGS_URL: check_embeddings_input,
+    Endpoint.CHAT: _check_chat,
+    Endpoint.COMPLETIONS: _check_prompt,
+    Endpoint.RESPONSES: check_responses_input,
+    Endpoint.EMBEDDINGS: check_embeddings_input,
 }

@@ -1,10 +1,14 @@
 """The inbox: every `*.jsonl` dropped in a folder becomes a batch (layout in ingest/layout.py).
 
-A file is ingested once it is complete: unchanged (size and mtime) for `settle_s` and ending in
-a newline, or unchanged for three times `settle_s` (a last line without newline). Names starting
-with "." are ignored, so a writer may also write `.name.jsonl.part` and rename it. The same
-content twice (sha256) is one batch unless `force`. The file is moved aside only after its
-batch is committed: a crash in between re-reads it on restart and finds it a duplicate.
+A file is taken once its writer is done: no process holds it open for writing (where /proc
+tells), and it is unchanged (size and mtime) for `settle_s` and ends in a newline, or unchanged
+for three times `settle_s` (a last line without newline). Names starting with "." are ignored,
+so a writer may also write `.name.jsonl.part` and rename it. The same content as a batch that
+ran or runs (sha256) is not submitted again unless `force`; the content of a failed, cancelled
+or expired batch is. A file that cannot be taken (a symlink, a name that is not UTF-8, an
+unreadable file, one the store refuses) goes to failed/ with a reason, so no file is ever
+copied twice. The file is moved aside only after its batch is committed; the batch's `source`
+names the drop, so a restart after a crash in between moves the file instead of resubmitting.
 """
 
 from __future__ import annotations
@@ -20,15 +24,27 @@ from pathlib import Path
 import orjson
 from watchfiles import awatch
 
-from batchmlx import service
+from batchmlx.batches.errors import BatchError
+from batchmlx.batches.files import text_name, write_atomic
+from batchmlx.batches.intake import submit, validate_batch
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
-from batchmlx.core.records import BatchRecord
-from batchmlx.formats.errors import errors_object
-from batchmlx.ingest.layout import DONE, FAILED, RESULTS, inbox_source
+from batchmlx.core.records import BatchErrorRecord, BatchRecord
+from batchmlx.faults import crash_point
+from batchmlx.formats.errors import ErrorCode, errors_object
+from batchmlx.ingest.layout import DONE, FAILED, RESULTS, Drop
+from batchmlx.ingest.writers import open_for_writing
 from batchmlx.store import Store
 
 log = logging.getLogger("batchmlx.inbox")
+
+# batches whose content is not submitted again: they ran, run or will run
+_SEEN_BEFORE = (
+    BatchStatus.VALIDATING,
+    BatchStatus.IN_PROGRESS,
+    BatchStatus.FINALIZING,
+    BatchStatus.COMPLETED,
+)
 
 
 class Inbox:
@@ -67,15 +83,26 @@ class Inbox:
 
     async def scan(self, store: Store) -> list[BatchRecord]:
         """One pass over the folder: ingest every complete file; returns the batches made."""
-        made: list[BatchRecord] = []
         now = self.clock()
-        present = set()
-        for path in sorted(self.folder.glob("*.jsonl")):
-            if path.name.startswith("."):
-                continue
+        present: set[Path] = set()
+        ready: list[tuple[Path, os.stat_result]] = []
+        with os.scandir(self.folder) as entries:
+            found = sorted(
+                (e for e in entries if e.name.endswith(".jsonl") and not e.name.startswith(".")),
+                key=lambda e: e.name,
+            )
+        for entry in found:
+            path = self.folder / entry.name
             try:
-                st = path.stat()
-            except FileNotFoundError:
+                if entry.is_symlink():  # never follow: any file we can read would be copied
+                    _refuse(path, "it is a symbolic link; drop the file itself")
+                    continue
+                if not entry.is_file(follow_symlinks=False):
+                    _refuse(path, "it is not a regular file")
+                    continue
+                st = entry.stat(follow_symlinks=False)
+            except OSError as exc:  # gone meanwhile, or failed/ cannot be written
+                log.warning("%s: %s", text_name(entry.name), exc)
                 continue
             present.add(path)
             key = (st.st_size, st.st_mtime_ns)
@@ -86,10 +113,16 @@ class Inbox:
                 continue  # still being written
             if quiet < 3 * self.settle_s and not _ends_in_newline(path, st.st_size):
                 continue  # maybe a line is half-written
+            ready.append((path, st))
+        writing = open_for_writing(p for p, _ in ready) if ready else set()
+        made: list[BatchRecord] = []
+        for path, st in ready:
+            if path in writing:
+                continue  # its writer may only be pausing
             try:
-                rec = await self.ingest(store, path)
+                rec = await self.ingest(store, path, st)
             except Exception:  # one bad file never stops the inbox
-                log.exception("cannot ingest %s", path)
+                log.exception("cannot ingest %s", text_name(path.name))
                 continue
             self._seen.pop(path, None)
             if rec is not None:
@@ -98,35 +131,85 @@ class Inbox:
             del self._seen[gone]
         return made
 
-    async def ingest(self, store: Store, path: Path) -> BatchRecord | None:
+    async def ingest(
+        self, store: Store, path: Path, st: os.stat_result | None = None
+    ) -> BatchRecord | None:
         """Make a batch of `path` (or find its duplicate) and move the file aside."""
-        data = path.read_bytes()
+        name = text_name(path.name)
+        if name != path.name:
+            _refuse(path, "its name is not valid UTF-8; rename it")
+            return None
+        drop = Drop.of(path, st if st is not None else path.lstat())
+        prior = await store.find_batch_by_source(drop.source)
+        if prior is not None:  # taken before a crash kept it from moving: move it now
+            log.info("%s: already batch %s; moved aside", name, prior.id)
+            if prior.status is BatchStatus.VALIDATING:  # the crash came between create and validate
+                prior = await validate_batch(
+                    store, self.settings, prior.id, now=self.clock(), model=self.model
+                )
+            self._put_away(path, prior)
+            return None
+        try:
+            data = _read_no_follow(path)
+        except OSError as exc:
+            _refuse(path, f"it cannot be read: {exc.strerror}")
+            return None
         if not self.force:
-            dup = await store.find_batch_by_hash(hashlib.sha256(data).hexdigest())
+            dup = await store.find_batch_by_hash(hashlib.sha256(data).hexdigest(), _SEEN_BEFORE)
             if dup is not None:
-                log.info("%s: same content as %s; not submitted again", path.name, dup.id)
+                log.info("%s: same content as %s; not submitted again", name, dup.id)
                 _move(path, self.folder / DONE)
                 return None
         try:
-            rec = await service.submit(
-                store, self.settings, data, filename=path.name, now=self.clock(),
+            rec = await submit(
+                store, self.settings, data, filename=name, now=self.clock(),
                 model=self.model, completion_window=self.completion_window,
-                source=inbox_source(path),
+                source=drop.source,
             )  # fmt: skip
-        except service.ServiceError as exc:  # e.g. an unknown --model: the file is not at fault
-            log.error("%s: %s", path.name, exc)
+        except BatchError as exc:  # e.g. an unknown --model: the file is not at fault
+            log.error("%s: %s", name, exc)
             return None
+        except Exception as exc:  # submit left nothing behind; the file must not come back
+            log.exception("%s: cannot be submitted", name)
+            _refuse(path, f"it cannot be submitted: {exc}")
+            return None
+        crash_point("inbox_after_submit")
+        self._put_away(path, rec)
+        return rec
+
+    def _put_away(self, path: Path, rec: BatchRecord) -> None:
         if rec.status is BatchStatus.FAILED:
-            report = self.folder / FAILED / f"{path.stem}.errors.json"
-            body = {"batch_id": rec.id, "file": path.name, "errors": errors_object(rec.errors)}
-            service.write_atomic(report, orjson.dumps(body, option=orjson.OPT_INDENT_2) + b"\n")
-            _move(path, self.folder / FAILED)
-            log.warning("%s: failed validation (%d errors); see %s", path.name,
-                        len(rec.errors), report)  # fmt: skip
+            report = _refuse(path, None, rec)
+            log.warning("%s: failed validation; see %s", path.name, report)
         else:
             _move(path, self.folder / DONE)
             log.info("%s: batch %s, %d requests", path.name, rec.id, rec.request_counts.total)
-        return rec
+
+
+def _read_no_follow(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _refuse(path: Path, reason: str | None, rec: BatchRecord | None = None) -> Path:
+    """Move `path` to failed/ beside NAME.errors.json: the batch's errors, or `reason`."""
+    failed = path.parent / FAILED
+    dest = _free_name(failed, path.name)
+    if rec is not None:
+        errors = rec.errors
+    else:
+        errors = (BatchErrorRecord(ErrorCode.FILE_REFUSED.value, f"Not taken: {reason}."),)
+        log.warning("%s: not taken: %s", text_name(path.name), reason)
+    body = {
+        "batch_id": rec.id if rec else None,
+        "file": text_name(path.name),
+        "errors": errors_object(errors),
+    }
+    report = failed / f"{dest.stem}.errors.json"
+    write_atomic(report, orjson.dumps(body, option=orjson.OPT_INDENT_2) + b"\n")
+    os.replace(path, dest)  # a symlink moves as a link; its target is never read
+    return report
 
 
 def _ends_in_newline(path: Path, size: int) -> bool:
@@ -140,13 +223,19 @@ def _ends_in_newline(path: Path, size: int) -> bool:
         return False
 
 
+def _free_name(folder: Path, name: str) -> Path:
+    """`folder/name`, or `folder/stem.N.suffix` when an earlier file took that name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    dest, stem, suffix = folder / name, Path(name).stem, Path(name).suffix
+    n = 1
+    while os.path.lexists(dest) or os.path.lexists(folder / f"{dest.stem}.errors.json"):
+        dest = folder / f"{stem}.{n}{suffix}"
+        n += 1
+    return dest
+
+
 def _move(path: Path, folder: Path) -> Path:
     """Move `path` into `folder`, never over an earlier file of the same name."""
-    folder.mkdir(parents=True, exist_ok=True)
-    dest = folder / path.name
-    n = 1
-    while dest.exists():
-        dest = folder / f"{path.stem}.{n}{path.suffix}"
-        n += 1
+    dest = _free_name(folder, path.name)
     os.replace(path, dest)
     return dest

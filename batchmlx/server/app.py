@@ -15,11 +15,12 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from batchmlx.config import Settings
-from batchmlx.models import resolve_model
-from batchmlx.server import batches, files, online
+from batchmlx.core.models import resolve_model
+from batchmlx.server import batches, dashboard, files, metrics, online
 from batchmlx.server.auth import BearerAuth
 from batchmlx.server.context import ServerContext, ServerOptions, Validator, log
 from batchmlx.server.errors import EXCEPTION_HANDLERS
+from batchmlx.server.guard import HostPolicy, RequestGuard
 from batchmlx.store import Store
 
 
@@ -29,39 +30,54 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [model]})
 
 
-def _log_crash(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("the worker stopped", exc_info=task.exception())
+class _CurrentWorker:
+    """What handlers reach as `ctx.worker`: the supervisor's current worker."""
+
+    def __init__(self, supervisor) -> None:
+        self._supervisor = supervisor
+
+    def __getattr__(self, name: str):
+        return getattr(self._supervisor.worker, name)
 
 
-def create_app(settings: Settings, options: ServerOptions) -> Starlette:
+def create_app(settings: Settings, options: ServerOptions, *, host: str) -> Starlette:
+    """The app for a server bound to `host` (which decides the Host names it answers to)."""
     spec = resolve_model(options.model, cache_dir=settings.cache_dir)
     if spec is None:
         raise ValueError(f"model {options.model!r} cannot be resolved")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        store = await Store.open(settings.db_path)
+        store = await Store.from_settings(settings)
         validator = Validator(store, settings, options.model, options.validate_poll_s)
         ctx = ServerContext(store, settings, options, validator, spec.name)
         app.state.ctx = ctx
         ctx.tasks.append(asyncio.create_task(validator.run()))
+        supervisor = None
         if options.worker is not None:
+            from batchmlx.server.supervisor import Supervisor
             from batchmlx.worker import Worker
 
-            ctx.worker = Worker(store, settings, options.worker)
-            t0 = time.perf_counter()
-            ctx.model_name = ctx.worker.load(options.model)  # before listening: ready = loaded
-            log.info("model %s loaded in %.1fs", ctx.model_name, time.perf_counter() - t0)
-            ctx.worker_task = asyncio.create_task(ctx.worker.run())
-            ctx.worker_task.add_done_callback(_log_crash)
+            def new_worker() -> Worker:
+                worker = Worker(store, settings, options.worker)
+                t0 = time.perf_counter()
+                ctx.model_name = worker.load(options.model)  # before listening: ready = loaded
+                log.info("model %s loaded in %.1fs", ctx.model_name, time.perf_counter() - t0)
+                return worker
+
+            supervisor = Supervisor(
+                new_worker(), new_worker, on_give_up=getattr(app.state, "shutdown", lambda: None)
+            )
+            app.state.supervisor = supervisor
+            ctx.worker = _CurrentWorker(supervisor)
+            ctx.worker_task = asyncio.create_task(supervisor.run())
         try:
             yield
         finally:
             for t in ctx.tasks:
                 t.cancel()
-            if ctx.worker is not None and ctx.worker_task is not None:
-                ctx.worker.stop_requested = True  # finishes the step, releases leases
+            if supervisor is not None and ctx.worker_task is not None:
+                supervisor.stop()  # the worker finishes its step, releases leases
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(ctx.worker_task, 30)
             await asyncio.gather(*ctx.tasks, return_exceptions=True)
@@ -72,8 +88,15 @@ def create_app(settings: Settings, options: ServerOptions) -> Starlette:
         *batches.ROUTES,
         *online.ROUTES,
         Route("/v1/models", list_models, methods=["GET"]),
+        *metrics.ROUTES,
+        *dashboard.ROUTES,
     ]
-    middleware = [Middleware(BearerAuth, api_key=options.api_key)] if options.api_key else []
+    hosts = HostPolicy.for_bind(host, api_key=options.api_key, extra=options.allowed_hosts)
+    middleware = [Middleware(RequestGuard, policy=hosts)]
+    if options.api_key:
+        middleware.append(
+            Middleware(BearerAuth, api_key=options.api_key, public=dashboard.is_public)
+        )
     return Starlette(
         routes=routes,
         middleware=middleware,
@@ -86,9 +109,17 @@ def serve(settings: Settings, options: ServerOptions, *, host: str, port: int) -
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_app(settings, options)
+    app = create_app(settings, options, host=host)
     # one process, one event loop: the worker's engine steps and the handlers share it
-    uvicorn.run(
+    server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
         lifespan="on",
-    )  # fmt: skip
+    ))  # fmt: skip
+    app.state.shutdown = lambda: setattr(server, "should_exit", True)  # graceful, as SIGTERM
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        raise SystemExit(3)  # uvicorn.run's STARTUP_FAILURE: the lifespan or the bind failed
+    supervisor = getattr(app.state, "supervisor", None)
+    if supervisor is not None and supervisor.failed:
+        raise SystemExit("the worker could not be kept running; see the log above")

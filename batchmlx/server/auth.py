@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -36,19 +37,32 @@ def check_bind(host: str, api_key: str | None, allow_remote: bool) -> None:
     )
 
 
+def bearer_token(header: bytes) -> bytes | None:
+    """The credentials of `Authorization: Bearer <token>`; the scheme is case-insensitive
+    (RFC 7235), so `bearer KEY` works as it does with OpenAI."""
+    scheme, _, token = header.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.strip()
+
+
 class BearerAuth:
     """ASGI middleware: 401 with OpenAI's envelope unless `Authorization: Bearer <key>`."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str, public: Callable[[str], bool] = lambda path: False
+    ) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+        self.public = public  # paths that hold no data (the dashboard page's own files)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or self.public(scope["path"]):
             await self.app(scope, receive, send)
             return
         got = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(got, self.expected):
+        token = bearer_token(got)
+        if token is not None and hmac.compare_digest(token, self.expected):
             await self.app(scope, receive, send)
             return
         from starlette.responses import JSONResponse

@@ -5,16 +5,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from batchmlx import service
+from batchmlx.batches.errors import BatchError
+from batchmlx.batches.intake import create_batch
+from batchmlx.batches.lifecycle import cancel_unattended, expire_unattended
+from batchmlx.batches.windows import OPENAI_COMPLETION_WINDOW
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchRecord
 from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
 from batchmlx.formats.openai import batch_object
+from batchmlx.server.bodies import json_body
 from batchmlx.server.context import ServerContext
 from batchmlx.server.errors import ApiError, not_found
 from batchmlx.server.pages import page_params, page_response
@@ -22,16 +25,6 @@ from batchmlx.server.pages import page_params, page_response
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
-
-
-async def json_body(request: Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"The body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "The body must be a JSON object.", code="invalid_type")
-    return body
 
 
 def _required_str(body: dict[str, Any], key: str) -> str:
@@ -72,6 +65,10 @@ async def create(request: Request) -> JSONResponse:
     input_file_id = _required_str(body, "input_file_id")
     endpoint = _required_str(body, "endpoint")
     window = _required_str(body, "completion_window")
+    if window != OPENAI_COMPLETION_WINDOW:
+        raise ApiError(400, f"Invalid value for 'completion_window': {window!r}. Supported "
+                       f"values are: '{OPENAI_COMPLETION_WINDOW}'.",
+                       code="invalid_value", param="completion_window")  # fmt: skip
     metadata = _metadata(body.get("metadata"))
     try:
         output_expires_after = parse_expires_after(
@@ -83,12 +80,12 @@ async def create(request: Request) -> JSONResponse:
         raise ApiError(400, f"No file found with id '{input_file_id}'.",
                        code="invalid_value", param="input_file_id")  # fmt: skip
     try:
-        rec = await service.create_batch(
+        rec = await create_batch(
             ctx.store, ctx.settings, input_file_id=input_file_id, endpoint=endpoint,
             now=time.time(), completion_window=window, metadata=metadata,
             output_expires_after=output_expires_after,
         )  # fmt: skip
-    except service.ServiceError as exc:
+    except BatchError as exc:
         param = "endpoint" if "endpoint" in str(exc) else (
             "completion_window" if "window" in str(exc) else "input_file_id")  # fmt: skip
         raise ApiError(400, str(exc), code="invalid_value", param=param) from None
@@ -105,7 +102,10 @@ async def _batch(ctx: ServerContext, batch_id: str) -> BatchRecord:
 
 async def retrieve(request: Request) -> JSONResponse:
     ctx: ServerContext = request.app.state.ctx
-    return _respond(await _batch(ctx, request.path_params["batch_id"]))
+    rec = await _batch(ctx, request.path_params["batch_id"])
+    if not ctx.worker_alive:
+        rec = await expire_unattended(ctx.store, ctx.settings, rec, now=time.time())
+    return _respond(rec)
 
 
 async def cancel(request: Request) -> JSONResponse:
@@ -115,14 +115,12 @@ async def cancel(request: Request) -> JSONResponse:
     if rec.status is BatchStatus.VALIDATING:
         # the lifecycle has no validating → cancelling move: finish validating it first
         await ctx.validator.validate(batch_id)
-    now = time.time()
     try:
-        rec = await service.cancel(ctx.store, batch_id, now=now)
-    except service.ServiceError as exc:
+        rec = await cancel_unattended(
+            ctx.store, ctx.settings, batch_id, now=time.time(), worker_alive=ctx.worker_alive
+        )
+    except BatchError as exc:
         raise ApiError(400, str(exc), code="invalid_state") from None
-    if rec.status is BatchStatus.CANCELLING and not ctx.worker_alive:
-        if not await ctx.store.live_workers(now, ctx.settings.lease_s):
-            rec = await service.settle_cancelling(ctx.store, ctx.settings, batch_id, now=now)
     return _respond(rec)
 
 

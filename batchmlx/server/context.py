@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from batchmlx import service
+from batchmlx.batches.intake import validate_batch
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.store import Store
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("batchmlx.server")
 
 DEFAULT_MAX_UPLOAD_BYTES = 200 * 1024 * 1024  # OpenAI's batch input limit
+DEFAULT_MAX_JSON_BYTES = 16 * 1024 * 1024  # a JSON request body (batches, online requests)
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class ServerOptions:
     model: str = "default"  # serves every batch and online request, whatever bodies name
     api_key: str | None = None
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
+    allowed_hosts: tuple[str, ...] = ()  # Host names besides the bound one and loopback's
     stream_interval: int = 1  # send streamed tokens in groups of this many (1: every token)
     worker: WorkerOptions | None = None  # None: no worker in this process (--no-worker)
     validate_poll_s: float = 1.0  # how often batches created elsewhere are looked for
@@ -42,7 +45,7 @@ class Validator:
 
     async def validate(self, batch_id: str) -> None:
         try:
-            await service.validate_batch(
+            await validate_batch(
                 self.store, self.settings, batch_id, now=time.time(), model=self.model
             )
         except Exception:

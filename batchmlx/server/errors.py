@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    503: "server_error",
-}
+log = logging.getLogger("batchmlx.server")
+
+STORE_RETRY_AFTER_S = 1  # a busy database usually frees up within the client's next try
 
 
 class ApiError(Exception):
@@ -35,16 +32,16 @@ class ApiError(Exception):
         self.message = message
         self.code = code
         self.param = param
-        fallback = "server_error" if status >= 500 else "invalid_request_error"
-        self.type = type or _TYPES.get(status, fallback)
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
 
 
 def envelope(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(envelope(err.message, err.type, err.param, err.code), err.status)
+def error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = envelope(err.message, err.type, err.param, err.code)
+    return JSONResponse(body, err.status, headers=headers)
 
 
 def not_found(kind: str, ident: str) -> ApiError:
@@ -64,4 +61,26 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(ApiError(exc.status_code, msg, code=code))
 
 
-EXCEPTION_HANDLERS = {ApiError: _api_error, HTTPException: _http_error}
+async def _store_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    # SQLite's "database is locked" after the busy timeout, a lost PostgreSQL connection, a
+    # full disk: the request may well succeed later, so 503 (which clients retry), not 500
+    log.warning("%s %s: the database is unavailable: %s", request.method, request.url.path,
+                getattr(exc, "orig", exc))  # fmt: skip
+    err = ApiError(503, "The database is busy or unavailable; retry the request shortly.",
+                   code="database_unavailable")  # fmt: skip
+    return error_response(err, {"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette re-raises after this answer, so the server logs the traceback
+    err = ApiError(500, "The server had an error while processing your request.",
+                   code="server_error")  # fmt: skip
+    return error_response(err)
+
+
+EXCEPTION_HANDLERS = {
+    ApiError: _api_error,
+    HTTPException: _http_error,
+    OperationalError: _store_unavailable,
+    Exception: _unexpected,  # last resort: OpenAI's envelope, never a bare text page
+}

@@ -6,43 +6,25 @@ Output and error files of batches are files too, with purpose `batch_output`.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import AsyncIterator
 
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Message, Receive
 
-from batchmlx import service
+from batchmlx.batches.files import delete_file, iter_file_content, store_file
 from batchmlx.core.records import FileRecord
 from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
+from batchmlx.formats.openai import file_deleted_object, file_object
+from batchmlx.server.bodies import BodyTooLarge, bounded, declared_length, media_type
 from batchmlx.server.context import ServerContext
 from batchmlx.server.errors import ApiError, not_found
 from batchmlx.server.pages import page_params, page_response
 
 UPLOAD_PURPOSES = ("batch",)
 LIST_LIMIT_MAX = 10_000
-
-
-def file_object(f: FileRecord) -> dict[str, Any]:
-    """openai.types.FileObject."""
-    return {
-        "id": f.id,
-        "object": "file",
-        "bytes": f.bytes,
-        "created_at": f.created_at,
-        "filename": f.filename,
-        "purpose": f.purpose,
-        "status": "processed",
-        "status_details": None,
-        "expires_at": f.expires_at,
-    }
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def _too_large(limit: int) -> ApiError:
@@ -55,34 +37,18 @@ def _too_large(limit: int) -> ApiError:
     )
 
 
-def _bounded(receive: Receive, limit: int) -> Receive:
-    """Count body bytes as they arrive (covers uploads without a Content-Length)."""
-    seen = 0
-
-    async def wrapped() -> Message:
-        nonlocal seen
-        message = await receive()
-        if message["type"] == "http.request":
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise _TooLarge
-        return message
-
-    return wrapped
-
-
 async def upload(request: Request) -> JSONResponse:
     ctx: ServerContext = request.app.state.ctx
     limit = ctx.options.max_upload_bytes
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit + 64 * 1024:
+    length = declared_length(request)
+    if length is not None and length > limit + 64 * 1024:
         raise _too_large(limit)  # room for the multipart framing around the file
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise ApiError(400, "Expected a multipart/form-data body with 'file' and 'purpose'.",
-                       code="invalid_request")  # fmt: skip
-    bounded = Request(request.scope, _bounded(request.receive, limit + 64 * 1024))
+    if media_type(request) != "multipart/form-data":
+        raise ApiError(415, "Expected a multipart/form-data body with 'file' and 'purpose'.",
+                       code="unsupported_media_type")  # fmt: skip
+    within = Request(request.scope, bounded(request.receive, limit + 64 * 1024))
     try:
-        async with bounded.form(max_files=1, max_fields=8) as form:
+        async with within.form(max_files=1, max_fields=8) as form:
             purpose = form.get("purpose")
             upload = form.get("file")
             if not isinstance(purpose, str) or not purpose:
@@ -98,14 +64,14 @@ async def upload(request: Request) -> JSONResponse:
             expires_after = _expires_after(form)
             data = await upload.read()
             filename = upload.filename or "upload.jsonl"
-    except _TooLarge:
+    except BodyTooLarge:
         raise _too_large(limit) from None
     except (HTTPException, MultiPartException) as exc:  # starlette's word for a malformed body
         detail = getattr(exc, "detail", None) or getattr(exc, "message", str(exc))
         raise ApiError(400, f"Malformed multipart body: {detail}", code="invalid_request") from None
     if len(data) > limit:
         raise _too_large(limit)
-    rec = await service.store_file(
+    rec = await store_file(
         ctx.store, ctx.settings, data, filename=filename, purpose=purpose, now=time.time(),
         expires_after=expires_after,
     )  # fmt: skip
@@ -149,16 +115,29 @@ async def retrieve(request: Request) -> JSONResponse:
 
 async def content(request: Request) -> Response:
     rec = await _file(request)
-    data = await service.file_content(request.app.state.ctx.store, rec.id)
-    return Response(data, media_type="application/octet-stream")
+    chunks = iter_file_content(request.app.state.ctx.store, rec.id)
+    try:  # the first chunk before any header: bytes gone from the data directory are a 410
+        first = await anext(chunks, b"")
+    except FileNotFoundError:
+        raise ApiError(410, f"The content of file '{rec.id}' is gone: its bytes are missing "
+                       "from the data directory.", code="file_content_missing") from None
+
+    async def body() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    # streamed: a 200 MB output file is never held whole; the length is the recorded size
+    headers = {"content-length": str(rec.bytes)}
+    return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
 
 
 async def delete(request: Request) -> JSONResponse:
     ctx: ServerContext = request.app.state.ctx
     file_id = request.path_params["file_id"]
-    if not await service.delete_file(ctx.store, file_id):
+    if not await delete_file(ctx.store, file_id):
         raise not_found("file", file_id)
-    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+    return JSONResponse(file_deleted_object(file_id))
 
 
 ROUTES = [

@@ -13,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from batchmlx.formats.openai import IdPrefix, new_id
+from batchmlx.formats.chunks import StreamChunks
 from batchmlx.formats.params import Endpoint, ParsedRequest, RequestError, parse_request
-from batchmlx.server.batches import json_body
+from batchmlx.server.bodies import json_body
 from batchmlx.server.context import ServerContext
 from batchmlx.server.errors import ApiError
 from batchmlx.server.streaming import ChoiceStream
@@ -27,39 +27,6 @@ _NO_STREAM = (Endpoint.RESPONSES, Endpoint.EMBEDDINGS)
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-class _Chunks:
-    """Builds the chunk objects of one streamed response."""
-
-    def __init__(self, endpoint: Endpoint, model: str) -> None:
-        self.chat = endpoint is Endpoint.CHAT
-        self.id = new_id(IdPrefix.CHAT_COMPLETION if self.chat else IdPrefix.COMPLETION)
-        self.created = int(time.time())
-        self.model = model
-
-    def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-            **extra,
-        }
-
-    def text(self, index: int, text: str, finish: str | None = None, role: bool = False):
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else (
-                {"content": text} if text or finish is None else {})  # fmt: skip
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-        return self._wrap([choice])
-
-    def usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        return self._wrap([], usage=usage)
 
 
 def _final_text(body: dict[str, Any], index: int, chat: bool) -> tuple[str, str]:
@@ -80,7 +47,7 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     from batchmlx.worker.online import DoneEvent
 
-    chunks = _Chunks(parsed.endpoint, ticket.model or ctx.model_name)
+    chunks = StreamChunks(parsed.endpoint, ticket.model or ctx.model_name, created=int(time.time()))
     interval = ctx.options.stream_interval
     prefix = _echo_prefix(parsed, ticket.decode)
     streams = [
@@ -120,16 +87,31 @@ async def _stream(
             ctx.worker.online.cancel(ticket)  # the client went away
 
 
+def _type_error(param: str, expected: str) -> ApiError:
+    return ApiError(400, f"Invalid type for '{param}': expected {expected}.",
+                    code="invalid_type", param=param)  # fmt: skip
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage), booleans as OpenAI requires: `1 == True` in Python, so an
+    `in (True, False)` test would take `stream: 1` for a stream."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _type_error("stream", "a boolean")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise _type_error("stream_options", "an object")
+    usage = (opts or {}).get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise _type_error("stream_options.include_usage", "a boolean")
+    return stream is True, stream is True and usage is True
+
+
 async def _complete(request: Request, endpoint: Endpoint) -> Response:
     ctx: ServerContext = request.app.state.ctx
     body = await json_body(request)
-    stream = body.get("stream") is True
-    opts = body.get("stream_options")
-    include_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True
+    stream, include_usage = _stream_flags(body)
     engine_body = {k: v for k, v in body.items() if k not in _STREAM_KEYS}
-    if body.get("stream") not in (None, True, False):
-        raise ApiError(400, "Invalid type for 'stream': expected a boolean.",
-                       code="invalid_type", param="stream")  # fmt: skip
     if stream and endpoint in _NO_STREAM:
         raise ApiError(400, "Unsupported parameter: 'stream' is not supported with this model.",
                        code="unsupported_parameter", param="stream")  # fmt: skip
@@ -158,6 +140,7 @@ async def _complete(request: Request, endpoint: Endpoint) -> Response:
             ctx.worker.online.cancel(ticket)
             raise
         return JSONResponse(event.body, event.status_code)
+    assert parsed is not None  # embeddings never stream (_NO_STREAM)
     return StreamingResponse(
         _stream(ctx, ticket, parsed, first, include_usage),
         media_type="text/event-stream",

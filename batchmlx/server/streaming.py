@@ -1,26 +1,18 @@
 """Streamed text that agrees with the non-streamed answer.
 
 Each choice decodes its cumulative tokens and sends only the new suffix. Text is held back while
-it ends in an incomplete UTF-8 character ("\\ufffd") or could be the start of a stop string, and
-the last delta is taken from the finished body, so the chunks always join into its text.
+it ends in an incomplete UTF-8 character ("\\ufffd") or could be the start of a stop string (the
+stop rules are core/finish's), and the last delta is taken from the finished body, so the
+chunks always join into its text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from batchmlx.core.finish import visible
+
 REPLACEMENT = "\ufffd"  # what decoding gives for the first bytes of an unfinished character
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of `text` could still grow into a stop string."""
-    held = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:k]):
-                held = k
-                break
-    return held
 
 
 class ChoiceStream:
@@ -45,12 +37,9 @@ class ChoiceStream:
         self.unsent = 0
         if self.stopped:
             return ""
-        text = self.prefix + self.decode(self.tokens)
-        cuts = [i for i in (text.find(s, len(self.prefix)) for s in self.stops) if i >= 0]
-        if cuts:
-            text, self.stopped = text[: min(cuts)], True
-        else:
-            text = text[: len(text) - held_back(text, self.stops)]
+        text, self.stopped = visible(
+            self.prefix + self.decode(self.tokens), self.stops, len(self.prefix)
+        )
         text = text.rstrip(REPLACEMENT)
         if not text.startswith(self.sent):
             return ""  # decoding revised earlier text: wait for the final body

@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from batchmlx.store.store import Store
-from batchmlx.store.types import BatchRef, NewRequest, ResultRow
+from batchmlx.store.types import BatchRef, NewRequest, ResultRow, StoreUnavailable
 
-__all__ = ["BatchRef", "NewRequest", "ResultRow", "Store"]
+__all__ = ["BatchRef", "NewRequest", "ResultRow", "Store", "StoreUnavailable"]

@@ -1,8 +1,10 @@
 """Apply the Alembic migrations (the top-level `migrations/` folder, installed as the package
 `batchmlx.migrations`), once, on first use.
 
-Alembic is configured in code (no alembic.ini at run time). Two processes opening a fresh
-database at once are serialised by an exclusive `flock` on `<db>.migrate.lock`.
+Alembic is configured in code (no alembic.ini at run time). The same migrations run on SQLite and
+PostgreSQL. Two processes opening a fresh database at once are serialised: on SQLite by an
+exclusive `flock` on `<db>.migrate.lock`, on PostgreSQL by an advisory lock taken in the
+migration's transaction (migrations/env.py), since hosts share no disk.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
+from batchmlx.config import PRIVATE_FILE_MODE
+from batchmlx.store.url import Dialect, Target, parse_target
 
 
 def _migrations_dir() -> Path:
@@ -28,25 +32,32 @@ def _migrations_dir() -> Path:
 
 
 MIGRATIONS_DIR = _migrations_dir()
+# pg_advisory_xact_lock key serialising concurrent upgrades ("bmlx" in ASCII)
+MIGRATE_LOCK_KEY = 0x626D6C78
 
 
-def alembic_config(db_path: str | Path) -> Config:
+def alembic_config(target: str | Path | Target) -> Config:
     if not (MIGRATIONS_DIR / "env.py").is_file():
         raise RuntimeError(f"batchmlx migrations not found at {MIGRATIONS_DIR}")
+    t = target if isinstance(target, Target) else parse_target(target)
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
-    url = f"sqlite:///{Path(db_path).resolve()}"
+    url = t.sync_url if t.dialect is Dialect.SQLITE else t.url
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 
 
-def upgrade_to_head(db_path: str | Path) -> None:
-    """Bring the database at `db_path` to the newest revision; a no-op when it is there already."""
-    db_path = Path(db_path)
-    lock_path = db_path.with_name(db_path.name + ".migrate.lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+def upgrade_to_head(target: str | Path | Target) -> None:
+    """Bring the database to the newest revision; a no-op when it is there already."""
+    t = target if isinstance(target, Target) else parse_target(target)
+    if t.dialect is Dialect.POSTGRESQL:
+        command.upgrade(alembic_config(t), "head")
+        return
+    assert t.path is not None
+    lock_path = t.path.with_name(t.path.name + ".migrate.lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        command.upgrade(alembic_config(db_path), "head")
+        command.upgrade(alembic_config(t), "head")
     finally:
         os.close(fd)  # closing releases the lock

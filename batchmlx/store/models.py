@@ -6,7 +6,17 @@ and heartbeats need sub-second precision. JSON columns are TEXT written with orj
 
 from __future__ import annotations
 
-from sqlalchemy import Float, ForeignKey, Index, Integer, MetaData, String, Text, UniqueConstraint
+from sqlalchemy import (
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -30,7 +40,7 @@ class FileRow(Base):
     purpose: Mapped[str] = mapped_column(String(32), index=True)  # "batch", "batch_output"
     bytes: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[int] = mapped_column(Integer)
-    path: Mapped[str] = mapped_column(Text)  # where the content lives on disk
+    path: Mapped[str] = mapped_column(Text)  # where the content lives: a path, or "db:<id>"
     expires_at: Mapped[int | None] = mapped_column(Integer, index=True)  # deleted after this
 
 
@@ -102,7 +112,18 @@ class WorkerRow(Base):
     heartbeat_at: Mapped[float] = mapped_column(Float, index=True)
 
 
+class FileChunkRow(Base):
+    """A file's bytes in the database, in order (PostgreSQL: hosts share the database only)."""
+
+    __tablename__ = "file_chunks"
+
+    file_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)  # 0, 1, … in file order
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 FILES = FileRow.__table__
+FILE_CHUNKS = FileChunkRow.__table__
 BATCHES = BatchRow.__table__
 REQUESTS = RequestRow.__table__
 WORKERS = WorkerRow.__table__

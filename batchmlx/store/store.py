@@ -1,8 +1,11 @@
 """The store: every SQL operation batchmlx performs, as named methods of one class.
 
-Writes run in `BEGIN IMMEDIATE` transactions (see connection.py), so concurrent worker processes
-queue up on the write lock instead of failing. Reads run in deferred transactions and, under WAL,
-never wait for a writer. Time, ids and lease lengths come in as arguments.
+One class for SQLite (the embedded default) and PostgreSQL (several hosts, one queue). On SQLite,
+writes run in `BEGIN IMMEDIATE` transactions (see connection.py), so concurrent worker processes
+queue up on the write lock instead of failing; reads run in deferred transactions and, under WAL,
+never wait for a writer. On PostgreSQL, claims lock rows with `FOR UPDATE SKIP LOCKED`, so
+workers never wait on each other, and idle workers wait on `LISTEN/NOTIFY`. Time, ids and lease
+lengths come in as arguments; `clock()` is the database's clock on PostgreSQL.
 
 The queue protocol: `claim` leases requests to a worker (`lease_expires_at`); the worker renews its
 leases with `heartbeat`; `complete` is fenced (a row is written only while it is still running and
@@ -12,8 +15,12 @@ held by the caller), so a worker whose lease expired and was re-claimed cannot o
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+import time
+import zlib
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +35,16 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    text,
     update,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from batchmlx.config import Settings, private_dir, private_file
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus, check_transition
 from batchmlx.core.records import (
     BatchErrorRecord,
@@ -43,13 +55,21 @@ from batchmlx.core.records import (
     RequestCounts,
     RequestResult,
 )
+from batchmlx.store.blobs import Blobs, Chunks, DatabaseBlobs, LocalBlobs
 from batchmlx.store.connection import BEGIN_OPTION, DEFAULT_BUSY_TIMEOUT_S, install_sqlite_setup
+from batchmlx.store.listen import Listener
 from batchmlx.store.migrate import upgrade_to_head
 from batchmlx.store.models import BATCHES, FILES, REQUESTS, WORKERS
-from batchmlx.store.types import BatchRef, NewRequest, ResultRow
+from batchmlx.store.types import BatchRef, FileStorage, NewRequest, ResultRow, StoreUnavailable
+from batchmlx.store.url import Dialect, parse_target
 
 B, R, F, W = BATCHES, REQUESTS, FILES, WORKERS
-_B_SEQ = literal_column("batches.rowid")  # insertion order: the tie-break after created_at
+WORK_CHANNEL = "batchmlx_work"  # NOTIFY'd when there may be new work to claim
+_LOCK_SPACE = 0x626D6C79  # advisory lock key space of per-batch locks (finalize)
+# server settings of every PostgreSQL session: a host that vanishes without closing its socket
+# loses its connection (and the advisory locks it held) within about a minute
+_PG_SESSION = {"tcp_keepalives_idle": "30", "tcp_keepalives_interval": "10",
+               "tcp_keepalives_count": "3"}  # fmt: skip
 
 _QUEUED = RequestStatus.QUEUED.value
 _RUNNING = RequestStatus.RUNNING.value
@@ -69,7 +89,9 @@ _STATUS_AT: dict[BatchStatus, str] = {
     BatchStatus.CANCELLED: "cancelled_at",
 }
 # Fields set_batch_status may change besides status and its *_at.
-_SETTABLE = frozenset({"model", "expires_at", "output_file_id", "error_file_id", "errors"})
+_SETTABLE = frozenset(
+    {"endpoint", "model", "expires_at", "output_file_id", "error_file_id", "errors"}
+)
 
 
 def _dumps(value: Any) -> str | None:
@@ -78,6 +100,10 @@ def _dumps(value: Any) -> str | None:
 
 def _loads(text: str | None) -> Any:
     return None if text is None else orjson.loads(text)
+
+
+def _body_text(body: dict[str, Any] | str) -> str:
+    return body if isinstance(body, str) else orjson.dumps(body).decode()
 
 
 def _errors_json(errors: Iterable[BatchErrorRecord]) -> str:
@@ -101,8 +127,35 @@ def _result_values(result: RequestResult, now: float) -> dict[str, Any]:
     }
 
 
-def _done_sum(column: Any) -> Any:
-    return func.coalesce(func.sum(case((R.c.status.in_(_DONE), column), else_=0)), 0)
+# PostgreSQL's complete (see Store._complete_pg): the per-row fields of _result_values as
+# arrays; finished_at and lease_expires_at are the same for every row
+_PER_ROW = ("status", "status_code", "response_body", "error", "prompt_tokens", "cached_tokens",
+            "completion_tokens", "cache_outcome")  # fmt: skip
+_SAME_FOR_ALL = frozenset({"finished_at", "lease_expires_at"})
+
+
+def _pg_complete_sql() -> Any:
+    from sqlalchemy.dialects import postgresql
+
+    pg = postgresql.dialect()
+    arrays = ", ".join(
+        f"CAST(:a_{k} AS {(R.c.id if k == 'id' else R.c[k]).type.compile(dialect=pg)}[])"
+        for k in ("id", *_PER_ROW)
+    )
+    sets = ", ".join(f"{k} = v.{k}" for k in _PER_ROW)
+    return text(
+        f"UPDATE requests SET {sets}, finished_at = :now, lease_expires_at = NULL "
+        f"FROM unnest({arrays}) AS v(id, {', '.join(_PER_ROW)}) "
+        f"WHERE requests.id = v.id AND requests.status = '{_RUNNING}' "
+        "AND requests.worker_id = :worker"
+    )
+
+
+_PG_COMPLETE = _pg_complete_sql()
+
+
+def _done_sum(col: Any) -> Any:
+    return func.coalesce(func.sum(case((R.c.status.in_(_DONE), col), else_=0)), 0)
 
 
 # Per batch: total, succeeded, failed, then token sums over done requests.
@@ -168,84 +221,250 @@ def _file_record(m: Mapping[str, Any]) -> FileRecord:
 
 
 class Store:
-    """The seam between batchmlx and its SQLite database. Open with `await Store.open(path)`."""
+    """The seam between batchmlx and its database. Open with `await Store.open(path or URL)`."""
 
-    def __init__(self, engine: AsyncEngine, path: Path) -> None:
-        self.path = path
-        self._engine = engine  # transactions begin IMMEDIATE: use for anything that writes
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        dialect: Dialect,
+        *,
+        path: Path | None = None,
+        files: FileStorage = FileStorage.LOCAL,
+        files_dir: Path | None = None,
+    ) -> None:
+        self.path = path  # the SQLite file (None on PostgreSQL)
+        self.dialect = dialect
+        self._engine = engine  # SQLite: transactions begin IMMEDIATE; use for anything that writes
         self._reader = engine.execution_options(**{BEGIN_OPTION: "DEFERRED"})
+        pg = dialect is Dialect.POSTGRESQL
+        # insertion order, the tie-break after created_at: SQLite's rowid, PostgreSQL's `seq`
+        self._b_seq = literal_column("batches.seq" if pg else "batches.rowid")
+        self._f_seq = literal_column("files.seq" if pg else "files.rowid")
+        self._insert = pg_insert if pg else sqlite_insert
+        self._listener = Listener(engine, WORK_CHANNEL) if pg else None
+        self.files = files
+        if files is FileStorage.DATABASE:
+            self.blobs: Blobs = DatabaseBlobs(engine, self._reader)
+        else:
+            if files_dir is None:
+                raise ValueError("local file storage needs a folder")
+            self.blobs = LocalBlobs(files_dir)
+        # the database's clock, read at open and at each heartbeat, advanced by this host's
+        # monotonic clock in between (a host's wall clock can be wrong or jump)
+        self._db_epoch: float | None = None
+        self._mono = 0.0
 
     @classmethod
     async def open(
-        cls, db_path: str | Path, *, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S
+        cls,
+        target: str | Path,
+        *,
+        files_dir: Path | None = None,
+        files: FileStorage | None = None,
+        busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
     ) -> Store:
-        """Create the parent folder, apply pending migrations, and connect."""
-        path = Path(db_path).expanduser().resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(upgrade_to_head, path)
-        engine = create_async_engine(f"sqlite+aiosqlite:///{path}")
-        install_sqlite_setup(engine.sync_engine, busy_timeout_s)
-        return cls(engine, path)
+        """Open a SQLite file (a path or sqlite:/// URL; its folder is created) or a PostgreSQL
+        URL, and apply pending migrations. File bytes go to `files` (default: local files under
+        `files_dir`, by default the SQLite file's folder/files, on SQLite; the database on
+        PostgreSQL)."""
+        t = parse_target(target)
+        if t.dialect is Dialect.POSTGRESQL and importlib.util.find_spec("asyncpg") is None:
+            raise RuntimeError("PostgreSQL needs asyncpg: pip install 'batchmlx[postgres]'")
+        if t.dialect is Dialect.SQLITE:
+            assert t.path is not None
+            # the database holds every prompt and answer: the user's alone (0700 / 0600)
+            private_file(private_dir(t.path.parent) / t.path.name)
+            files_dir = files_dir or t.path.parent / "files"
+        default = FileStorage.LOCAL if t.dialect is Dialect.SQLITE else FileStorage.DATABASE
+        try:
+            await asyncio.to_thread(upgrade_to_head, t)
+        except (OSError, DBAPIError) as exc:
+            where = make_url(t.url).render_as_string(hide_password=True)
+            raise StoreUnavailable(f"cannot open the database {where}: {exc}") from exc
+        if t.dialect is Dialect.SQLITE:
+            engine = create_async_engine(t.url)
+            install_sqlite_setup(engine.sync_engine, busy_timeout_s)
+        else:
+            engine = create_async_engine(t.url, connect_args={"server_settings": _PG_SESSION})
+        store = cls(engine, t.dialect, path=t.path, files=files or default, files_dir=files_dir)
+        await store.sync_clock()
+        return store
+
+    @classmethod
+    async def from_settings(cls, settings: Settings) -> Store:
+        """The store `settings` (batchmlx.config.Settings) name: database URL and file place."""
+        files = FileStorage.DATABASE if settings.files_in_database else FileStorage.LOCAL
+        timeout = settings.busy_timeout_s
+        busy = {} if timeout is None else {"busy_timeout_s": timeout}
+        return await cls.open(
+            settings.database_url, files_dir=settings.files_dir, files=files, **busy
+        )
 
     async def close(self) -> None:
+        if self._listener is not None:
+            await self._listener.close()
         await self._engine.dispose()
 
     async def pragmas(self) -> dict[str, Any]:
-        """The connection settings in force (for diagnostics and tests)."""
+        """The connection settings in force (SQLite; for diagnostics and tests)."""
+        if self.dialect is not Dialect.SQLITE:
+            return {}
         async with self._reader.connect() as conn:
             return {
                 name: (await conn.exec_driver_sql(f"PRAGMA {name}")).scalar()
                 for name in ("journal_mode", "busy_timeout", "synchronous", "foreign_keys")
             }
 
+    # -- time and wake-ups --------------------------------------------------------------------
+
+    def clock(self) -> float:
+        """Now, in unix seconds, as leases must be stamped: the database's clock on PostgreSQL
+        (hosts' clocks differ), this host's on SQLite (one host)."""
+        if self._db_epoch is None:
+            return time.time()
+        return self._db_epoch + (time.monotonic() - self._mono)
+
+    async def sync_clock(self, conn: AsyncConnection | None = None) -> None:
+        """Read the database's clock (PostgreSQL; a no-op on SQLite)."""
+        if self.dialect is not Dialect.POSTGRESQL:
+            return
+        query = text("SELECT extract(epoch FROM clock_timestamp())::float8")
+        if conn is None:
+            async with self._reader.connect() as c:
+                epoch = (await c.execute(query)).scalar_one()
+        else:
+            epoch = (await conn.execute(query)).scalar_one()
+        self._db_epoch, self._mono = float(epoch), time.monotonic()
+
+    @property
+    def one_host(self) -> bool:
+        """SQLite: every process of this store runs on this host, so a registered worker's PID
+        says whether it is alive. Not so across hosts (nor PID namespaces): there, leases."""
+        return self.dialect is Dialect.SQLITE
+
+    @property
+    def listens(self) -> bool:
+        """True when `wait_for_work` wakes on notifications rather than only sleeping."""
+        return self._listener is not None
+
+    async def wait_for_work(self, timeout: float) -> bool:
+        """Sleep up to `timeout`; on PostgreSQL wake at once when work may have arrived
+        (a batch started, requests released, a batch cancelled). True when woken early."""
+        if self._listener is None:
+            await asyncio.sleep(timeout)
+            return False
+        return await self._listener.wait(timeout)
+
+    async def _notify(self, conn: AsyncConnection) -> None:
+        # sent at commit, to every listening worker on every host
+        if self.dialect is Dialect.POSTGRESQL:
+            await conn.execute(text("SELECT pg_notify(:c, '')"), {"c": WORK_CHANNEL})
+
+    async def next_lease_end(self) -> float | None:
+        """When the first running lease of an in-progress batch ends (None: none runs): an idle
+        worker wakes then to take over a dead worker's requests."""
+        query = (
+            select(func.min(R.c.lease_expires_at))
+            .join(B, B.c.id == R.c.batch_id)
+            .where(R.c.status == _RUNNING, B.c.status == BatchStatus.IN_PROGRESS.value)
+        )
+        async with self._reader.connect() as conn:
+            return (await conn.execute(query)).scalar()
+
+    @contextlib.asynccontextmanager
+    async def batch_lock(self, batch_id: str) -> AsyncIterator[bool]:
+        """Try to become the one process working on `batch_id` (finalize): yields True when
+        this process holds it. On PostgreSQL a session advisory lock, so a host that dies
+        lets go with its connection; on SQLite always True (one host; BEGIN IMMEDIATE orders
+        the status moves, and finalize writes the same bytes whoever does it)."""
+        if self.dialect is not Dialect.POSTGRESQL:
+            yield True
+            return
+        key = {"s": _LOCK_SPACE, "k": zlib.crc32(batch_id.encode()) - (1 << 31)}
+        async with self._engine.connect() as conn:
+            got = (await conn.execute(text("SELECT pg_try_advisory_lock(:s, :k)"), key)).scalar()
+            await conn.commit()  # the lock is the session's, not the transaction's
+            try:
+                yield bool(got)
+            finally:
+                if got:
+                    try:
+                        await conn.execute(text("SELECT pg_advisory_unlock(:s, :k)"), key)
+                        await conn.commit()
+                    except Exception:
+                        await conn.invalidate()  # never pool a session that may hold it
+
     # -- files -------------------------------------------------------------------------------
 
     async def add_file(self, rec: FileRecord, *, replace: bool = False) -> None:
         """Record a stored file; with `replace`, a record with the same id is overwritten
         (finalize redone after a crash derives the same file ids)."""
-        stmt = insert(F).prefix_with("OR REPLACE") if replace else insert(F)
-        async with self._engine.begin() as conn:
-            await conn.execute(
-                stmt.values(
-                    id=rec.id,
-                    filename=rec.filename,
-                    purpose=rec.purpose,
-                    bytes=rec.bytes,
-                    created_at=rec.created_at,
-                    path=rec.path,
-                    expires_at=rec.expires_at,
-                )
+        values = {
+            "id": rec.id,
+            "filename": rec.filename,
+            "purpose": rec.purpose,
+            "bytes": rec.bytes,
+            "created_at": rec.created_at,
+            "path": rec.path,
+            "expires_at": rec.expires_at,
+        }
+        stmt = self._insert(F).values(**values)
+        if replace:
+            stmt = stmt.on_conflict_do_update(
+                index_elements=[F.c.id], set_={k: v for k, v in values.items() if k != "id"}
             )
+        async with self._engine.begin() as conn:
+            await conn.execute(stmt)
+
+    async def save_file(
+        self,
+        file_id: str,
+        chunks: Chunks,
+        *,
+        filename: str,
+        purpose: str,
+        created_at: int,
+        replace: bool = False,
+        expires_at: int | None = None,
+    ) -> FileRecord:
+        """Store a file's bytes (streamed, atomically) and record it; see `add_file`. A file
+        with `expires_at` is deleted by the worker's housekeeping once that time has passed."""
+        size, location = await self.blobs.put(file_id, chunks)
+        rec = FileRecord(file_id, filename, purpose, size, created_at, location, expires_at)
+        try:
+            await self.add_file(rec, replace=replace)
+        except BaseException:
+            if not replace:  # no stored bytes without their record
+                await self.blobs.delete(file_id, location)
+            raise
+        return rec
+
+    def read_file(self, rec: FileRecord) -> AsyncIterator[bytes]:
+        """A stored file's bytes, in chunks."""
+        return self.blobs.read(rec.id, rec.path)
+
+    async def read_file_bytes(self, rec: FileRecord) -> bytes:
+        """A stored file's bytes at once (for files known to be small, or validation)."""
+        return b"".join([c async for c in self.read_file(rec)])
+
+    async def delete_file_bytes(self, rec: FileRecord) -> None:
+        await self.blobs.delete(rec.id, rec.path)
 
     async def get_file(self, file_id: str) -> FileRecord | None:
         async with self._reader.connect() as conn:
             row = (await conn.execute(select(F).where(F.c.id == file_id))).mappings().first()
         return None if row is None else _file_record(row)
 
-    async def list_files(self, purpose: str | None = None) -> list[FileRecord]:
-        query = select(F).order_by(F.c.created_at.desc(), literal_column("files.rowid").desc())
-        if purpose is not None:
-            query = query.where(F.c.purpose == purpose)
-        async with self._reader.connect() as conn:
-            rows = (await conn.execute(query)).mappings().all()
-        return [_file_record(r) for r in rows]
-
     # -- batches -----------------------------------------------------------------------------
 
     async def create_batch(
         self,
         rec: BatchRecord,
-        requests: Sequence[NewRequest],
         *,
         content_hash: str | None = None,
         source: str | None = None,
     ) -> None:
-        """Store a batch and all its requests (queued) in one transaction.
-
-        A FAILED batch (validation failed) carries its errors and no requests.
-        """
-        if rec.status is BatchStatus.FAILED and requests:
-            raise ValueError("a failed batch is stored without requests")
+        """Store a batch without requests: `start_validated_batch` is what enqueues them."""
         batch_values = {
             "id": rec.id,
             "endpoint": rec.endpoint,
@@ -266,21 +485,8 @@ class Store:
             "stats": _dumps(rec.stats or {}),
             "output_expires_after": rec.output_expires_after,
         }
-        dumps = orjson.dumps
-        rows = [
-            {
-                "batch_id": rec.id,
-                "line": r.line,
-                "custom_id": r.custom_id,
-                "body": dumps(r.body).decode(),
-                "status": _QUEUED,
-            }
-            for r in requests
-        ]
         async with self._engine.begin() as conn:
             await conn.execute(insert(B).values(**batch_values))
-            if rows:
-                await conn.execute(insert(R), rows)  # executemany: one prepared statement
 
     async def get_batch(self, batch_id: str) -> BatchRecord | None:
         """The batch with live request counts and token usage summed from its requests."""
@@ -289,17 +495,20 @@ class Store:
 
     async def list_batches(self, limit: int = 20, after: str | None = None) -> list[BatchRecord]:
         """Newest first; `after` is the id of the last batch of the previous page."""
-        query = select(B).order_by(B.c.created_at.desc(), _B_SEQ.desc()).limit(limit)
+        query = select(B).order_by(B.c.created_at.desc(), self._b_seq.desc()).limit(limit)
         async with self._reader.connect() as conn:
             if after is not None:
                 cursor = (
-                    await conn.execute(select(B.c.created_at, _B_SEQ).where(B.c.id == after))
+                    await conn.execute(select(B.c.created_at, self._b_seq).where(B.c.id == after))
                 ).first()
                 if cursor is None:
                     return []
                 created, seq = cursor
                 query = query.where(
-                    or_(B.c.created_at < created, and_(B.c.created_at == created, _B_SEQ < seq))
+                    or_(
+                        B.c.created_at < created,
+                        and_(B.c.created_at == created, self._b_seq < seq),
+                    )
                 )
             rows = (await conn.execute(query)).mappings().all()
             ids = [r["id"] for r in rows]
@@ -318,14 +527,26 @@ class Store:
         async with self._reader.connect() as conn:
             return (await conn.execute(select(B.c.source).where(B.c.id == batch_id))).scalar()
 
-    async def find_batch_by_hash(self, content_hash: str) -> BatchRecord | None:
-        """The newest batch made from a file with this content hash."""
+    async def find_batch_by_hash(
+        self, content_hash: str, statuses: Iterable[BatchStatus] | None = None
+    ) -> BatchRecord | None:
+        """The newest batch made from a file with this content hash (in one of `statuses`)."""
+        where = [B.c.content_hash == content_hash]
+        if statuses is not None:
+            where.append(B.c.status.in_([s.value for s in statuses]))
+        return await self._newest_batch(*where)
+
+    async def find_batch_by_source(self, source: str) -> BatchRecord | None:
+        """The newest batch whose `source` is exactly this (an inbox drop, say)."""
+        return await self._newest_batch(B.c.source == source)
+
+    async def _newest_batch(self, *where: Any) -> BatchRecord | None:
         async with self._reader.connect() as conn:
             batch_id = (
                 await conn.execute(
                     select(B.c.id)
-                    .where(B.c.content_hash == content_hash)
-                    .order_by(B.c.created_at.desc(), _B_SEQ.desc())
+                    .where(*where)
+                    .order_by(B.c.created_at.desc(), self._b_seq.desc())
                     .limit(1)
                 )
             ).scalar()
@@ -349,11 +570,18 @@ class Store:
         if status in _STATUS_AT:
             values[_STATUS_AT[status]] = int(now)
         async with self._engine.begin() as conn:
-            current = (await conn.execute(select(B.c.status).where(B.c.id == batch_id))).scalar()
+            # FOR UPDATE: two hosts moving one batch at once take turns (SQLite: BEGIN IMMEDIATE)
+            current = (
+                await conn.execute(
+                    select(B.c.status).where(B.c.id == batch_id).with_for_update()
+                )
+            ).scalar()
             if current is None:
                 raise KeyError(batch_id)
             check_transition(BatchStatus(current), status)
             await conn.execute(update(B).where(B.c.id == batch_id).values(**values))
+            if status in (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING):
+                await self._notify(conn)
             record = await self._read_batch(conn, batch_id)
         assert record is not None
         return record
@@ -372,7 +600,7 @@ class Store:
         query = (
             select(B.c.id, B.c.status, B.c.endpoint, B.c.model, B.c.created_at, B.c.expires_at)
             .where(B.c.status.in_([s.value for s in statuses]))
-            .order_by(B.c.created_at, _B_SEQ)
+            .order_by(B.c.created_at, self._b_seq)
         )
         async with self._reader.connect() as conn:
             rows = (await conn.execute(query)).all()
@@ -385,12 +613,17 @@ class Store:
         """In-progress batches, oldest first: those `claim` takes requests from."""
         return await self.batches_with_status(BatchStatus.IN_PROGRESS)
 
-    async def batch_progress(self, batch_id: str) -> RequestCounts:
+    async def status_counts(self) -> tuple[dict[BatchStatus, int], dict[RequestStatus, int]]:
+        """Batches and requests by status, every status present (0 where none): queue depth."""
         async with self._reader.connect() as conn:
-            row = (
-                await conn.execute(select(*_PROGRESS_COLUMNS).where(R.c.batch_id == batch_id))
-            ).first()
-        return _progress(row)[0]
+            batches = dict((await conn.execute(
+                select(B.c.status, func.count()).group_by(B.c.status))).all())  # fmt: skip
+            requests = dict((await conn.execute(
+                select(R.c.status, func.count()).group_by(R.c.status))).all())  # fmt: skip
+        return (
+            {s: batches.get(s.value, 0) for s in BatchStatus},
+            {s: requests.get(s.value, 0) for s in RequestStatus},
+        )
 
     async def batches_to_finalize(self) -> list[str]:
         """Batches to finalize, oldest first: in-progress ones whose every request is done
@@ -400,7 +633,7 @@ class Store:
         query = (
             select(B.c.id)
             .where(or_(ready, B.c.status == BatchStatus.FINALIZING.value))
-            .order_by(B.c.created_at, _B_SEQ)
+            .order_by(B.c.created_at, self._b_seq)
         )
         async with self._reader.connect() as conn:
             return list((await conn.execute(query)).scalars())
@@ -464,11 +697,16 @@ class Store:
             select(R.c.id)
             .join(B, B.c.id == R.c.batch_id)
             .where(B.c.status == BatchStatus.IN_PROGRESS.value, claimable)
-            .order_by(B.c.created_at, _B_SEQ, R.c.line)
             .limit(limit)
         )
         if batch_id is not None:
-            pick = pick.where(R.c.batch_id == batch_id)
+            # line order alone: the (batch_id, line) index yields it, no sort of the whole batch
+            pick = pick.where(R.c.batch_id == batch_id).order_by(R.c.line)
+        else:
+            pick = pick.order_by(B.c.created_at, self._b_seq, R.c.line)
+        if self.dialect is Dialect.POSTGRESQL:
+            # rows another claimer is taking are skipped, not waited for (SQLite has one writer)
+            pick = pick.with_for_update(of=R, skip_locked=True)
         stmt = (
             update(R)
             .where(R.c.id.in_(pick))
@@ -489,7 +727,7 @@ class Store:
                 b.id: b
                 for b in await conn.execute(
                     select(
-                        B.c.id, B.c.endpoint, B.c.model, B.c.created_at, _B_SEQ.label("seq")
+                        B.c.id, B.c.endpoint, B.c.model, B.c.created_at, self._b_seq.label("seq")
                     ).where(B.c.id.in_({r.batch_id for r in rows}))
                 )
             }
@@ -525,7 +763,7 @@ class Store:
             .where(R.c.worker_id == worker_id, R.c.status == _RUNNING)
             .values(lease_expires_at=now + lease_s)
         )
-        upsert = sqlite_insert(W).values(
+        upsert = self._insert(W).values(
             id=worker_id,
             pid=pid,
             hostname=hostname or socket.gethostname(),
@@ -543,6 +781,7 @@ class Store:
         async with self._engine.begin() as conn:
             renewed = (await conn.execute(renew)).rowcount
             await conn.execute(upsert)
+            await self.sync_clock(conn)
         return renewed
 
     async def complete(
@@ -569,23 +808,55 @@ class Store:
             | {f"p_{k}": v for k, v in _result_values(res, now).items()}
             for rid, res in results
         ]
+        if self.dialect is Dialect.POSTGRESQL:
+            return await self._complete_pg(worker_id, results, now)
         async with self._engine.begin() as conn:
             return (await conn.execute(stmt, params)).rowcount
 
+    async def _complete_pg(
+        self, worker_id: str, results: Sequence[tuple[int, RequestResult]], now: float
+    ) -> int:
+        """`complete` as one `UPDATE … FROM unnest(arrays)`: asyncpg's executemany reports no
+        row counts, a statement per row costs a round trip each, and arrays keep the SQL text
+        the same for any number of rows (one prepared statement)."""
+        cols: dict[str, list[Any]] = {"id": []} | {k: [] for k in _PER_ROW}
+        for rid, res in results:
+            cols["id"].append(rid)
+            row = _result_values(res, now)
+            if row.keys() - _PER_ROW - _SAME_FOR_ALL:  # a field added to _result_values only
+                raise RuntimeError(f"_PER_ROW lacks {sorted(row.keys() - _PER_ROW)}")
+            for k in _PER_ROW:
+                cols[k].append(row[k])
+        params = {f"a_{k}": v for k, v in cols.items()} | {"now": now, "worker": worker_id}
+        async with self._engine.begin() as conn:
+            return (await conn.execute(_PG_COMPLETE, params)).rowcount
+
     async def release(self, worker_id: str, request_ids: Sequence[int] | None = None) -> int:
         """Put requests `worker_id` holds back in the queue (all of them when `request_ids` is
-        None), e.g. on SIGTERM or preemption. `attempts` is left as it is. Returns how many."""
+        None), e.g. on SIGTERM or preemption. Stopping is not failing: the claim's attempt is
+        taken back, so `attempts` counts only runs that ended with the worker gone. Returns
+        how many."""
         stmt = (
             update(R)
             .where(R.c.worker_id == worker_id, R.c.status == _RUNNING)
-            .values(status=_QUEUED, worker_id=None, lease_expires_at=None, claimed_at=None)
+            .values(
+                status=_QUEUED,
+                worker_id=None,
+                lease_expires_at=None,
+                claimed_at=None,
+                # not max(a, b): SQLite's two-argument max is no PostgreSQL function
+                attempts=case((R.c.attempts > 0, R.c.attempts - 1), else_=0),
+            )
         )
         if request_ids is not None:
             if not request_ids:
                 return 0
             stmt = stmt.where(R.c.id.in_(list(request_ids)))
         async with self._engine.begin() as conn:
-            return (await conn.execute(stmt)).rowcount
+            n = (await conn.execute(stmt)).rowcount
+            if n:
+                await self._notify(conn)
+            return n
 
     # -- workers -----------------------------------------------------------------------------
 
@@ -612,6 +883,8 @@ class Store:
         )
         async with self._engine.begin() as conn:
             n = (await conn.execute(stmt)).rowcount
+            if n:
+                await self._notify(conn)
             await conn.execute(delete(W).where(W.c.id == worker_id))
         return n
 
@@ -643,7 +916,7 @@ class Store:
     ) -> list[FileRecord]:
         """A page of files by creation time (`order` "asc" or "desc"); `after` is the id of the
         last file of the previous page. An unknown `after` gives an empty page."""
-        seq = literal_column("files.rowid")
+        seq = self._f_seq
         desc = order == "desc"
         query = select(F).order_by(
             *((F.c.created_at.desc(), seq.desc()) if desc else (F.c.created_at, seq))
@@ -693,33 +966,46 @@ class Store:
         now: float,
         *,
         model: str | None,
+        endpoint: str | None = None,
         content_hash: str | None = None,
     ) -> bool:
-        """validating → in_progress with its requests enqueued, in one transaction. False (and
-        nothing written) when the batch is no longer validating: another process got there."""
+        """validating → in_progress with its requests enqueued, in one transaction: the one
+        place request rows are written. False (and nothing written) when the batch is no longer
+        validating: another process got there."""
         rows = [
             {
                 "batch_id": batch_id,
                 "line": r.line,
                 "custom_id": r.custom_id,
-                "body": orjson.dumps(r.body).decode(),
+                "body": _body_text(r.body),
                 "status": _QUEUED,
             }
             for r in requests
         ]
+        values: dict[str, Any] = {
+            "status": BatchStatus.IN_PROGRESS.value,
+            "in_progress_at": int(now),
+            "model": model,
+        }
+        if endpoint is not None:
+            values["endpoint"] = endpoint
+        if content_hash is not None:
+            values["content_hash"] = content_hash
         move = (
             update(B)
             .where(B.c.id == batch_id, B.c.status == BatchStatus.VALIDATING.value)
-            .values(
-                status=BatchStatus.IN_PROGRESS.value,
-                in_progress_at=int(now),
-                model=model,
-                content_hash=content_hash,
-            )
+            .values(**values)
         )
         async with self._engine.begin() as conn:
+            current = (await conn.execute(select(B.c.status).where(B.c.id == batch_id))).scalar()
+            if current is None:
+                raise KeyError(batch_id)
+            if current != BatchStatus.VALIDATING.value:
+                return False
+            check_transition(BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
             if (await conn.execute(move)).rowcount != 1:
                 return False
             if rows:
-                await conn.execute(insert(R), rows)
+                await conn.execute(insert(R), rows)  # executemany: one prepared statement
+                await self._notify(conn)
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,8 @@ class NewRequest:
 
     line: int  # 1-based line of the input file
     custom_id: str
-    body: dict[str, Any]  # the request body (`body` of the input line)
+    # the request body (`body` of the input line); a str is that body already as JSON
+    body: dict[str, Any] | str
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +48,14 @@ class BatchRef:
     model: str | None
     created_at: int
     expires_at: int | None = None  # end of the completion window (unix seconds)
+
+
+class FileStorage(enum.Enum):
+    """Where file bytes live (see blobs.py)."""
+
+    LOCAL = "local"  # $BATCHMLX_HOME/files on this host: SQLite's default
+    DATABASE = "database"  # chunks in the database: PostgreSQL's default, hosts share no disk
+
+
+class StoreUnavailable(RuntimeError):
+    """The database cannot be reached or opened (the message says which and why)."""

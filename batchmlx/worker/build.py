@@ -2,28 +2,62 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchmlx.core.engine_api import EmbedderProtocol, EngineProtocol, EngineSettings
+from batchmlx.worker.translate import Translator
 
-def build_engine(name: str, *, cache_dir: Path, dtype: str = "auto", **engine_cfg: Any):
+
+@dataclass(slots=True)
+class ServingModel:
+    """One loaded model: the engine that runs it and the translator that feeds it."""
+
+    name: str  # the model string the worker was asked for
+    engine: EngineProtocol
+    translator: Translator
+    embedder: EmbedderProtocol | None = None  # /v1/embeddings; None: this engine has none
+
+
+EngineFactory = Callable[[str], ServingModel]  # model name → a fresh engine for it
+
+
+def mlx_engine_factory(*, cache_dir: Path, dtype: str, engine: EngineSettings) -> EngineFactory:
+    """The MLX engine, loaded on first use of each model (MLX is imported then, not here)."""
+    return lambda name: build_engine(name, cache_dir=cache_dir, dtype=dtype, settings=engine)
+
+
+def build_engine(
+    name: str, *, cache_dir: Path, dtype: str = "auto", settings: EngineSettings
+) -> ServingModel:
     """Load the model `name` and wrap it in an Engine and the Translator that feeds it."""
-    from batchmlx.engine.llm_engine import Engine, EngineConfig
-    from batchmlx.engine.loader import load_model, resolve_model
-    from batchmlx.worker.translate import Translator
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.llm_engine import Engine
+    from batchmlx.engine.loader import load_model
 
     spec = resolve_model(name, cache_dir=cache_dir)
     if spec is None:
         raise ValueError(f"model {name!r} cannot be resolved")
     loaded = load_model(spec, cache_dir=cache_dir, dtype=dtype)
     engine = Engine(
-        loaded.model,
-        loaded.tokenizer,
-        context_length=loaded.context_length,
-        config=EngineConfig(**engine_cfg),
+        loaded.model, loaded.tokenizer, context_length=loaded.context_length, config=settings
     )
     translator = Translator(
-        loaded.tokenizer, loaded.spec.name, loaded.context_length, loaded.eos_token_ids,
-        grammar_check=engine.grammars.check,
+        loaded.tokenizer, loaded.spec.name, engine.max_context_tokens, loaded.eos_token_ids,
+        vocab_size=_vocab_size(loaded), grammar_check=engine.grammars.check,
+    )  # fmt: skip
+    try:
+        embedder: EmbedderProtocol | None = engine.embedder
+    except ValueError:  # a model layout with no hidden-state body to pool
+        embedder = None
+    return ServingModel(name, engine, translator, embedder)
+
+
+def _vocab_size(loaded: Any) -> int | None:
+    """Rows of the model's token embedding (prompt token ids must be below it)."""
+    size = loaded.config.get("vocab_size") or getattr(
+        getattr(loaded.model, "args", None), "vocab_size", None
     )
-    return engine, translator
+    return int(size) if size else None

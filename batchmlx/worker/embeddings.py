@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from batchmlx.core.engine_api import EmbedderProtocol
 from batchmlx.core.lifecycle import RequestStatus
 from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.formats.embeddings import (
@@ -20,7 +21,7 @@ from batchmlx.formats.embeddings import (
 )
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.params import RequestError
-from batchmlx.worker.translate import error_result
+from batchmlx.worker.translate import error_result, server_error_result
 
 
 def is_embeddings(endpoint: str) -> bool:
@@ -69,13 +70,17 @@ class EmbeddingJobs:
         self._jobs.append(_Job(c.id, req, tokens))
         return None
 
-    def run(self, embedder: Any, model: str) -> list[tuple[int, RequestResult]]:
+    def run(self, embedder: EmbedderProtocol, model: str) -> list[tuple[int, RequestResult]]:
         """Every waiting request through one batched pass (sorted by length inside)."""
         jobs, self._jobs = self._jobs, []
         flat = [t for j in jobs for t in j.tokens]
         if not flat:
             return []
-        vectors = embedder.embed(flat)
+        try:
+            vectors = embedder.embed(flat)
+        except Exception as exc:  # the pass failed: its requests fail with it, the rest go on
+            err = server_error_result(f"The embedding pass failed: {exc}")
+            return [(j.key, err) for j in jobs]
         out: list[tuple[int, RequestResult]] = []
         at = 0
         for j in jobs:

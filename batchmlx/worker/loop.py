@@ -9,26 +9,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
-import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from batchmlx import service
+import batchmlx.ingest  # noqa: F401  (registers the inbox's finalize hook)
+from batchmlx.batches.files import delete_expired_files
+from batchmlx.batches.finalize import finalize
+from batchmlx.batches.lifecycle import expire, settle_cancelling
 from batchmlx.config import Settings
+from batchmlx.core.engine_api import ENGINE_DEFAULTS, EngineSettings
 from batchmlx.core.lifecycle import BatchStatus, is_expired
 from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.faults import crash_point
 from batchmlx.store import Store
+from batchmlx.worker.build import EngineFactory, ServingModel, mlx_engine_factory
 from batchmlx.worker.embeddings import EmbeddingJobs, is_embeddings
+from batchmlx.worker.metrics import EngineMetrics, register_worker
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
+from batchmlx.worker.resilience import Backoff, is_transient
 from batchmlx.worker.translate import (
     PendingRequest,
-    Translator,
     parse_choice_id,
     server_error_result,
 )
@@ -41,17 +47,13 @@ class WorkerOptions:
     until_idle: bool = False  # exit once nothing is left to do
     model: str | None = None  # serve only batches of this model (None: whatever comes first)
     dtype: str = "auto"
-    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    engine: EngineSettings = ENGINE_DEFAULTS
     claim_factor: int = 4  # hold up to this many times max_batch_size requests
     flush_s: float = 0.5  # results wait at most this long before their transaction
     max_attempts: int = 3  # claims of one request before it is given up (error file)
-
-
-@dataclass
-class _Loaded:
-    name: str
-    engine: Any
-    translator: Translator
+    # claim only batches of these models (resolved names as batches record them; "default"
+    # covers batches naming none): workers on several hosts may each serve their own models
+    only_models: tuple[str, ...] = ()
 
 
 class Worker:
@@ -61,42 +63,116 @@ class Worker:
         settings: Settings,
         options: WorkerOptions,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         on_progress: Callable[[], None] | None = None,
+        engine_factory: EngineFactory | None = None,
     ) -> None:
+        """`engine_factory`: a model name → its engine and translator (default: the MLX
+        engine, loaded on first use; tests pass a fake)."""
         self.store = store
         self.settings = settings
         self.opts = options
-        self.clock = clock
+        self.clock = clock or store.clock  # leases in the database's time (PostgreSQL)
         self.on_progress = on_progress
-        self.worker_id = f"w-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.loaded: _Loaded | None = None
+        self.host = settings.hostname
+        self.worker_id = f"w-{self.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.build = engine_factory or mlx_engine_factory(
+            cache_dir=settings.cache_dir, dtype=options.dtype, engine=options.engine
+        )
+        self.loaded: ServingModel | None = None
         self.pending: dict[int, PendingRequest] = {}  # row id -> request in the engine
         self.online = OnlineQueue()  # the HTTP API's requests, ahead of batch work
         self.online_pending: dict[int, PendingRequest] = {}  # ticket id (< 0) -> request
         self.ready: list[tuple[int, RequestResult]] = []  # results waiting for a flush
         self.embeddings = EmbeddingJobs()  # /v1/embeddings requests for the next batched pass
+        self.ready_tokens: dict[str, int] = {}  # batch id -> completion tokens in `ready`
         self.stop_requested = False
+        self.metrics = EngineMetrics()  # this process's registry and chart series
+        register_worker(self)  # the dashboard and `submit --wait` read inflight_tokens()
         self._last_flush = 0.0
-        self._last_beat = 0.0
+        self._last_beat = -math.inf  # the first tick registers the worker
+        self._backoff = Backoff()  # between ticks that failed
+        self._parked: dict[str, tuple[float, Backoff]] = {}  # batch -> (retry at, its backoff)
         self._next_housekeeping = 0.0  # monotonic time of the next look for other work
         self._queue_dry = False  # the last claim found nothing: wait for housekeeping
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def run(self) -> None:
-        await self._heartbeat(force=True)
+        """Tick until stopped. A tick that fails (locked database, full disk, a bug) is logged
+        and retried after a backoff: one bad thing never ends the worker."""
         try:
             while not self.stop_requested:
-                busy = await self.tick()
+                if self.online_pending:
+                    crash_point("worker_loop")
+                try:
+                    busy = await self.tick()
+                except Exception as exc:
+                    await self._pause_after(exc)
+                    continue
+                self._backoff.reset()
+                # a tick between housekeeping rounds may never suspend: let the server's
+                # handlers (dashboard polls, API calls) run between engine steps
+                await asyncio.sleep(0)
                 if not busy:
                     if self.opts.until_idle:
                         break
-                    await self.online.wait(self.settings.poll_s)
+                    await self._idle()
         finally:
-            await self._flush(force=True)
+            await self._persist("write results", lambda: self._flush(force=True))
             if self.pending:
-                await self.store.release(self.worker_id, list(self.pending))
-            await self.store.remove_worker(self.worker_id)
+                ids = list(self.pending)
+                await self._persist("give back leases", lambda: self.store.release(
+                    self.worker_id, ids))  # fmt: skip
+            await self._persist("deregister", lambda: self.store.remove_worker(self.worker_id))
+
+    async def _pause_after(self, exc: Exception) -> None:
+        delay = self._backoff.next()
+        if is_transient(exc):
+            log.warning("transient fault, retrying in %.1fs: %s", delay, exc)
+        else:
+            log.error("worker tick failed, retrying in %.1fs", delay, exc_info=exc)
+        await self._sleep(delay)
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake for a stop request (a backoff must not delay SIGTERM)."""
+        end = time.monotonic() + seconds
+        while not self.stop_requested and (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.1))
+
+    async def _persist(self, what: str, op: Callable[[], Any], tries: int = 5) -> None:
+        """At shutdown: retry a transient failure a few times; past that, leases run out."""
+        backoff = Backoff()
+        for attempt in range(tries):
+            try:
+                await op()
+                return
+            except Exception as exc:
+                if not is_transient(exc) or attempt == tries - 1:
+                    log.error("at shutdown, could not %s", what, exc_info=exc)
+                    return
+                await asyncio.sleep(backoff.next())
+
+    async def _idle(self) -> None:
+        """Nothing to do: wait for an online request or new work. On PostgreSQL a NOTIFY
+        wakes the worker (no polling); it also wakes when the first running lease ends (a dead
+        worker's requests to take over) and to heartbeat."""
+        if not self.store.listens:
+            await self.online.wait(self.settings.poll_s)
+            return
+        timeout = self.settings.lease_s / 3
+        lease_end = await self.store.next_lease_end()
+        if lease_end is not None:
+            timeout = min(timeout, max(lease_end - self.clock(), 0.0) + 0.05)
+        waits = [
+            asyncio.ensure_future(self.online.wait(timeout)),
+            asyncio.ensure_future(self.store.wait_for_work(timeout)),
+        ]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     def install_signal_handlers(self) -> None:
         """First SIGTERM/SIGINT: finish the current step, release leases, exit. Second: now."""
@@ -125,7 +201,7 @@ class Worker:
             self._next_housekeeping = now + self.settings.poll_s
             did |= await self._settle_batches()
             did |= await self._expire_batches()
-            await service.delete_expired_files(self.store, now=self.clock())
+            await delete_expired_files(self.store, now=self.clock())
         did |= self._admit_online()
         if housekeeping or (len(self.pending) < self._max_batch() and not self._queue_dry):
             claimed = await self._claim()
@@ -155,9 +231,14 @@ class Worker:
         tickets = self.online.drain()
         if not tickets:
             return False
-        if self.loaded is None:
-            self._ensure_model(self._model_for(None))
-        loaded = self.loaded
+        try:
+            loaded = self._ensure_model(self.loaded.name if self.loaded else self._model_for(None))
+        except Exception as exc:
+            log.error("online requests: the model could not be loaded", exc_info=exc)
+            err = server_error_result(f"The model could not be loaded: {exc}")
+            for t in tickets:
+                self.online.done(t.id, err.status_code, err.body)
+            return True
         for t in tickets:
             t.decode = loaded.translator.tok.decode
             t.model = loaded.translator.model_name
@@ -201,8 +282,12 @@ class Worker:
             return False
         did = False
         for b in await self.store.active_batches():
+            if self.opts.only_models and (b.model or self.settings.default_model) not in (
+                self.opts.only_models
+            ):
+                continue  # another worker's model
             model = self._model_for(b.model)
-            busy = self.pending or self.online_pending
+            busy = self.pending or self.online_pending or self.embeddings
             if self.loaded is not None and model != self.loaded.name and busy:
                 continue  # one engine holds one model; come back when this one drains
             claimed = await self.store.claim(
@@ -211,7 +296,14 @@ class Worker:
             if claimed:
                 crash_point("after_claim")
             for c in claimed:
-                self._admit(c)
+                try:
+                    self._admit(c)
+                except Exception as exc:  # tied to this request (or its batch's model)
+                    log.error("request %s of %s could not start", c.custom_id, c.batch_id,
+                              exc_info=exc)  # fmt: skip
+                    self.ready.append(
+                        (c.id, server_error_result(f"The request could not start: {exc}"))
+                    )
             room -= len(claimed)
             did |= bool(claimed)
             if room <= 0:
@@ -255,30 +347,41 @@ class Worker:
         response bodies give it."""
         return self._ensure_model(self._model_for(model)).translator.model_name
 
-    def _ensure_model(self, name: str) -> _Loaded:
+    def _ensure_model(self, name: str) -> ServingModel:
         if self.loaded is not None and self.loaded.name == name:
             return self.loaded
         if self.pending or self.online_pending:
             raise RuntimeError("cannot switch models while requests run")
-        from batchmlx.worker.build import build_engine
-
-        engine, translator = build_engine(
-            name, cache_dir=self.settings.cache_dir, dtype=self.opts.dtype, **self.opts.engine
-        )
-        engine.on_token = self._on_token
-        self.loaded = _Loaded(name, engine, translator)
-        return self.loaded
+        loaded = self.build(name)
+        loaded.engine.on_token = self._on_token
+        self.loaded = loaded
+        return loaded
 
     def _max_batch(self) -> int:
-        if self.opts.engine.get("simple"):
-            return 1
-        return int(self.opts.engine.get("max_batch_size", 32))
+        return self.opts.engine.running_bound
 
     # -- running -------------------------------------------------------------------------------
+    def inflight_tokens(self) -> dict[str, int]:
+        """Tokens generated so far by batch requests not yet in the store, per batch."""
+        engine = self.loaded.engine if self.loaded is not None else None
+        so_far = getattr(engine, "generated_so_far", None)
+        out = dict(self.ready_tokens)
+        if so_far is None:
+            return out
+        for row, p in self.pending.items():
+            n = sum(so_far(f"{row}:{i}") for i in range(p.parsed.n) if i not in p.outputs)
+            out[p.claimed.batch_id] = out.get(p.claimed.batch_id, 0) + n
+        return out
+
     def _step(self) -> None:
         loaded = self.loaded
         now = int(self.clock())
-        for out in loaded.engine.step():
+        try:
+            outputs = loaded.engine.step()
+        except Exception as exc:
+            self._fail_running(exc)
+            return
+        for out in outputs:
             row, idx = parse_choice_id(out.request_id)
             table = self.online_pending if OnlineQueue.owns(row) else self.pending
             p = table.get(row)
@@ -291,32 +394,62 @@ class Worker:
             result = loaded.translator.result(p, now)
             if table is self.online_pending:
                 self.online.done(row, result.status_code, result.body)
+                self.metrics.results([result], "online")
             else:
                 self.ready.append((row, result))
+                b = p.claimed.batch_id
+                self.ready_tokens[b] = self.ready_tokens.get(b, 0) + result.completion_tokens
+        self.metrics.after_step(loaded.engine, time.time())
         crash_point("mid_generation")
 
-    def _add_embeddings(self, loaded: _Loaded, c: ClaimedRequest) -> RequestResult | None:
+    def _add_embeddings(self, loaded: ServingModel, c: ClaimedRequest) -> RequestResult | None:
+        if loaded.embedder is None:
+            return server_error_result(f"The model {loaded.name!r} computes no embeddings here.")
         tr = loaded.translator
-        dims = loaded.engine.embedder.dimensions
-        return self.embeddings.add(c, tr.tok, tr.context_length, dims)
+        return self.embeddings.add(c, tr.tok, tr.context_length, loaded.embedder.dimensions)
 
     def _run_embeddings(self) -> None:
         """Every waiting embeddings request in one batched pass, before the next engine step."""
         loaded = self.loaded
-        results = self.embeddings.run(loaded.engine.embedder, loaded.translator.model_name)
+        assert loaded is not None and loaded.embedder is not None  # set when they were added
+        results = self.embeddings.run(loaded.embedder, loaded.translator.model_name)
         for key, result in results:
             if OnlineQueue.owns(key):
                 self.online.done(key, result.status_code, result.body)
             else:
                 self.ready.append((key, result))
 
+    def _fail_running(self, exc: Exception) -> None:
+        """The engine step raised. The requests it ran (the engine says which; all of them if
+        it cannot) get a 500 line (batch) or response (online); the others go on."""
+        ids = getattr(exc, "request_ids", None)
+        rows = None if ids is None else {parse_choice_id(r)[0] for r in ids}
+        err = server_error_result(f"The engine failed while running this request: {exc}")
+        failed = 0
+        for table in (self.pending, self.online_pending):
+            for row, p in list(table.items()):
+                if rows is not None and row not in rows:
+                    continue
+                for i in range(p.parsed.n):
+                    self.loaded.engine.abort(f"{row}:{i}")
+                del table[row]
+                failed += 1
+                if table is self.online_pending:
+                    self.online.done(row, err.status_code, err.body)
+                else:
+                    self.ready.append((row, err))
+        log.error("engine step failed; %d requests failed with it", failed, exc_info=exc)
+
     async def _flush(self, force: bool = False) -> None:
         now = self.clock()
         if not self.ready or (not force and now - self._last_flush < self.opts.flush_s
                               and len(self.ready) < self._max_batch()):  # fmt: skip
             return
-        batch, self.ready = self.ready, []
-        await self.store.complete(self.worker_id, batch, now)
+        batch = list(self.ready)
+        await self.store.complete(self.worker_id, batch, now)  # may fail: results stay ready
+        del self.ready[: len(batch)]
+        self.ready_tokens.clear()  # now in the store's usage (a dashboard figure only)
+        self.metrics.results(r for _, r in batch)
         crash_point("after_result_write")
         self._last_flush = now
         if self.on_progress:
@@ -325,14 +458,17 @@ class Worker:
     async def _heartbeat(self, force: bool = False) -> None:
         now = self.clock()
         if force or now - self._last_beat >= self.settings.lease_s / 3:
-            await self.store.heartbeat(self.worker_id, now, self.settings.lease_s, pid=os.getpid())
+            await self.store.heartbeat(
+                self.worker_id, now, self.settings.lease_s, pid=os.getpid(), hostname=self.host
+            )
             self._last_beat = now
-            await self._recover_dead_workers()
+            if self.store.one_host:
+                await self._recover_dead_workers()
 
     async def _recover_dead_workers(self) -> None:
         """Workers of this host whose process is gone (SIGKILL, crash, power loss) hold leases
         nobody renews: end them now instead of waiting `lease_s`."""
-        for wid, pid in await self.store.workers_on_host(socket.gethostname()):
+        for wid, pid in await self.store.workers_on_host(self.host):
             if wid != self.worker_id and pid is not None and not _pid_alive(pid):
                 n = await self.store.abandon_worker(wid)
                 log.info("worker %s (pid %s) is gone; %d requests claimable again", wid, pid, n)
@@ -342,9 +478,12 @@ class Worker:
         """Cancelled batches: abort their running requests, write their files."""
         did = False
         for b in await self.store.batches_with_status(BatchStatus.CANCELLING):
+            if self._is_parked(b.id):
+                continue
             self._abort_batch(b.id)
             await self._flush(force=True)
-            await service.settle_cancelling(self.store, self.settings, b.id, now=self.clock())
+            await self._for_batch(b.id, "cancel", settle_cancelling(
+                self.store, self.settings, b.id, now=self.clock()))  # fmt: skip
             did = True
         return did
 
@@ -352,12 +491,15 @@ class Worker:
         """Batches past their completion window: stop their requests, keep what finished."""
         now = self.clock()
         active = await self.store.active_batches()
-        due = [b for b in active if is_expired(b.status, b.expires_at, now)]
+        due = [b for b in active if is_expired(b.status, b.expires_at, now)
+               and not self._is_parked(b.id)]  # fmt: skip
         for b in due:
             self._abort_batch(b.id)
             await self._flush(force=True)
-            rec = await service.expire(self.store, self.settings, b.id, now=now)
-            log.info("batch %s: completion window ended; %s", b.id, rec.status.value)
+            rec = await self._for_batch(b.id, "expiry", expire(
+                self.store, self.settings, b.id, now=now))  # fmt: skip
+            if rec is not None:
+                log.info("batch %s: completion window ended; %s", b.id, rec.status.value)
         return bool(due)
 
     def _abort_batch(self, batch_id: str) -> None:
@@ -369,10 +511,33 @@ class Worker:
                 del self.pending[row]
 
     async def _finalize_ready(self) -> bool:
-        ids = await self.store.batches_to_finalize()
+        ids = [b for b in await self.store.batches_to_finalize() if not self._is_parked(b)]
         for batch_id in ids:
-            await service.finalize(self.store, self.settings, batch_id, now=self.clock())
+            await self._for_batch(batch_id, "finalize", finalize(
+                self.store, self.settings, batch_id, now=self.clock()))  # fmt: skip
         return bool(ids)
+
+    async def _for_batch(self, batch_id: str, what: str, op: Any) -> Any:
+        """Run one batch's finalize, cancel or expiry. A transient fault is the tick's (backoff,
+        retry); any other is this batch's: logged, retried later with its own backoff, while
+        the other batches go on. Returns the op's result, or None when it failed."""
+        try:
+            result = await op
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            _, backoff = self._parked.get(batch_id, (0.0, Backoff(first=self.settings.poll_s)))
+            delay = backoff.next()
+            self._parked[batch_id] = (time.monotonic() + delay, backoff)
+            log.error("batch %s: %s failed, retrying in %.1fs; other batches go on",
+                      batch_id, what, delay, exc_info=exc)  # fmt: skip
+            return None
+        self._parked.pop(batch_id, None)
+        return result
+
+    def _is_parked(self, batch_id: str) -> bool:
+        entry = self._parked.get(batch_id)
+        return entry is not None and time.monotonic() < entry[0]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -393,13 +558,16 @@ async def run_worker(
     on_progress: Callable[[], None] | None = None,
     signals: bool = True,
     inbox: Any = None,
+    engine_factory: EngineFactory | None = None,
 ) -> None:
     """Run a worker until it stops; with `inbox` (an ingest.inbox.Inbox), watch its folder in
     the same event loop and stop watching when the worker stops."""
     own = store is None
-    store = store or await Store.open(settings.db_path)
+    store = store or await Store.from_settings(settings)
     try:
-        worker = Worker(store, settings, options, on_progress=on_progress)
+        worker = Worker(
+            store, settings, options, on_progress=on_progress, engine_factory=engine_factory
+        )
         if signals:
             worker.install_signal_handlers()
         if inbox is None:

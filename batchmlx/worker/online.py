@@ -14,8 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-ONLINE_PRIORITY = 0  # engine priority of online requests; batch work runs at BATCH_PRIORITY
-BATCH_PRIORITY = 1
+ONLINE_PRIORITY = 0  # engine priority of online requests; batch work keeps the default, 1
 
 
 @dataclass(slots=True)
@@ -81,6 +80,16 @@ class OnlineQueue:
         t = self._live.pop(ticket_id, None)
         if t is not None:
             t.events.put_nowait(DoneEvent(status_code, body))
+
+    def fail_all(self, status_code: int, body: dict[str, Any]) -> int:
+        """End every waiting and running ticket with an error (the worker stopped): a caller
+        gets an error response, never a hang. Returns how many."""
+        tickets = [*self._waiting, *self._live.values()]
+        self._waiting.clear()
+        self._live.clear()
+        for t in tickets:
+            t.events.put_nowait(DoneEvent(status_code, body))
+        return len(tickets)
 
     def cancel(self, ticket: OnlineTicket) -> None:
         """The client went away: forget the ticket (the worker aborts its engine requests)."""

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from batchmlx.core.finish import cut_at_stop, fits_context
 from batchmlx.core.lifecycle import RequestStatus
 from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.core.request import (
@@ -24,11 +25,15 @@ from batchmlx.formats.openai import (
     new_id,
     text_completion_body,
 )
-from batchmlx.formats.params import Endpoint, ParsedRequest, RequestError, parse_request
+from batchmlx.formats.params import (
+    Endpoint,
+    ParsedRequest,
+    RequestError,
+    context_length_error,
+    parse_request,
+)
 from batchmlx.formats.responses import response_body
 from batchmlx.formats.structured import schema_error_message
-
-_PROMPT_PARAM = {Endpoint.CHAT: "messages", Endpoint.RESPONSES: "input"}
 
 
 @dataclass(slots=True)
@@ -72,8 +77,9 @@ class Translator:
         self,
         tokenizer: Any,
         model_name: str,
-        context_length: int,
+        context_length: int,  # prompt + completion tokens the engine holds
         eos_ids,
+        vocab_size: int | None = None,  # the embedding's rows; None: not checked
         grammar_check: Callable[[str], str | None] | None = None,
     ) -> None:
         self.tok = tokenizer
@@ -81,6 +87,7 @@ class Translator:
         self.model_name = model_name
         self.context_length = context_length
         self.eos_ids = frozenset(eos_ids)
+        self.vocab_size = vocab_size
 
     def prepare(
         self, claimed: ClaimedRequest
@@ -95,19 +102,21 @@ class Translator:
                 msg = schema_error_message(parsed.grammar, detail)
                 err = RequestError(400, ErrorCode.INVALID_VALUE.value, msg, parsed.grammar.param)
                 return None, [], error_result(err)
+        bad_id = self._out_of_vocab(parsed)
+        if bad_id is not None:
+            msg = (
+                f"Invalid 'prompt': token id {bad_id} is out of range; this model's vocabulary "
+                f"has {self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})."
+            )
+            err = RequestError(400, ErrorCode.INVALID_VALUE.value, msg, "prompt")
+            return None, [], error_result(err)
         try:
             tokens, text = self._prompt(parsed)
         except Exception as exc:  # a template that rejects these messages, say
             err = RequestError(400, ErrorCode.INVALID_VALUE.value, f"Invalid prompt: {exc}", None)
             return None, [], error_result(err)
-        if len(tokens) >= self.context_length:
-            msg = (
-                f"This model's maximum context length is {self.context_length} tokens. "
-                f"However, your messages resulted in {len(tokens)} tokens. "
-                "Please reduce the length of the messages."
-            )
-            param = _PROMPT_PARAM.get(parsed.endpoint, "prompt")
-            err = RequestError(400, ErrorCode.CONTEXT_LENGTH_EXCEEDED.value, msg, param)
+        if not fits_context(len(tokens), self.context_length):
+            err = context_length_error(self.context_length, len(tokens), parsed.endpoint)
             return None, [], error_result(err)
         pending = PendingRequest(claimed, parsed, tokens, text, {})
         gens = []
@@ -126,6 +135,13 @@ class Translator:
                 )
             )
         return pending, gens, None
+
+    def _out_of_vocab(self, parsed: ParsedRequest) -> int | None:
+        """The first prompt token id the model has no embedding for (it would not even fit the
+        engine's int32 arrays), or None."""
+        if parsed.prompt_token_ids is None or self.vocab_size is None:
+            return None
+        return next((t for t in parsed.prompt_token_ids if t >= self.vocab_size), None)
 
     def _prompt(self, parsed: ParsedRequest) -> tuple[list[int], str]:
         if parsed.messages is not None:  # chat and responses
@@ -186,12 +202,8 @@ class Translator:
         )
 
     def _text(self, out: GenerationOutput, stops: tuple[str, ...]) -> tuple[str, str]:
-        text = self.tok.decode(out.token_ids)
-        finish = out.finish_reason.value
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            text, finish = text[:cut], FinishReason.STOP.value
-        return text, finish
+        text, stopped = cut_at_stop(self.tok.decode(out.token_ids), stops)
+        return text, FinishReason.STOP.value if stopped else out.finish_reason.value
 
     def _logprobs(self, lps: list[TokenLogprob] | None) -> list[TokenLogprobText]:
         out = []

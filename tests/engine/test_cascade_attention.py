@@ -6,7 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchmlx.engine.kv_cache import BatchLayout, cascade_attention
+from batchmlx.engine.attention import cascade_attention
+from batchmlx.engine.kv_cache import BatchLayout
 
 
 @pytest.mark.parametrize(("q_len", "rep"), [(1, 3), (4, 1), (3, 2)])
@@ -44,3 +45,39 @@ def test_layout_finds_the_prefix_every_sequence_shares() -> None:
         block_size=4, n_kv_heads=2, token_chunks=[[7]], starts=[10], block_tables=[[1, 2, 3]]
     )
     assert alone.prefix_runs is None
+
+
+def test_paged_attention_is_in_place_only_during_a_step(monkeypatch) -> None:
+    import sys
+    import types
+
+    from batchmlx.engine.attention import AttentionRoute
+    from batchmlx.engine.kv_cache import PagedLayerCache
+
+    module = types.ModuleType("fake_mlx_lm_arch")
+    calls: list[str] = []
+
+    def original(queries, keys, values, cache, scale, mask, sinks=None):
+        calls.append("original")
+        return queries
+
+    module.scaled_dot_product_attention = original
+    model_type = type("Model", (), {"__module__": module.__name__})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    def prefix_attention(queries, keys, values, prefix, scale, mask):
+        calls.append("prefix")
+        return queries
+
+    route = AttentionRoute(model_type(), prefix_attention)
+    shared = PagedLayerCache.__new__(PagedLayerCache)
+    shared.prefix = (mx.zeros(1), mx.zeros(1))
+    alone = PagedLayerCache.__new__(PagedLayerCache)
+    alone.prefix = None
+    with route.active():
+        sdpa = module.scaled_dot_product_attention
+        assert sdpa is not original
+        for cache in (shared, alone, None):
+            sdpa(mx.zeros(1), None, None, cache=cache, scale=1.0, mask=None)
+    assert module.scaled_dot_product_attention is original  # put back after the step
+    assert calls == ["prefix", "original", "original"]

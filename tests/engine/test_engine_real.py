@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import CacheOutcome, GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine, EngineConfig
+from batchmlx.engine.llm_engine import Engine
 
 pytestmark = pytest.mark.real_model
 
@@ -35,7 +36,7 @@ def make_engine(loaded, **cfg) -> Engine:
         loaded.model,
         loaded.tokenizer,
         context_length=loaded.context_length,
-        config=EngineConfig(**cfg),
+        config=EngineSettings(**cfg),
         seed=0,
     )
 

@@ -9,8 +9,9 @@ from mlx.utils import tree_map
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
+from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import CacheOutcome, FinishReason, GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine, EngineConfig
+from batchmlx.engine.llm_engine import Engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -34,7 +35,7 @@ def model():
 def engine(model, **cfg) -> Engine:
     base = dict(block_size=4, cache_memory_mb=64, max_prefill_tokens=64)
     base.update(cfg)
-    return Engine(model, None, context_length=256, config=EngineConfig(**base), seed=0)
+    return Engine(model, None, context_length=256, config=EngineSettings(**base), seed=0)
 
 
 def prompts() -> list[list[int]]:
@@ -167,3 +168,30 @@ def test_sharing_lowers_allocated_kv_memory(model):
     b = off.generate(reqs(ps, params))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert on.stats.peak_kv_bytes < off.stats.peak_kv_bytes / 2
+
+
+def test_the_context_is_the_smaller_of_the_model_and_the_kv_pool(model):
+    small = engine(model, memory_aware=False, cache_max_blocks=8)  # 8 usable blocks of 4
+    assert small.max_context_tokens == 32
+    assert engine(model).max_context_tokens == 256
+    with pytest.raises(ValueError, match="no room"):  # the worker checks first: a 400
+        small.add(GenerationRequest("r", list(range(1, 33)), GREEDY))
+    out = small.generate([GenerationRequest("s", list(range(1, 30)), GREEDY)])[0]
+    assert len(out.token_ids) == 3  # max_tokens bounded by the room left
+    assert out.finish_reason is FinishReason.LENGTH
+
+
+def test_a_stop_string_ends_generation_on_the_decoded_text(model):
+    class Digits:  # token i decodes to "<i>"
+        def decode(self, ids: list[int]) -> str:
+            return "".join(f"<{i}>" for i in ids)
+
+    free = engine(model).generate(reqs([prompts()[0]]))[0].token_ids
+    stop = f"<{free[2]}>"
+    eng = engine(model)
+    eng.tokenizer = Digits()
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,))
+    out = eng.generate(reqs([prompts()[0]], params))[0]
+    first = next(i for i, t in enumerate(free) if f"<{t}>" == stop)
+    assert out.token_ids == free[: first + 1]  # stops on the token completing the string
+    assert out.finish_reason is FinishReason.STOP

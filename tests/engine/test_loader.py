@@ -11,17 +11,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec, resolve_model
 from batchmlx.engine import default_model as dm
 from batchmlx.engine.gguf import MARKER_NAME, convert_gguf
-from batchmlx.engine.loader import (
-    DEFAULT_MODEL_NAME,
-    ModelSpec,
-    dequantize_model,
-    load_model,
-    model_folder,
-    model_resolves,
-    resolve_model,
-)
+from batchmlx.engine.loader import dequantize_model, load_model, model_folder
 
 QUESTION = "What is the capital of France?"
 RENDERED = (
@@ -80,8 +73,7 @@ def test_resolve_hub_ids_and_unknown_names(tmp_path: Path) -> None:
     )
     for name in ("gpt-4o-mini", "", "a/b/c", "../x", "/abs/missing", "./rel/missing"):
         assert resolve_model(name, cache_dir=tmp_path) is None, name
-        assert not model_resolves(name, cache_dir=tmp_path)
-    assert model_resolves("default", cache_dir=tmp_path)
+    assert resolve_model("default", cache_dir=tmp_path) is not None
 
 
 # --- dequantization on the tiny model ---

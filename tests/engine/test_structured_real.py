@@ -7,9 +7,10 @@ import json
 import jsonschema
 import pytest
 
+from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.records import ClaimedRequest
 from batchmlx.core.request import FinishReason, GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine, EngineConfig
+from batchmlx.engine.llm_engine import Engine
 from batchmlx.formats.structured import canonical_schema
 from batchmlx.worker.translate import Translator
 
@@ -53,7 +54,7 @@ def make_engine(loaded, **cfg) -> Engine:
         loaded.model,
         loaded.tokenizer,
         context_length=loaded.context_length,
-        config=EngineConfig(**cfg),
+        config=EngineSettings(**cfg),
         seed=0,
     )
 

@@ -75,8 +75,8 @@ class Server:
 
 
 def start_server(base: Path, *args: str, api_key: str | None = None, timeout: float = 240):
-    home = base / "home"
-    home.mkdir(parents=True, exist_ok=True)
+    home = base / "home"  # made by the server, as a user's would be
+    base.mkdir(parents=True, exist_ok=True)  # its log's folder (a caller may name a new one)
     port = free_port()
     log = base / "server.log"
     cmd = [sys.executable, "-m", "batchmlx.cli", "serve", "--port", str(port), *args]

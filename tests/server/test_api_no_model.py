@@ -48,6 +48,14 @@ def test_wrong_or_missing_key_is_401(server):
     assert server.client().models.list().data[0].id == "SmolLM2-135M-Instruct"
 
 
+def test_bearer_scheme_is_case_insensitive(server):
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        status, body = server.raw("GET", "/models", headers={"Authorization": f"{scheme} {KEY}"})
+        assert status == 200 and body["object"] == "list", (scheme, body)
+    status, body = server.raw("GET", "/models", headers={"Authorization": f"Basic {KEY}"})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
 def test_upload_retrieve_list_content_delete(client):
     data = good_file()
     f = client.files.create(file=("in.jsonl", data), purpose="batch")
@@ -96,7 +104,7 @@ def test_bad_multipart_and_missing_fields(client, server):
     status, body = server.raw("POST", "/files", b"--xyz\r\ngarbage", multipart)
     assert status == 400 and body["error"]["param"] == "purpose", body
     status, body = server.raw("POST", "/files", b"{}", {"Content-Type": "application/json"})
-    assert status == 400
+    assert status == 415 and body["error"]["code"] == "unsupported_media_type", body
     with pytest.raises(openai.BadRequestError) as exc:
         client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
     assert _envelope(exc.value)["param"] == "purpose"

@@ -8,7 +8,7 @@ from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import FileRecord
 from batchmlx.store import Store
 
-from .conftest import batch, new_requests
+from .conftest import add_batch, batch, new_requests
 
 
 def _file(i: int, created: int, purpose: str = "batch") -> FileRecord:
@@ -38,7 +38,7 @@ def test_file_pages_follow_the_cursor_both_ways(with_store):
 def test_start_validated_batch_once(with_store):
     async def scenario(store: Store) -> None:
         validating = replace(batch("b1", status=BatchStatus.VALIDATING), model=None)
-        await store.create_batch(validating, [])
+        await add_batch(store, validating, [])
         reqs = new_requests(3)
         assert await store.start_validated_batch("b1", reqs, 1005, model="tiny")
         rec = await store.get_batch("b1")

@@ -10,7 +10,7 @@ from batchmlx.core.lifecycle import BatchStatus, TransitionError
 from batchmlx.core.records import BatchErrorRecord, BatchUsage, FileRecord, RequestCounts
 from batchmlx.store import BatchRef, Store
 
-from .conftest import batch, failed, new_requests, ok
+from .conftest import add_batch, batch, failed, new_requests, ok
 
 
 def test_files_round_trip(with_store):
@@ -21,8 +21,8 @@ def test_files_round_trip(with_store):
         await store.add_file(b)
         assert await store.get_file("file-a") == a
         assert await store.get_file("file-zzz") is None
-        assert await store.list_files() == [b, a]
-        assert await store.list_files(purpose="batch") == [a]
+        assert await store.list_files_page() == [b, a]
+        assert await store.list_files_page(purpose="batch") == [a]
 
     with_store(scenario)
 
@@ -30,9 +30,9 @@ def test_files_round_trip(with_store):
 def test_create_and_get_batch_with_live_counts_and_usage(with_store):
     async def scenario(store: Store) -> None:
         rec = batch("batch_a", metadata={"team": "x"}, expires_at=1000 + 86400)
-        await store.create_batch(rec, new_requests(4), content_hash="h1", source="cli")
+        await add_batch(store, rec, new_requests(4), content_hash="h1", source="cli")
         got = await store.get_batch("batch_a")
-        assert got == replace(rec, request_counts=RequestCounts(total=4))
+        assert got == replace(rec, request_counts=RequestCounts(total=4), in_progress_at=1000)
         assert got.metadata == {"team": "x"} and got.stats == {}
 
         claimed = await store.claim("w1", 3, now=2000.0, lease_s=60.0)
@@ -45,7 +45,7 @@ def test_create_and_get_batch_with_live_counts_and_usage(with_store):
         got = await store.get_batch("batch_a")
         assert got.request_counts == RequestCounts(total=4, completed=2, failed=1)
         assert got.usage == BatchUsage(input_tokens=30, cached_tokens=4, output_tokens=12)
-        assert await store.batch_progress("batch_a") == got.request_counts
+        assert (await store.get_batch("batch_a")).request_counts == got.request_counts
         assert await store.get_batch("batch_nope") is None
 
     with_store(scenario)
@@ -59,15 +59,13 @@ def test_failed_batch_stored_with_errors_and_no_requests(with_store):
 
     async def scenario(store: Store) -> None:
         rec = batch("batch_f", status=BatchStatus.FAILED, errors=errors, failed_at=1000)
-        await store.create_batch(rec, [])
+        await add_batch(store, rec, [])
         got = await store.get_batch("batch_f")
         assert got.status is BatchStatus.FAILED
         assert got.errors == errors
         assert got.failed_at == 1000
         assert got.request_counts == RequestCounts(0, 0, 0)
         assert await store.claim("w1", 10, now=1.0, lease_s=1.0) == []
-        with pytest.raises(ValueError):
-            await store.create_batch(batch("batch_g", status=BatchStatus.FAILED), new_requests(1))
 
     with_store(scenario)
 
@@ -76,7 +74,7 @@ def test_list_batches_newest_first_with_after_pagination(with_store):
     async def scenario(store: Store) -> None:
         # two share a created_at: insertion order breaks the tie
         for i, created in enumerate([100, 200, 200, 300, 400]):
-            await store.create_batch(batch(f"batch_{i}", created_at=created), new_requests(i))
+            await add_batch(store, batch(f"batch_{i}", created_at=created), new_requests(i))
         page1 = await store.list_batches(limit=2)
         assert [b.id for b in page1] == ["batch_4", "batch_3"]
         page2 = await store.list_batches(limit=2, after=page1[-1].id)
@@ -91,19 +89,37 @@ def test_list_batches_newest_first_with_after_pagination(with_store):
 
 def test_find_batch_by_hash(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a", created_at=1), new_requests(1), content_hash="h")
-        await store.create_batch(batch("batch_b", created_at=2), new_requests(1), content_hash="h")
-        await store.create_batch(batch("batch_c", created_at=3), new_requests(1))
+        await add_batch(store, batch("batch_a", created_at=1), new_requests(1), content_hash="h")
+        await add_batch(store, batch("batch_b", created_at=2), new_requests(1), content_hash="h")
+        await add_batch(store, batch("batch_c", created_at=3), new_requests(1))
         found = await store.find_batch_by_hash("h")
         assert found is not None and found.id == "batch_b"
         assert await store.find_batch_by_hash("other") is None
+        # only batches in the statuses asked for: a newer failed one is passed over
+        bad = batch("batch_d", created_at=4, status=BatchStatus.FAILED, failed_at=4)
+        await add_batch(store, bad, [], content_hash="h")
+        assert (await store.find_batch_by_hash("h")).id == "batch_d"
+        found = await store.find_batch_by_hash("h", [BatchStatus.IN_PROGRESS])
+        assert found is not None and found.id == "batch_b"
+        assert await store.find_batch_by_hash("h", [BatchStatus.COMPLETED]) is None
+
+    with_store(scenario)
+
+
+def test_find_batch_by_source(with_store):
+    async def scenario(store: Store) -> None:
+        src = "inbox:/x/a.jsonl#drop=1-2-3"
+        await add_batch(store, batch("batch_a", created_at=1), new_requests(1), source=src)
+        await add_batch(store, batch("batch_b", created_at=2), new_requests(1), source="cli")
+        assert (await store.find_batch_by_source(src)).id == "batch_a"
+        assert await store.find_batch_by_source("inbox:/x/a.jsonl#drop=1-2-4") is None
 
     with_store(scenario)
 
 
 def test_set_batch_status_checks_the_lifecycle_and_stamps_times(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a", status=BatchStatus.VALIDATING), new_requests(1))
+        await add_batch(store, batch("batch_a", status=BatchStatus.VALIDATING))
         rec = await store.set_batch_status("batch_a", BatchStatus.IN_PROGRESS, now=1010.7)
         assert rec.status is BatchStatus.IN_PROGRESS and rec.in_progress_at == 1010
         rec = await store.set_batch_status("batch_a", BatchStatus.FINALIZING, now=1020.0)
@@ -112,7 +128,7 @@ def test_set_batch_status_checks_the_lifecycle_and_stamps_times(with_store):
             "batch_a", BatchStatus.COMPLETED, now=1030.0, output_file_id="file-out"
         )
         assert rec.completed_at == 1030 and rec.output_file_id == "file-out"
-        assert rec.in_progress_at == 1010 and rec.request_counts.total == 1
+        assert rec.in_progress_at == 1010 and rec.request_counts.total == 0
         with pytest.raises(TransitionError):
             await store.set_batch_status("batch_a", BatchStatus.CANCELLING, now=1040.0)
         with pytest.raises(KeyError):
@@ -126,7 +142,7 @@ def test_set_batch_status_checks_the_lifecycle_and_stamps_times(with_store):
 
 def test_set_batch_status_can_record_errors(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a", status=BatchStatus.VALIDATING), [])
+        await add_batch(store, batch("batch_a", status=BatchStatus.VALIDATING), [])
         err = BatchErrorRecord("empty_file", "no lines")
         rec = await store.set_batch_status("batch_a", BatchStatus.FAILED, now=5.0, errors=[err])
         assert rec.errors == (err,) and rec.failed_at == 5
@@ -136,7 +152,7 @@ def test_set_batch_status_can_record_errors(with_store):
 
 def test_update_batch_stats_merges(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a", stats={"a": 1}), [])
+        await add_batch(store, batch("batch_a", stats={"a": 1}), [])
         await store.update_batch_stats("batch_a", {"prefix_hits": 3})
         await store.update_batch_stats("batch_a", {"prefix_hits": 5, "blocks": {"n": 2}})
         rec = await store.get_batch("batch_a")
@@ -149,9 +165,9 @@ def test_update_batch_stats_merges(with_store):
 
 def test_batches_with_status_oldest_first(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_c", created_at=3), [])
-        await store.create_batch(batch("batch_a", created_at=1), [])
-        await store.create_batch(batch("batch_v", created_at=2, status=BatchStatus.VALIDATING), [])
+        await add_batch(store, batch("batch_c", created_at=3), [])
+        await add_batch(store, batch("batch_a", created_at=1), [])
+        await add_batch(store, batch("batch_v", created_at=2, status=BatchStatus.VALIDATING), [])
         await store.set_batch_status("batch_c", BatchStatus.CANCELLING, now=4.0)
         active = await store.active_batches()
         assert active == [

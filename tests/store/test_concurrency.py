@@ -12,18 +12,20 @@ from pathlib import Path
 from batchmlx.core.records import RequestCounts
 from batchmlx.store import NewRequest, Store
 
-from .conftest import batch, new_requests
+from .conftest import add_batch, batch, new_requests
 
 REPO = Path(__file__).resolve().parents[2]
 CLAIMER = Path(__file__).with_name("claimer.py")
 
 
-def test_two_processes_claim_disjoint_sets_without_locking_errors(with_store, db_path, tmp_path):
+def test_two_processes_claim_disjoint_sets_without_locking_errors(
+    with_store, store_target, tmp_path
+):
     n = 2000
 
     async def setup(store: Store) -> None:
-        await store.create_batch(batch("batch_a", created_at=1), new_requests(n // 2, "a"))
-        await store.create_batch(batch("batch_b", created_at=2), new_requests(n // 2, "b"))
+        await add_batch(store, batch("batch_a", created_at=1), new_requests(n // 2, "a"))
+        await add_batch(store, batch("batch_b", created_at=2), new_requests(n // 2, "b"))
 
     with_store(setup)
     go = tmp_path / "go"
@@ -33,7 +35,7 @@ def test_two_processes_claim_disjoint_sets_without_locking_errors(with_store, db
     }
     procs = []
     for w in ("w1", "w2"):
-        args = [db_path, w, tmp_path / f"{w}.ready", go, tmp_path / f"{w}.json"]
+        args = [store_target, w, tmp_path / f"{w}.ready", go, tmp_path / f"{w}.json"]
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(CLAIMER), *map(str, args)],
@@ -65,7 +67,7 @@ def test_two_processes_claim_disjoint_sets_without_locking_errors(with_store, db
 
     async def check(store: Store) -> None:
         for b in ("batch_a", "batch_b"):
-            assert await store.batch_progress(b) == RequestCounts(n // 2, n // 2, 0)
+            assert (await store.get_batch(b)).request_counts == RequestCounts(n // 2, n // 2, 0)
         assert await store.batches_to_finalize() == ["batch_a", "batch_b"]
 
     with_store(check)
@@ -78,7 +80,7 @@ def test_create_batch_with_50000_requests(with_store):
 
     async def scenario(store: Store) -> float:
         start = time.perf_counter()
-        await store.create_batch(batch("batch_big"), requests)
+        await add_batch(store, batch("batch_big"), requests)
         elapsed = time.perf_counter() - start
         assert (await store.get_batch("batch_big")).request_counts == RequestCounts(total=n)
         claimed = await store.claim("w1", 256, now=1.0, lease_s=30.0)

@@ -11,7 +11,9 @@ from sqlalchemy.exc import OperationalError
 
 from batchmlx.store import Store
 
-from .conftest import batch, new_requests
+from .conftest import add_batch, batch, new_requests
+
+pytestmark = pytest.mark.dialects("sqlite")  # SQLite's pragmas and locking
 
 
 def test_pragmas_on_every_connection(with_store):
@@ -33,13 +35,14 @@ def test_writes_begin_immediate_and_reads_deferred(with_store):
             words = statement.split()
             seen.append(" ".join(words[:2]) if words[0] == "BEGIN" else words[0])
 
-        await store.create_batch(batch("batch_a"), new_requests(2))
+        await add_batch(store, batch("batch_a"), new_requests(2))
         await store.get_batch("batch_a")
         await store.claim("w1", 1, now=1.0, lease_s=10.0)
         return seen
 
     seen = with_store(scenario)
-    create_batch = ["BEGIN IMMEDIATE", "INSERT", "INSERT"]
+    create_batch = ["BEGIN IMMEDIATE", "INSERT"]  # the batch, validating
+    create_batch += ["BEGIN IMMEDIATE", "SELECT", "UPDATE", "INSERT"]  # started, requests in
     get_batch = ["BEGIN DEFERRED", "SELECT", "SELECT"]
     claim = ["BEGIN IMMEDIATE", "UPDATE", "SELECT"]
     assert seen == create_batch + get_batch + claim
@@ -49,7 +52,7 @@ def test_reads_proceed_while_another_connection_holds_the_write_lock(db_path):
     async def scenario() -> None:
         store = await Store.open(db_path, busy_timeout_s=0.2)
         try:
-            await store.create_batch(batch("batch_a"), new_requests(3))
+            await add_batch(store, batch("batch_a"), new_requests(3))
             holder = sqlite3.connect(db_path, isolation_level=None)
             holder.execute("BEGIN IMMEDIATE")
             try:

@@ -1,5 +1,6 @@
 """Expiring files: `expires_after` on a file, `output_expires_after` on a batch, and the worker's
-housekeeping deleting expired files (record and bytes) on a real SQLite store."""
+housekeeping deleting expired files (record and bytes, through the store's blob seam, so on disk
+or in the database) on a real store."""
 
 from __future__ import annotations
 
@@ -8,13 +9,24 @@ from pathlib import Path
 import orjson
 import pytest
 
-from batchmlx import service
+from batchmlx.batches.errors import BatchError
+from batchmlx.batches.files import delete_expired_files, file_content, store_file
+from batchmlx.batches.finalize import finalize
+from batchmlx.batches.intake import submit
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import RequestStatus
 from batchmlx.core.records import RequestResult
 from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
 
 HOUR = 3600
+
+
+async def _has_bytes(store, rec) -> bool:
+    """Whether a file's bytes are still stored, wherever the store keeps them."""
+    try:
+        return bool(await store.read_file_bytes(rec))
+    except FileNotFoundError:
+        return False
 
 
 def _settings(tmp_path: Path) -> Settings:
@@ -25,16 +37,16 @@ def test_expired_files_are_deleted_with_their_bytes(with_store, tmp_path):
     settings = _settings(tmp_path)
 
     async def go(store):
-        keep = await service.store_file(store, settings, b"keep", filename="k", purpose="batch",
-                                        now=1000)  # fmt: skip
-        soon = await service.store_file(store, settings, b"soon", filename="s", purpose="batch",
-                                        now=1000, expires_after=HOUR)  # fmt: skip
+        keep = await store_file(store, settings, b"keep", filename="k", purpose="batch",
+                                now=1000)  # fmt: skip
+        soon = await store_file(store, settings, b"soon", filename="s", purpose="batch",
+                                now=1000, expires_after=HOUR)  # fmt: skip
         assert soon.expires_at == 1000 + HOUR and keep.expires_at is None
         assert (await store.get_file(soon.id)).expires_at == 1000 + HOUR
-        assert await service.delete_expired_files(store, now=1000 + HOUR - 1) == []
-        assert await service.delete_expired_files(store, now=1000 + HOUR) == [soon.id]
-        assert await store.get_file(soon.id) is None and not Path(soon.path).exists()
-        assert await store.get_file(keep.id) is not None and Path(keep.path).exists()
+        assert await delete_expired_files(store, now=1000 + HOUR - 1) == []
+        assert await delete_expired_files(store, now=1000 + HOUR) == [soon.id]
+        assert await store.get_file(soon.id) is None and not await _has_bytes(store, soon)
+        assert await store.get_file(keep.id) is not None and await _has_bytes(store, keep)
 
     with_store(go)
 
@@ -46,7 +58,7 @@ def test_output_files_of_a_batch_expire_after_output_expires_after(with_store, t
 
     async def go(store):
         data = orjson.dumps(line) + b"\n"
-        rec = await service.submit(store, settings, data, filename="f", now=1000,
+        rec = await submit(store, settings, data, filename="f", now=1000,
                                    model="default", output_expires_after=2 * HOUR)  # fmt: skip
         assert (await store.get_batch(rec.id)).output_expires_after == 2 * HOUR
         (claimed,) = await store.claim("w", 10, 1001, 60, batch_id=rec.id)
@@ -54,13 +66,13 @@ def test_output_files_of_a_batch_expire_after_output_expires_after(with_store, t
         result = RequestResult(RequestStatus.SUCCEEDED, 200, body, prompt_tokens=3,
                                completion_tokens=2)  # fmt: skip
         await store.complete("w", [(claimed.id, result)], 1002)
-        done = await service.finalize(store, settings, rec.id, now=1003)
+        done = await finalize(store, settings, rec.id, now=1003)
         assert done.model == "SmolLM2"  # the model the bodies name, not the file's
         out = await store.get_file(done.output_file_id)
         assert out.expires_at == 1003 + 2 * HOUR
-        assert await service.delete_expired_files(store, now=1003 + 2 * HOUR) == [out.id]
-        with pytest.raises(service.ServiceError):
-            await service.file_content(store, out.id)
+        assert await delete_expired_files(store, now=1003 + 2 * HOUR) == [out.id]
+        with pytest.raises(BatchError):
+            await file_content(store, out.id)
 
     with_store(go)
 
@@ -88,13 +100,13 @@ def test_the_worker_housekeeping_deletes_expired_files(with_store, tmp_path):
     now = [1000.0]
 
     async def go(store):
-        f = await service.store_file(store, settings, b"x", filename="x", purpose="batch",
-                                     now=now[0], expires_after=HOUR)  # fmt: skip
+        f = await store_file(store, settings, b"x", filename="x", purpose="batch",
+                             now=now[0], expires_after=HOUR)  # fmt: skip
         worker = Worker(store, settings, WorkerOptions(), clock=lambda: now[0])
         await worker.tick()
         assert await store.get_file(f.id) is not None
         now[0] += HOUR
         await worker.tick()
-        assert await store.get_file(f.id) is None and not Path(f.path).exists()
+        assert await store.get_file(f.id) is None and not await _has_bytes(store, f)
 
     with_store(go)

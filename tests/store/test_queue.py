@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
-import sqlite3
-
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus
 from batchmlx.core.records import RequestCounts, RequestResult
 from batchmlx.store import Store
 
-from .conftest import batch, failed, new_requests, ok
+from .conftest import add_batch, batch, failed, fetch_rows, new_requests, ok
 
 LEASE = 30.0
 
 
-def _statuses(db_path) -> dict[int, tuple[str, str | None, int]]:
-    with sqlite3.connect(db_path) as conn:
-        rows = conn.execute("SELECT id, status, worker_id, attempts FROM requests").fetchall()
+def _statuses(store_target) -> dict[int, tuple[str, str | None, int]]:
+    rows = fetch_rows(store_target, "SELECT id, status, worker_id, attempts FROM requests")
     return {r[0]: r[1:] for r in rows}
 
 
 def test_claim_takes_oldest_batch_first_in_line_order_up_to_limit(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_new", created_at=200), new_requests(2, "n"))
-        await store.create_batch(batch("batch_old", created_at=100), new_requests(3, "o"))
-        await store.create_batch(
-            batch("batch_wait", created_at=50, status=BatchStatus.VALIDATING), new_requests(2)
-        )
+        await add_batch(store, batch("batch_new", created_at=200), new_requests(2, "n"))
+        await add_batch(store, batch("batch_old", created_at=100), new_requests(3, "o"))
+        await add_batch(store, batch("batch_wait", created_at=50, status=BatchStatus.VALIDATING))
         first = await store.claim("w1", 4, now=10.0, lease_s=LEASE)
         assert [(c.batch_id, c.line) for c in first] == [
             ("batch_old", 1),
@@ -46,17 +41,17 @@ def test_claim_takes_oldest_batch_first_in_line_order_up_to_limit(with_store):
 
 def test_claim_can_be_restricted_to_one_batch(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a", created_at=100), new_requests(3, "a"))
-        await store.create_batch(batch("batch_b", created_at=200), new_requests(3, "b"))
+        await add_batch(store, batch("batch_a", created_at=100), new_requests(3, "a"))
+        await add_batch(store, batch("batch_b", created_at=200), new_requests(3, "b"))
         got = await store.claim("w1", 2, now=10.0, lease_s=LEASE, batch_id="batch_b")
         assert [(c.batch_id, c.custom_id) for c in got] == [("batch_b", "b-1"), ("batch_b", "b-2")]
 
     with_store(scenario)
 
 
-def test_complete_is_fenced_against_stale_workers(with_store, db_path):
+def test_complete_is_fenced_against_stale_workers(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a"), new_requests(2))
+        await add_batch(store, batch("batch_a"), new_requests(2))
         (r1, r2) = await store.claim("w1", 2, now=100.0, lease_s=LEASE)
         # a worker that never claimed the row cannot complete it
         assert await store.complete("w2", [(r1.id, ok())], now=101.0) == 0
@@ -84,19 +79,19 @@ def test_complete_is_fenced_against_stale_workers(with_store, db_path):
 
 def test_stale_worker_after_expiry_cannot_complete_even_unclaimed(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a"), new_requests(1))
+        await add_batch(store, batch("batch_a"), new_requests(1))
         (r1,) = await store.claim("w1", 1, now=0.0, lease_s=LEASE)
         (again,) = await store.claim("w2", 1, now=LEASE + 0.5, lease_s=LEASE)
         assert again.id == r1.id and again.attempts == 2
         assert await store.complete("w1", [(r1.id, ok())], now=LEASE + 1) == 0
-        assert await store.batch_progress("batch_a") == RequestCounts(total=1)
+        assert (await store.get_batch("batch_a")).request_counts == RequestCounts(total=1)
 
     with_store(scenario)
 
 
 def test_unexpired_lease_is_not_reclaimed_and_heartbeat_extends_it(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a"), new_requests(3))
+        await add_batch(store, batch("batch_a"), new_requests(3))
         await store.claim("w1", 2, now=0.0, lease_s=10.0)
         # before expiry another worker only gets the third request
         got = await store.claim("w2", 5, now=9.0, lease_s=10.0)
@@ -111,7 +106,7 @@ def test_unexpired_lease_is_not_reclaimed_and_heartbeat_extends_it(with_store):
     with_store(scenario)
 
 
-def test_heartbeat_records_live_workers(with_store, db_path):
+def test_heartbeat_records_live_workers(with_store, store_target):
     async def scenario(store: Store) -> None:
         assert await store.heartbeat("w1", now=100.0, lease_s=5.0, pid=11, hostname="h") == 0
         await store.heartbeat("w2", now=150.0, lease_s=5.0)
@@ -120,9 +115,8 @@ def test_heartbeat_records_live_workers(with_store, db_path):
         assert await store.live_workers(now=170.0, within_s=30.0) == ["w1", "w2"]
 
     with_store(scenario)
-    with sqlite3.connect(db_path) as conn:
-        row = conn.execute("SELECT pid, started_at, heartbeat_at FROM workers WHERE id='w1'")
-        assert row.fetchone() == (11, 100.0, 160.0)
+    sql = "SELECT pid, started_at, heartbeat_at FROM workers WHERE id='w1'"
+    assert fetch_rows(store_target, sql) == [(11, 100.0, 160.0)]
 
     async def remove(store: Store) -> None:
         await store.remove_worker("w1")
@@ -131,9 +125,9 @@ def test_heartbeat_records_live_workers(with_store, db_path):
     with_store(remove)
 
 
-def test_release_returns_requests_to_the_queue(with_store, db_path):
+def test_release_returns_requests_to_the_queue(with_store, store_target):
     async def scenario(store: Store) -> list[int]:
-        await store.create_batch(batch("batch_a"), new_requests(4))
+        await add_batch(store, batch("batch_a"), new_requests(4))
         claimed = await store.claim("w1", 4, now=0.0, lease_s=LEASE)
         ids = [c.id for c in claimed]
         assert await store.release("w2") == 0  # not its requests
@@ -144,23 +138,41 @@ def test_release_returns_requests_to_the_queue(with_store, db_path):
         return ids
 
     ids = with_store(scenario)
-    rows = _statuses(db_path)
-    assert rows[ids[0]] == ("queued", None, 1)  # attempts unchanged by release
+    rows = _statuses(store_target)
+    assert rows[ids[0]] == ("queued", None, 0)  # stopping is not failing: the attempt is undone
     assert rows[ids[1]] == ("succeeded", "w1", 1)
-    assert rows[ids[2]] == rows[ids[3]] == ("queued", None, 1)
+    assert rows[ids[2]] == rows[ids[3]] == ("queued", None, 0)
 
     async def reclaim(store: Store) -> None:
         got = await store.claim("w2", 10, now=0.0, lease_s=LEASE)
         assert [c.id for c in got] == [ids[0], ids[2], ids[3]]
-        assert [c.attempts for c in got] == [2, 2, 2]
+        assert [c.attempts for c in got] == [1, 1, 1]
 
     with_store(reclaim)
 
 
+def test_release_keeps_the_attempts_of_runs_that_crashed(with_store, store_target):
+    """A lease taken over from a dead worker counts; the graceful release after it does not."""
+
+    async def scenario(store: Store) -> int:
+        await add_batch(store, batch("batch_a"), new_requests(1))
+        (first,) = await store.claim("w1", 1, now=0.0, lease_s=LEASE)  # w1 dies holding it
+        (again,) = await store.claim("w2", 1, now=LEASE + 1, lease_s=LEASE)
+        assert (first.attempts, again.attempts) == (1, 2)
+        for _ in range(5):  # w2.. stopped gracefully, over and over
+            assert await store.release("w2") == 1
+            (again,) = await store.claim("w2", 1, now=LEASE + 2, lease_s=LEASE)
+            assert again.attempts == 2
+        return again.id
+
+    rid = with_store(scenario)
+    assert _statuses(store_target)[rid] == ("running", "w2", 2)
+
+
 def test_batches_to_finalize_and_iter_results(with_store):
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a", created_at=1), new_requests(3))
-        await store.create_batch(batch("batch_b", created_at=2), new_requests(1, "b"))
+        await add_batch(store, batch("batch_a", created_at=1), new_requests(3))
+        await add_batch(store, batch("batch_b", created_at=2), new_requests(1, "b"))
         claimed = await store.claim("w1", 10, now=0.0, lease_s=LEASE)
         assert await store.batches_to_finalize() == []
         by_line = {(c.batch_id, c.line): c.id for c in claimed}
@@ -203,13 +215,13 @@ def test_finish_unfinished_gives_every_open_request_the_result(with_store):
     )
 
     async def scenario(store: Store) -> None:
-        await store.create_batch(batch("batch_a"), new_requests(4))
+        await add_batch(store, batch("batch_a"), new_requests(4))
         c = await store.claim("w1", 2, now=0.0, lease_s=LEASE)
         await store.complete("w1", [(c[0].id, ok())], now=1.0)
         await store.set_batch_status("batch_a", BatchStatus.CANCELLING, now=2.0)
         assert await store.finish_unfinished("batch_a", expired, now=3.0) == 3
         assert await store.complete("w1", [(c[1].id, ok())], now=4.0) == 0  # too late
-        counts = await store.batch_progress("batch_a")
+        counts = (await store.get_batch("batch_a")).request_counts
         assert counts == RequestCounts(total=4, completed=1, failed=3)
         errors = [r.error for r in await store.iter_results("batch_a")]
         assert errors == [None] + [expired.error] * 3

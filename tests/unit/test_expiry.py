@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from batchmlx import service
+from batchmlx import batches
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus, is_expired
 from batchmlx.core.records import RequestResult
@@ -49,7 +49,7 @@ def _lines(settings: Settings, file_id: str | None) -> list[dict]:
 
 def test_worker_expires_a_batch_past_its_window(tmp_path: Path) -> None:
     async def scenario(store: Store, settings: Settings) -> None:
-        rec = await service.submit(store, settings, _file(3), filename="a.jsonl", now=T0,
+        rec = await batches.intake.submit(store, settings, _file(3), filename="a.jsonl", now=T0,
                                    completion_window="2h")  # fmt: skip
         assert rec.expires_at == T0 + 7200
         # another worker ran r0 to the end and holds r1
@@ -74,7 +74,7 @@ def test_worker_expires_a_batch_past_its_window(tmp_path: Path) -> None:
         # the late write of the worker that held r1 changes nothing (fenced)
         assert await store.complete("w-other", [(claimed[1].id, _ok())], T0 + 7300) == 0
         # redoing it is harmless
-        again = await service.expire(store, settings, rec.id, now=T0 + 9000)
+        again = await batches.lifecycle.expire(store, settings, rec.id, now=T0 + 9000)
         assert again.status is BatchStatus.EXPIRED and again.error_file_id == done.error_file_id
 
     run_with_store(tmp_path, scenario)
@@ -82,11 +82,11 @@ def test_worker_expires_a_batch_past_its_window(tmp_path: Path) -> None:
 
 def test_everything_finished_in_time_completes(tmp_path: Path) -> None:
     async def scenario(store: Store, settings: Settings) -> None:
-        rec = await service.submit(store, settings, _file(2), filename="a.jsonl", now=T0,
+        rec = await batches.intake.submit(store, settings, _file(2), filename="a.jsonl", now=T0,
                                    completion_window="1m")  # fmt: skip
         claimed = await store.claim("w", 2, T0, 60.0)
         await store.complete("w", [(c.id, _ok()) for c in claimed], T0 + 30)
-        out = await service.expire(store, settings, rec.id, now=T0 + 61)
+        out = await batches.lifecycle.expire(store, settings, rec.id, now=T0 + 61)
         assert out.status is BatchStatus.COMPLETED
 
     run_with_store(tmp_path, scenario)
@@ -94,13 +94,13 @@ def test_everything_finished_in_time_completes(tmp_path: Path) -> None:
 
 def test_expire_resumes_after_a_crash_between_results_and_files(tmp_path: Path) -> None:
     async def scenario(store: Store, settings: Settings) -> None:
-        rec = await service.submit(store, settings, _file(2), filename="a.jsonl", now=T0,
+        rec = await batches.intake.submit(store, settings, _file(2), filename="a.jsonl", now=T0,
                                    completion_window="1h")  # fmt: skip
         # the crash: unfinished requests got their batch_expired result, no file was written
-        await store.finish_unfinished(rec.id, service.EXPIRED_RESULT, T0 + 3600)
+        await store.finish_unfinished(rec.id, batches.lifecycle.EXPIRED_RESULT, T0 + 3600)
         # whoever finalizes next (a worker's finalize pass) still ends it as expired
         assert await store.batches_to_finalize() == [rec.id]
-        out = await service.finalize(store, settings, rec.id, now=T0 + 3700)
+        out = await batches.finalize.finalize(store, settings, rec.id, now=T0 + 3700)
         assert out.status is BatchStatus.EXPIRED
         assert len(_lines(settings, out.error_file_id)) == 2
 
@@ -109,13 +109,13 @@ def test_expire_resumes_after_a_crash_between_results_and_files(tmp_path: Path) 
 
 def test_window_option_and_cancel_of_a_finished_batch(tmp_path: Path) -> None:
     async def scenario(store: Store, settings: Settings) -> None:
-        rec = await service.submit(store, settings, _file(1), filename="a.jsonl", now=T0,
+        rec = await batches.intake.submit(store, settings, _file(1), filename="a.jsonl", now=T0,
                                    completion_window="3d")  # fmt: skip
         assert rec.completion_window == "3d" and rec.expires_at == T0 + 3 * 86400
-        with pytest.raises(service.ServiceError, match="invalid completion window"):
-            service.parse_window("soon")
-        await service.expire(store, settings, rec.id, now=T0 + 4 * 86400)
-        with pytest.raises(service.ServiceError, match="is expired; it cannot be cancelled"):
-            await service.cancel(store, rec.id, now=T0 + 5 * 86400)
+        with pytest.raises(batches.BatchError, match="invalid completion window"):
+            batches.windows.parse_window("soon")
+        await batches.lifecycle.expire(store, settings, rec.id, now=T0 + 4 * 86400)
+        with pytest.raises(batches.BatchError, match="is expired; it cannot be cancelled"):
+            await batches.lifecycle.cancel(store, rec.id, now=T0 + 5 * 86400)
 
     run_with_store(tmp_path, scenario)

@@ -16,11 +16,9 @@ from batchmlx.formats.openai import (
     IdPrefix,
     TokenLogprobText,
     batch_object,
-    cancelled_line,
     chat_completion_body,
     dumps_line,
     error_line,
-    expired_line,
     new_id,
     output_line,
     text_completion_body,
@@ -175,17 +173,15 @@ def test_error_lines():
         "response": None,
         "error": {"code": "batch_expired", "message": "m"},
     }
-    assert expired_line(id="i", custom_id="c")["error"] == {
-        "code": "batch_expired",
-        "message": "This request could not be executed before the completion window expired.",
-    }
-    assert BATCH_EXPIRED_MESSAGE == expired_line(id="i", custom_id="c")["error"]["message"]
-    assert cancelled_line(id="i", custom_id="c")["error"] == {
-        "code": ErrorCode.BATCH_CANCELLED.value,
-        "message": BATCH_CANCELLED_MESSAGE,
-    }
+    assert BATCH_EXPIRED_MESSAGE == (
+        "This request could not be executed before the completion window expired."
+    )
+    cancelled = error_line(
+        id="i", custom_id="c", code=ErrorCode.BATCH_CANCELLED, message=BATCH_CANCELLED_MESSAGE
+    )
+    assert cancelled["error"] == {"code": "batch_cancelled", "message": BATCH_CANCELLED_MESSAGE}
     # the enum member serializes as its value
-    assert dumps_line(expired_line(id="i", custom_id="c")).count(b'"batch_expired"') == 1
+    assert dumps_line(cancelled).count(b'"batch_cancelled"') == 1
 
 
 def test_dumps_line_is_deterministic_and_newline_terminated():

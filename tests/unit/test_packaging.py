@@ -36,3 +36,9 @@ def test_installed_migrations_are_found() -> None:
 
     assert (MIGRATIONS_DIR / "env.py").is_file()
     assert any((MIGRATIONS_DIR / "versions").glob("0001_*.py"))
+
+
+def test_wheel_ships_the_dashboard(wheel_names: set[str]) -> None:
+    static = sorted(p.name for p in (REPO / "batchmlx" / "server" / "static").iterdir())
+    assert {"index.html", "dashboard.js", "dashboard.css"} <= set(static)
+    assert {f"batchmlx/server/static/{name}" for name in static} <= wheel_names

@@ -322,18 +322,12 @@ def test_bad_endpoint_and_body_do_not_raise():
 
 
 def test_context_length_error():
-    e = context_length_error(2048, 2000, 100)
+    e = context_length_error(2048, 2100, Endpoint.CHAT)
     assert e.code == "context_length_exceeded"
     assert e.status_code == 400
     assert e.message == (
-        "This model's maximum context length is 2048 tokens. However, you requested 2100 tokens "
-        "(2000 in the messages, 100 in the completion). Please reduce the length of the messages "
-        "or completion."
+        "This model's maximum context length is 2048 tokens. However, your messages resulted in "
+        "2100 tokens. Please reduce the length of the messages."
     )
     assert e.param == "messages"
-    e = context_length_error(100, 120, None, endpoint=Endpoint.COMPLETIONS)
-    assert (e.param, e.message) == (
-        "prompt",
-        "This model's maximum context length is 100 tokens. However, you requested 120 tokens "
-        "(120 in the prompt). Please reduce the length of the prompt or completion.",
-    )
+    assert context_length_error(100, 120, Endpoint.COMPLETIONS).param == "prompt"

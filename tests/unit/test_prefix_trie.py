@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchmlx.core.prefix_trie import block_prefix_lower_bound, group_order, shareable_blocks
+from benchmarks.prefix_trie import block_prefix_lower_bound, group_order, shareable_blocks
 
 BS = 16
 

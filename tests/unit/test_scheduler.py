@@ -15,10 +15,10 @@ import weakref
 import pytest
 
 from batchmlx.core.blocks import BlockPool
-from batchmlx.core.prefix_trie import block_prefix_lower_bound
 from batchmlx.core.request import CacheOutcome, FinishReason, GenerationRequest, SamplingParams
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep, StepKind
 from batchmlx.core.sequence import Sequence, SequenceStatus
+from benchmarks.prefix_trie import block_prefix_lower_bound
 
 
 def next_token(context: list[int]) -> int:

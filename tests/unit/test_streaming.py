@@ -3,7 +3,7 @@ joining into the finished body's text."""
 
 from __future__ import annotations
 
-from batchmlx.server.streaming import ChoiceStream, held_back
+from batchmlx.server.streaming import ChoiceStream
 
 VOCAB = {1: "Hel", 2: "lo", 3: " wo", 4: "rld", 5: "\ufffd", 6: "é", 7: " E", 8: "ND"}
 
@@ -19,13 +19,6 @@ def feed(stream: ChoiceStream, ids: list[int]) -> list[str]:
         stream.add(i)
         out.append(stream.flush())
     return out
-
-
-def test_held_back_is_the_longest_stop_prefix_at_the_end():
-    assert held_back("abc E", [" END"]) == 2
-    assert held_back("abc EN", [" END", "N"]) == 3
-    assert held_back("abc", [" END"]) == 0
-    assert held_back("abc END", [" END"]) == 0  # a whole stop string is cut, not held
 
 
 def test_deltas_every_token_join_into_the_text():

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import json
+
 import orjson
 import pytest
 
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.validate import (
     MAX_FILE_BYTES,
+    MAX_NESTING,
+    MAX_REPORTED_ERRORS,
     MAX_TASKS,
     SUPPORTED_URLS,
     BatchLine,
@@ -50,9 +54,10 @@ def test_good_file():
     assert r.endpoint == CHAT
     assert r.model == "m"
     assert r.lines == (
-        BatchLine(1, "a", CHAT, chat("a")["body"]),
-        BatchLine(2, "b", CHAT, chat("b")["body"]),
+        BatchLine(1, "a", CHAT, orjson.dumps(chat("a")["body"]).decode()),
+        BatchLine(2, "b", CHAT, orjson.dumps(chat("b")["body"]).decode()),
     )
+    assert r.lines[0].body == chat("a")["body"]
 
 
 def test_completions_prompt_forms_accepted():
@@ -316,6 +321,7 @@ def test_every_file_code_is_produced():
         "model_mismatch",
         "duplicate_custom_id",
         "model_not_found",
+        "too_many_errors",
     }
     assert produced <= {c.value for c in ErrorCode}
 
@@ -325,3 +331,53 @@ def test_line_of_several_megabytes():
     r = validate_batch_file(jsonl(chat("a", content=big), chat("b")))
     assert r.ok
     assert r.lines[0].body["messages"][0]["content"] == big
+
+
+def test_errors_are_bounded_and_counted():
+    # 300,001 lines of garbage: the first errors are listed, then one item with the total
+    r = validate_batch_file(b"x\n" * 300_001)
+    assert r.error_count == 300_001 + 1  # and too_many_tasks, at line 50,001
+    assert len(r.errors) == MAX_REPORTED_ERRORS + 1
+    assert [e.line for e in r.errors[:-1]] == list(range(1, MAX_REPORTED_ERRORS + 1))
+    assert {e.code for e in r.errors[:-1]} == {"invalid_json_line"}
+    last = r.errors[-1]
+    assert (last.code, last.line) == ("too_many_errors", None)
+    assert "299,902 more errors (300,002 in all)" in last.message
+
+
+def test_errors_up_to_the_bound_are_listed_without_a_summary():
+    r = validate_batch_file(b"x\n" * 3, max_errors=3)
+    assert codes(r) == [("invalid_json_line", n, None) for n in (1, 2, 3)]
+    assert r.error_count == 3
+
+
+def test_file_level_error_found_last_is_listed_past_the_bound():
+    lines = [chat("a", model="nope")] + [b"x"] * 5
+    r = validate_batch_file(jsonl(*lines), model_resolves=lambda m: False, max_errors=2)
+    # model_not_found (line 1) is found after every line error, and still listed first
+    assert codes(r) == [
+        ("model_not_found", 1, "body.model"),
+        ("invalid_json_line", 2, None),
+        ("too_many_errors", None, None),
+    ]
+    assert r.error_count == 6
+
+
+def _nested(depth: int) -> list:
+    return orjson.loads(b"[" * depth + b"]" * depth)
+
+
+def test_body_nested_deeper_than_orjson_writes_is_refused():
+    deep = chat("deep", response_format={"x": _nested(MAX_NESTING + 10)})
+    ok = chat("ok", response_format={"x": _nested(MAX_NESTING - 10)})
+    r = validate_batch_file(jsonl(ok, json.dumps(deep).encode()))  # orjson cannot write it
+    assert codes(r) == [("invalid_json_line", 2, "body")]
+    assert "Line 2" in r.errors[0].message and "nested too deeply" in r.errors[0].message
+    assert [ln.line for ln in r.lines] == [1]
+    # what validation accepts, the store can write: it keeps the encoded body
+    assert orjson.loads(r.lines[0].body_json) == ok["body"]
+
+
+def test_bom_and_no_final_newline_with_streamed_lines():
+    r = validate_batch_file(b"\xef\xbb\xbf" + jsonl(chat("a"), b"", chat("b"), final=False))
+    assert r.ok and [ln.line for ln in r.lines] == [1, 3]

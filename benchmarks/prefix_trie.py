@@ -1,4 +1,5 @@
-"""Block-granular prefix tries over prompts: the prefill lower bound and a grouped admission order.
+"""Block-granular prefix tries over prompts (a benchmark and test oracle): the prefill lower
+bound and a grouped admission order.
 
 Sharing is per full block, chained from the first one, as in the block pool: block i of two
 prompts can be shared only if blocks 0..i are equal in both. Only the first

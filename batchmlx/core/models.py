@@ -41,7 +41,3 @@ def resolve_model(spec: str, *, cache_dir: Path) -> ModelSpec | None:
     if _HUB_ID.match(spec) and ".." not in spec:
         return ModelSpec(name=spec, kind="hub", source=spec)
     return None
-
-
-def model_resolves(spec: str, *, cache_dir: Path) -> bool:
-    return resolve_model(spec, cache_dir=cache_dir) is not None

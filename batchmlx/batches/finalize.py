@@ -1,0 +1,131 @@
+"""Finalize a batch whose every request has a result: render (formats/output), write, move.
+
+Hooks registered with `on_finalized` see the rendered files before the status moves: the inbox
+copies them to its results/ folder that way, so this package knows nothing of the inbox."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from batchmlx.batches.errors import BatchError
+from batchmlx.batches.files import store_file
+from batchmlx.config import Settings
+from batchmlx.core.lifecycle import BatchStatus, TransitionError
+from batchmlx.core.records import BatchRecord
+from batchmlx.faults import crash_point
+from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.output import derived_id, render_results
+from batchmlx.store import Store
+
+log = logging.getLogger("batchmlx.batches")
+
+
+@dataclass(frozen=True, slots=True)
+class Finalized:
+    """What a finalize hook is told: the batch and the bytes of its two files."""
+
+    batch_id: str
+    output: bytes
+    errors: bytes
+
+
+FinalizeHook = Callable[[Store, Finalized], Awaitable[None]]
+_HOOKS: list[FinalizeHook] = []
+
+
+def on_finalized(hook: FinalizeHook) -> FinalizeHook:
+    """Run `hook` in every finalize of this process, after the files are written and before
+    the batch moves on (so a crash redoes it). A hook must be idempotent; registering twice
+    is once."""
+    if hook not in _HOOKS:
+        _HOOKS.append(hook)
+    return hook
+
+
+async def get_batch(store: Store, batch_id: str) -> BatchRecord:
+    rec = await store.get_batch(batch_id)
+    if rec is None:
+        raise BatchError(f"no batch with id {batch_id!r}")
+    return rec
+
+
+async def finalize(
+    store: Store, settings: Settings, batch_id: str, *, now: float
+) -> BatchRecord:
+    """Write the output and error files of a batch whose every request has a result.
+
+    in_progress → finalizing → completed; cancelling → cancelled; in_progress → expired when
+    requests carry `batch_expired` (see `expire`). Idempotent and resumable: file ids and line
+    ids are derived from the batch, files are written atomically, and the status moves last, so
+    redoing a finalize a crash interrupted writes the same bytes; a finished batch is returned.
+    Runs once per batch whichever host gets there: the others find the batch locked (and
+    return it as it is) or finished.
+    """
+    async with store.batch_lock(batch_id) as mine:
+        if not mine:
+            return await get_batch(store, batch_id)  # another process is finalizing it
+        return await _finalize(store, settings, batch_id, now=now)
+
+
+async def _finalize(
+    store: Store, settings: Settings, batch_id: str, *, now: float
+) -> BatchRecord:
+    rec = await get_batch(store, batch_id)
+    if rec.status.terminal:
+        return rec
+    rows = await store.iter_results(batch_id)
+    crash_point("finalize_start")
+    if rec.status is BatchStatus.CANCELLING:
+        end = BatchStatus.CANCELLED
+    elif rec.status is BatchStatus.IN_PROGRESS and any(
+        (r.error or {}).get("code") == ErrorCode.BATCH_EXPIRED.value for r in rows
+    ):
+        end = BatchStatus.EXPIRED
+    else:
+        end = BatchStatus.COMPLETED
+        if rec.status is BatchStatus.IN_PROGRESS:
+            rec = await _move(store, batch_id, BatchStatus.FINALIZING, now)
+            if rec.status is not BatchStatus.FINALIZING:
+                return rec  # cancelled meanwhile (settled next) or finished by another worker
+    crash_point("before_finalize")
+    files = render_results(batch_id, rows)
+    await store.update_batch_stats(batch_id, files.outcomes)
+    fields: dict[str, Any] = {}
+    for data, key, suffix in (
+        (files.output, "output_file_id", "output"),
+        (files.errors, "error_file_id", "errors"),
+    ):
+        if data:
+            f = await store_file(
+                store, settings, data, filename=f"{batch_id}_{suffix}.jsonl",
+                purpose="batch_output", now=now, file_id=derived_id(batch_id, suffix, "file-"),
+                expires_after=rec.output_expires_after,
+            )  # fmt: skip
+            fields[key] = f.id
+        if suffix == "output":
+            crash_point("mid_finalize")
+    if files.served_model is not None:
+        fields["model"] = files.served_model  # the model actually used, as its bodies name it
+    for hook in _HOOKS:
+        await hook(store, Finalized(batch_id, files.output, files.errors))
+    crash_point("after_finalize_files")
+    return await _move(store, batch_id, end, now, **fields)
+
+
+async def _move(
+    store: Store, batch_id: str, status: BatchStatus, now: float, **fields: Any
+) -> BatchRecord:
+    """Move a batch on; when someone else moved it first (another worker finalizing the same
+    batch, whose files are the same bytes since ids are derived; a cancel that arrived while
+    this one finalized), take the batch as they left it: whoever acts next settles it."""
+    try:
+        return await store.set_batch_status(batch_id, status, now, **fields)
+    except TransitionError:
+        current = await get_batch(store, batch_id)
+        if current.status is not status:
+            log.info("batch %s: moved to %s meanwhile, not %s", batch_id,
+                     current.status.value, status.value)  # fmt: skip
+        return current

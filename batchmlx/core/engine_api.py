@@ -1,0 +1,97 @@
+"""The seam between the worker and an engine: what the worker calls, and the engine's settings.
+
+The MLX engine (engine/llm_engine.py) is one implementation; tests hand the worker a pure-Python
+fake. Each default is written here once: the CLI's options and the scheduler read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from batchmlx.core.request import GenerationOutput, GenerationRequest
+from batchmlx.core.telemetry import EngineCounters
+
+TokenCallback = Callable[[str, int], None]  # (request id, token id), for every emitted token
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    simple: bool = False  # one request at a time
+    max_batch_size: int = 32  # running sequences at most
+    block_size: int = 16  # tokens per KV block
+    max_prefill_tokens: int = 2048  # token budget of one prefill step
+    use_paged_cache: bool = True  # share prefix blocks between requests and keep them cached
+    memory_aware: bool = True  # bound the KV cache by memory (else by cache_max_blocks)
+    cache_memory_mb: int | None = None  # explicit bound on KV memory
+    cache_memory_percent: float = 0.20  # of available memory, when no explicit bound
+    cache_max_blocks: int = 4096  # the bound when memory_aware is off (an entry count)
+    prefix_grouping: bool = True  # shared prefix blocks computed once per step group
+    kv_grow_blocks: int = 64  # KV storage grows this many blocks at a time, up to the bound
+
+    @property
+    def running_bound(self) -> int:
+        """Sequences that run at once."""
+        return 1 if self.simple else self.max_batch_size
+
+
+ENGINE_DEFAULTS = EngineSettings()  # read defaults here (slots: the class holds no values)
+
+
+class StepError(Exception):
+    """A step failed; `request_ids` are the requests it ran (abort them: the rest go on)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+
+
+class EngineProtocol(Protocol):
+    """What the worker needs of an engine. `add` raises ValueError for a request it cannot
+    hold; `step` raises StepError naming the requests a failed step ran."""
+
+    on_token: TokenCallback | None
+
+    @property
+    def max_context_tokens(self) -> int:
+        """Prompt plus generated tokens one sequence may reach."""
+        ...
+
+    def add(self, req: GenerationRequest) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def step(self) -> list[GenerationOutput]:
+        """Run one scheduling step; the requests that finished in it."""
+        ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+class EngineTelemetry(Protocol):
+    """What an engine may also offer for metrics (the MLX engine does; an engine without it,
+    such as a test fake, is simply not measured): read by worker/metrics once per step."""
+
+    def counters(self) -> EngineCounters:
+        """Cumulative counters and current gauges (core/telemetry)."""
+        ...
+
+    def generated_so_far(self, request_id: str) -> int:
+        """Tokens a running request has generated (0 once done or unknown)."""
+        ...
+
+
+class EmbedderProtocol(Protocol):
+    """What the worker needs to answer /v1/embeddings: one batched pass over token lists (no
+    generation loop). The MLX engine offers one per model (engine/embed.py); an engine without
+    one (a test fake) answers embeddings requests with a 500."""
+
+    @property
+    def dimensions(self) -> int:
+        """Components of one (unshortened) embedding."""
+        ...
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[Any]:
+        """One unit-length vector (a 1-D numpy array) per input, in input order."""
+        ...

@@ -1,0 +1,102 @@
+"""Attention for paged steps, passed to the model for the duration of a forward step.
+
+mlx-lm model modules bind `scaled_dot_product_attention` at import and call it with the layer's
+cache: that call is the only seam. `routed_attention` points it, for one step, at an attention
+that runs `cascade_attention` for a PagedLayerCache holding a shared prefix and the original
+otherwise, and puts the original back afterwards, so nothing outside a paged step (another
+engine, plain mlx-lm generation in the same process) ever sees a changed module.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+
+from batchmlx.engine.kv_cache import PagedLayerCache
+
+Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
+PrefixAttention = Callable[
+    [mx.array, mx.array, mx.array, tuple[mx.array, mx.array], float, mx.array], mx.array
+]
+
+
+def cascade_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    prefix: tuple[mx.array, mx.array],
+    scale: float,
+    mask: mx.array,
+) -> mx.array:
+    """Attention over [a prefix every sequence shares] + [each sequence's own keys].
+
+    The prefix part runs all sequences' queries against one copy of the shared keys; the two
+    partial softmaxes are merged by their maxima and sums (the log-sum-exp merge), which equals
+    attention over the concatenated keys.
+    queries [B, Hq, Q, D]; keys, values [B, H, Ks, D]; prefix [H, Kp, D] each; mask [B, 1, Q, Ks].
+    """
+    b, hq, ql, d = queries.shape
+    kp, vp = prefix
+    h = kp.shape[0]
+    rep = hq // h
+    q = (queries * scale).reshape(b, h, rep * ql, d)  # query heads h*rep + r share kv head h
+
+    qp = q.transpose(1, 0, 2, 3).reshape(h, b * rep * ql, d)
+    s1 = qp @ kp.swapaxes(-1, -2)
+    m1 = s1.max(axis=-1, keepdims=True)
+    p1 = mx.exp(s1 - m1)
+
+    def per_seq(x: mx.array) -> mx.array:  # [H, B*rep*Q, X] -> [B, H, rep*Q, X]
+        return x.reshape(h, b, rep * ql, x.shape[-1]).transpose(1, 0, 2, 3)
+
+    o1, l1, m1 = per_seq(p1 @ vp), per_seq(p1.sum(axis=-1, keepdims=True)), per_seq(m1)
+
+    s2 = (q @ keys.swapaxes(-1, -2)).reshape(b, h, rep, ql, -1)
+    s2 = mx.where(mask[:, :, None], s2, mx.array(-mx.inf, s2.dtype)).reshape(b, h, rep * ql, -1)
+    m2 = s2.max(axis=-1, keepdims=True)
+    p2 = mx.exp(s2 - m2)
+    o2, l2 = p2 @ values, p2.sum(axis=-1, keepdims=True)
+
+    m = mx.maximum(m1, m2)
+    a1, a2 = mx.exp(m1 - m), mx.exp(m2 - m)
+    out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
+    return out.reshape(b, hq, ql, d)
+
+
+def paged_attention(original: Attention, prefix_attention: PrefixAttention) -> Attention:
+    """mlx-lm's attention with steps that share a prefix sent to `prefix_attention`."""
+
+    def sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kw):
+        if isinstance(cache, PagedLayerCache) and cache.prefix is not None and sinks is None:
+            return prefix_attention(queries, keys, values, cache.prefix, scale, mask)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                        sinks=sinks, **kw)  # fmt: skip
+
+    return sdpa
+
+
+class AttentionRoute:
+    """Where a model's attention is looked up, and what a paged step puts there."""
+
+    def __init__(self, model: Any, prefix_attention: PrefixAttention = cascade_attention) -> None:
+        self.module = sys.modules.get(type(model).__module__)
+        self.original: Attention | None = getattr(self.module, "scaled_dot_product_attention", None)
+        self.paged = (
+            None if self.original is None else paged_attention(self.original, prefix_attention)
+        )
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """The paged attention in place for the body of the with-statement."""
+        if self.paged is None:  # an architecture without the seam: attention as it is
+            yield
+            return
+        self.module.scaled_dot_product_attention = self.paged
+        try:
+            yield
+        finally:
+            self.module.scaled_dot_product_attention = self.original

@@ -1,0 +1,33 @@
+"""The inbox's copies of a finished batch's files, written by a finalize hook."""
+
+from __future__ import annotations
+
+import logging
+
+from batchmlx.batches.files import write_atomic
+from batchmlx.batches.finalize import Finalized, on_finalized
+from batchmlx.ingest.layout import result_paths
+from batchmlx.store import Store
+
+log = logging.getLogger("batchmlx.inbox")
+
+
+@on_finalized
+async def write_inbox_results(store: Store, done: Finalized) -> None:
+    """A batch from an inbox also gets DIR/results/NAME.BATCH_ID.output.jsonl (and
+    .errors.jsonl); the names are the batch's own, so no other batch's file is touched.
+
+    The copies are a convenience: the batch's files are already in files/, so a copy that
+    cannot be written (results/ unwritable or not a folder, disk full) is logged and noted in
+    the batch's stats (`inbox_results_error`), and the batch completes all the same."""
+    paths = result_paths(await store.batch_source(done.batch_id), done.batch_id)
+    if paths is None:
+        return
+    try:
+        write_atomic(paths[0], done.output)
+        if done.errors:
+            write_atomic(paths[1], done.errors)
+    except OSError as exc:
+        log.error("batch %s: inbox result copy not written (%s); the batch's files are in "
+                  "files/ (batchmlx results %s)", done.batch_id, exc, done.batch_id)  # fmt: skip
+        await store.update_batch_stats(done.batch_id, {"inbox_results_error": str(exc)})

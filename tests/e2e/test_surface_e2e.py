@@ -123,8 +123,13 @@ def test_inbox_runs_every_endpoint(tmp_path: Path) -> None:
     proc = cli.popen("worker", "--inbox", inbox, "--inbox-settle", "0.3", log=log)
     try:
         deadline = time.monotonic() + 600
-        want = [inbox / "results" / f"{n}.output.jsonl" for n in files()]
-        while not all(p.exists() for p in want):
+        results = inbox / "results"  # {name}.{batch id}.output.jsonl / .errors.jsonl
+
+        def found(name: str, kind: str) -> list[Path]:
+            return list(results.glob(f"{name}.batch_*.{kind}.jsonl"))
+
+        # the error file is written after the output file: wait for the one responses expects
+        while not (all(found(n, "output") for n in files()) and found("responses", "errors")):
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
@@ -132,6 +137,7 @@ def test_inbox_runs_every_endpoint(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     for name in files():
-        errors = inbox / "results" / f"{name}.errors.jsonl"
-        check_outputs(name, read_jsonl(inbox / "results" / f"{name}.output.jsonl"),
-                      read_jsonl(errors) if errors.exists() else [])  # fmt: skip
+        (output,) = found(name, "output")
+        errors = found(name, "errors")
+        check_outputs(name, read_jsonl(output),
+                      read_jsonl(errors[0]) if errors else [])  # fmt: skip

@@ -121,7 +121,7 @@ def _summary(rec: BatchRecord) -> str:
     done = c.completed + c.failed
     return (
         f"{rec.id}  {rec.status.value:<11} {done}/{c.total} done "
-        f"({c.completed} ok, {c.failed} failed)  model={rec.model}"
+        f"({c.completed} ok, {c.failed} failed)  {rec.endpoint}  model={rec.model}"
     )
 
 
@@ -200,10 +200,23 @@ def submit(
     max_batch_size: Annotated[
         int, typer.Option(help="With --wait: running batch bound")
     ] = ENGINE_DEFAULTS.max_batch_size,
+    output_expires_after: Annotated[
+        int | None,
+        typer.Option(help="Seconds (3600-2592000) after which the output and error files are "
+                     "deleted; default: kept"),
+    ] = None,
 ) -> None:
     """Validate a batch file and enqueue it (and run it with --wait)."""
     if not file.is_file():
         raise _fail(f"no such file: {file}")
+    from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
+
+    if output_expires_after is not None:
+        try:
+            parse_expires_after({"anchor": "created_at", "seconds": output_expires_after},
+                                "output_expires_after")  # fmt: skip
+        except ExpiresAfterError as exc:
+            raise _fail(str(exc)) from None
     bad = [m for m in metadata or [] if "=" not in m]
     if bad:
         raise _fail(f"--metadata expects key=value, got {bad[0]!r}")
@@ -212,6 +225,7 @@ def submit(
         lambda store, settings: submit_batch(
             store, settings, file.read_bytes(), filename=file.name, now=time.time(),
             model=model, completion_window=completion_window, metadata=meta,
+            output_expires_after=output_expires_after,
         )
     )  # fmt: skip
     if rec.status is BatchStatus.FAILED:

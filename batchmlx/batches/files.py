@@ -50,15 +50,18 @@ async def store_file(
     purpose: str,
     now: float,
     file_id: str | None = None,
+    expires_after: int | None = None,
 ) -> FileRecord:
     """Store `data` (under files/, or in the database) and record it; a given `file_id`
-    replaces that file."""
+    replaces that file. With `expires_after` (seconds) the worker deletes it that long after
+    `now`."""
     replace = file_id is not None
     file_id = file_id or new_id(IdPrefix.FILE)
     crash_point("store_file")
+    expires_at = None if expires_after is None else int(now) + expires_after
     return await store.save_file(
         file_id, [data], filename=text_name(filename), purpose=purpose, created_at=int(now),
-        replace=replace,
+        replace=replace, expires_at=expires_at,
     )  # fmt: skip
 
 
@@ -84,3 +87,13 @@ async def delete_file(store: Store, file_id: str) -> bool:
         return False
     await store.delete_file_bytes(rec)
     return True
+
+
+async def delete_expired_files(store: Store, *, now: float) -> list[str]:
+    """Delete every file past its `expires_at`, record and bytes, wherever the bytes are stored
+    (the worker's housekeeping); returns their ids."""
+    gone = []
+    for f in await store.expired_files(now):
+        if await delete_file(store, f.id):
+            gone.append(f.id)
+    return gone

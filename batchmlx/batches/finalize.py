@@ -102,10 +102,13 @@ async def _finalize(
             f = await store_file(
                 store, settings, data, filename=f"{batch_id}_{suffix}.jsonl",
                 purpose="batch_output", now=now, file_id=derived_id(batch_id, suffix, "file-"),
+                expires_after=rec.output_expires_after,
             )  # fmt: skip
             fields[key] = f.id
         if suffix == "output":
             crash_point("mid_finalize")
+    if files.served_model is not None:
+        fields["model"] = files.served_model  # the model actually used, as its bodies name it
     for hook in _HOOKS:
         await hook(store, Finalized(batch_id, files.output, files.errors))
     crash_point("after_finalize_files")

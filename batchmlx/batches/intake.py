@@ -40,9 +40,11 @@ async def submit(
     completion_window: str = "24h",
     metadata: dict[str, str] | None = None,
     source: str | None = "cli",
+    output_expires_after: int | None = None,
 ) -> BatchRecord:
     """Store a batch input file, create its batch and validate it at once (the CLI, the
-    inbox); a file that fails validation gives a `failed` batch."""
+    inbox); a file that fails validation gives a `failed` batch. `output_expires_after`
+    (seconds) makes its output and error files expire."""
     parse_window(completion_window)
     if model is not None and not _model_resolves(settings)(model):
         raise BatchError(
@@ -55,6 +57,7 @@ async def submit(
             store, settings, input_file_id=file.id, endpoint=None, now=now,
             completion_window=completion_window, metadata=metadata, source=source,
             content_hash=hashlib.sha256(data).hexdigest(),
+            output_expires_after=output_expires_after,
         )  # fmt: skip
     except Exception:
         await delete_file(store, file.id)
@@ -73,6 +76,7 @@ async def create_batch(
     metadata: dict[str, str] | None = None,
     source: str | None = "api",
     content_hash: str | None = None,
+    output_expires_after: int | None = None,
 ) -> BatchRecord:
     """Create a `validating` batch from a stored file; `validate_batch` runs it or fails it.
     `endpoint` None: the file's own (the CLI and the inbox name none)."""
@@ -91,7 +95,7 @@ async def create_batch(
         id=new_id(IdPrefix.BATCH), endpoint=endpoint or "", model=None,
         input_file_id=input_file_id, completion_window=completion_window,
         status=BatchStatus.VALIDATING, created_at=created, expires_at=created + window_s,
-        metadata=metadata,
+        metadata=metadata, output_expires_after=output_expires_after,
     )  # fmt: skip
     await store.create_batch(rec, content_hash=content_hash, source=source)
     return await get_batch(store, rec.id)

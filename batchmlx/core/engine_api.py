@@ -6,9 +6,9 @@ fake. Each default is written here once: the CLI's options and the scheduler rea
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from batchmlx.core.request import GenerationOutput, GenerationRequest
 from batchmlx.core.telemetry import EngineCounters
@@ -79,4 +79,19 @@ class EngineTelemetry(Protocol):
 
     def generated_so_far(self, request_id: str) -> int:
         """Tokens a running request has generated (0 once done or unknown)."""
+        ...
+
+
+class EmbedderProtocol(Protocol):
+    """What the worker needs to answer /v1/embeddings: one batched pass over token lists (no
+    generation loop). The MLX engine offers one per model (engine/embed.py); an engine without
+    one (a test fake) answers embeddings requests with a 500."""
+
+    @property
+    def dimensions(self) -> int:
+        """Components of one (unshortened) embedding."""
+        ...
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> list[Any]:
+        """One unit-length vector (a 1-D numpy array) per input, in input order."""
         ...

@@ -5,6 +5,8 @@
   request sets, does not fit); `max_new_tokens` bounds generation by what is left.
 - Per sampled token (`FinishRules.on_token`): an end-of-sequence token ends with STOP (the token
   is not output), reaching max tokens ends with LENGTH.
+- Structured outputs (`grammar_finish`): a constrained answer whose JSON value is complete with
+  the token just output ends with STOP, ahead of LENGTH.
 - Stop strings are matched on decoded text: the engine stops generating when one appears in the
   decoded tail (`FinishRules.stop_in_tail`), and every text the user sees is cut before the
   first one with `cut_at_stop` (whole answers) or `visible` (streams, which also hold back a
@@ -65,6 +67,12 @@ class FinishRules:
             return False
         tail = decode(list(generated[-self.tail_tokens :]))
         return any(s in tail for s in self.stops)
+
+
+def grammar_finish(reason: FinishReason | None, complete: bool) -> FinishReason | None:
+    """The finish of a grammar-constrained sequence after an output token: STOP once its
+    grammar (a JSON value) is complete, else what `FinishRules.on_token` said."""
+    return FinishReason.STOP if complete else reason
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:

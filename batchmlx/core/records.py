@@ -61,6 +61,8 @@ class BatchRecord:
     metadata: dict[str, str] | None = None
     # batchmlx's own figures, shown by `status ID`, not part of the OpenAI object
     stats: dict[str, Any] = field(default_factory=dict)
+    output_expires_after: int | None = None  # seconds: output/error files expire this long after
+    # they are written (None: never)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,7 @@ class FileRecord:
     bytes: int
     created_at: int
     path: str  # where the content lives under $BATCHMLX_HOME/files
+    expires_at: int | None = None  # the worker deletes the file (record and bytes) after this
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ class GenerationRequest:
     params: SamplingParams
     stop_token_ids: frozenset[int] = frozenset()  # eos and friends
     priority: int = 1  # lower is admitted first: online requests 0, batch work 1
+    grammar: str | None = None  # a canonical JSON schema text: decoding is constrained to it
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from batchmlx.core.blocks import BlockPool
 from batchmlx.core.engine_api import EngineSettings, StepError
-from batchmlx.core.finish import FinishRules, fits_context, max_new_tokens
+from batchmlx.core.finish import FinishRules, fits_context, grammar_finish, max_new_tokens
 from batchmlx.core.request import (
     CacheOutcome,
     FinishReason,
@@ -27,6 +27,8 @@ from batchmlx.core.request import (
 )
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
 from batchmlx.core.telemetry import EngineCounters
+from batchmlx.engine.embed import Embedder
+from batchmlx.engine.grammar import Grammars
 from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
 from batchmlx.engine.runner import ModelRunner, model_dims
 from batchmlx.engine.sampler import SampleRow, sample
@@ -60,6 +62,7 @@ class _Live:
     first_token_at: float | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_hit: bool = False
+    matcher: Any = None  # llguidance matcher of a constrained request
 
 
 @dataclass(slots=True)
@@ -124,6 +127,9 @@ class Engine:
             self.pool,
         )
         self.runner = ModelRunner(model, self.storage)
+        vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+        self.grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
+        self._embedder: Embedder | None = None
         self._live: dict[str, _Live] = {}
         # called with (request_id, token_id) for every token a request emits (streaming)
         self.on_token: Callable[[str, int], None] | None = None
@@ -148,6 +154,7 @@ class Engine:
             ),
             added_at=self.clock(),
             entropy=self._rand.getrandbits(63),
+            matcher=self.grammars.matcher(req.grammar) if req.grammar else None,
         )
         self.scheduler.add(req)
 
@@ -172,6 +179,13 @@ class Engine:
             misses=sched.misses, running=len(self.scheduler.running),
             blocks_in_use=pool.num_used, blocks_cached=pool.num_cached, blocks_free=pool.num_free,
         )  # fmt: skip
+
+    @property
+    def embedder(self) -> Embedder:
+        """Mean-pooled embeddings of the same model (engine/embed.py)."""
+        if self._embedder is None:
+            self._embedder = Embedder(self.runner.model)
+        return self._embedder
 
     @property
     def pool_blocks(self) -> int:
@@ -254,6 +268,12 @@ class Engine:
                 SampleRow(live.request.params, seq.num_tokens - seq.num_prompt_tokens, live.entropy)
             )
         t0 = time.perf_counter()
+        constrained = [
+            (self._live[step.seqs[i].seq.seq_id].matcher, j)
+            for j, i in enumerate(rows)
+            if self._live[step.seqs[i].seq.seq_id].matcher is not None
+        ]
+        logits = self.grammars.mask(logits, constrained)
         tokens, lps = sample(logits, sample_rows)
         st.sample_s += time.perf_counter() - t0
 
@@ -277,7 +297,12 @@ class Engine:
                 live.logprobs.append(lp)
             if self.on_token is not None:
                 self.on_token(seq.seq_id, tok)
-            if reason is FinishReason.LENGTH:
+            complete = live.matcher is not None and self.grammars.advance(live.matcher, tok)
+            reason = grammar_finish(reason, complete)
+            if reason is FinishReason.STOP:  # the JSON value is complete (the token is output)
+                finished.add(seq.seq_id)
+                live.stop_hit = True
+            elif reason is FinishReason.LENGTH:
                 finished.add(seq.seq_id)
             elif rules.stops and rules.stop_in_tail(
                 [*seq.generated_token_ids, tok], self.tokenizer.decode

@@ -24,6 +24,7 @@ class ErrorCode(enum.StrEnum):
     FILE_TOO_LARGE = "file_too_large"
     MODEL_NOT_FOUND = "model_not_found"
     INVALID_URL = "invalid_url"  # an endpoint batchmlx does not serve
+    TOO_MANY_EMBEDDING_INPUTS = "too_many_embedding_inputs"  # over 50,000 across one batch
     TOO_MANY_ERRORS = "too_many_errors"  # the last item of a cut list: how many in all
     # an inbox file that cannot be taken (a symlink, a name not UTF-8, unreadable)
     FILE_REFUSED = "file_refused"
@@ -35,6 +36,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_TYPE = "invalid_type"
     UNSUPPORTED_VALUE = "unsupported_value"
     UNKNOWN_PARAMETER = "unknown_parameter"
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
     MISSING_REQUIRED_PARAMETER = "missing_required_parameter"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 

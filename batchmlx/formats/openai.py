@@ -31,6 +31,8 @@ class IdPrefix(enum.StrEnum):
     FILE = "file-"
     CHAT_COMPLETION = "chatcmpl-"
     COMPLETION = "cmpl-"
+    RESPONSE = "resp_"
+    MESSAGE = "msg_"
 
 
 _SEPARATORS = {"batch": "_", "batch_req": "_", "file": "-", "chatcmpl": "-", "cmpl": "-"}
@@ -257,7 +259,7 @@ def file_object(f: FileRecord) -> dict[str, Any]:
         "purpose": f.purpose,
         "status": "processed",
         "status_details": None,
-        "expires_at": None,
+        "expires_at": f.expires_at,
     }
 
 

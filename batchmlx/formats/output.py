@@ -36,6 +36,8 @@ class RenderedFiles:
     output: bytes  # the output file (succeeded requests)
     errors: bytes  # the error file (failed ones)
     outcomes: dict[str, int] = field(default_factory=dict)  # prefix-cache hits, prefix_hits, misses
+    # the model actually used, as the first succeeded response body names it (None: none did)
+    served_model: str | None = None
 
 
 def derived_id(batch_id: str, key: str, prefix: str) -> str:
@@ -48,6 +50,7 @@ def render_results(batch_id: str, rows: Iterable[DoneRequest]) -> RenderedFiles:
     """The JSONL output and error files of a batch, lines in the order of `rows`."""
     out, err = bytearray(), bytearray()
     outcomes = {"hits": 0, "prefix_hits": 0, "misses": 0}
+    served: str | None = None
     for row in rows:
         if row.cache_outcome in _OUTCOME_KEYS:
             outcomes[_OUTCOME_KEYS[row.cache_outcome]] += 1
@@ -67,4 +70,7 @@ def render_results(batch_id: str, rows: Iterable[DoneRequest]) -> RenderedFiles:
             body=row.response_body,
         )
         (out if row.status is RequestStatus.SUCCEEDED else err).extend(dumps_line(line))
-    return RenderedFiles(bytes(out), bytes(err), outcomes)
+        if served is None and row.status is RequestStatus.SUCCEEDED:
+            model = row.response_body.get("model")
+            served = model if isinstance(model, str) else None
+    return RenderedFiles(bytes(out), bytes(err), outcomes, served)

@@ -13,6 +13,7 @@ from typing import Any
 
 from batchmlx.core.request import SamplingParams
 from batchmlx.formats.errors import ErrorCode, json_type
+from batchmlx.formats.structured import FormatError, Grammar, chat_grammar
 
 # SamplingParams.max_tokens is an int; this one means "until the context is full" and the engine
 # clamps it to the context length left after the prompt.
@@ -27,6 +28,8 @@ MAX_COMPLETION_LOGPROBS = 5  # legacy completions
 class Endpoint(enum.StrEnum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
+    RESPONSES = "/v1/responses"
+    EMBEDDINGS = "/v1/embeddings"  # parsed by formats.embeddings; no generation
 
 
 class Role(enum.StrEnum):
@@ -58,6 +61,7 @@ class ParsedRequest:
     top_logprobs: int
     response_format: dict[str, Any] | None  # kept for the engine to honour what it can
     echo: bool  # completions only: the prompt is prepended to the text
+    grammar: Grammar | None = None  # structured output: decoding is constrained to its schema
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,27 +326,13 @@ def _prompt(body: dict[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
     raise _type_error("prompt", expected, prompt)
 
 
-def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+def _response_format(body: dict[str, Any]) -> tuple[dict[str, Any] | None, Grammar | None]:
     fmt = body.get("response_format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise _type_error("response_format", "an object", fmt)
-    kind = fmt.get("type")
-    if kind not in _RESPONSE_FORMATS:
-        raise _fail(
-            ErrorCode.INVALID_VALUE,
-            f"Invalid value for 'response_format.type': {kind!r}. Supported values are: "
-            "'text', 'json_object' and 'json_schema'.",
-            "response_format.type",
-        )
-    if kind == "json_schema" and not isinstance(fmt.get("json_schema"), dict):
-        raise _fail(
-            ErrorCode.MISSING_REQUIRED_PARAMETER,
-            "Missing required parameter: 'response_format.json_schema'.",
-            "response_format.json_schema",
-        )
-    return fmt
+    try:
+        grammar = chat_grammar(fmt)
+    except FormatError as exc:
+        raise _fail(exc.code, exc.message, exc.param) from None
+    return fmt, grammar
 
 
 def _parse(endpoint: Endpoint, body: dict[str, Any]) -> ParsedRequest:
@@ -395,6 +385,7 @@ def _parse(endpoint: Endpoint, body: dict[str, Any]) -> ParsedRequest:
         if suffix:
             raise _unsupported("suffix", "suffix (insertion) is not supported.")
 
+    response_format, grammar = _response_format(body) if chat else (None, None)
     sampling = SamplingParams(
         max_tokens=UNTIL_CONTEXT if max_tokens is None else max_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -414,8 +405,9 @@ def _parse(endpoint: Endpoint, body: dict[str, Any]) -> ParsedRequest:
         max_tokens=max_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        response_format=_response_format(body) if chat else None,
+        response_format=response_format,
         echo=echo,
+        grammar=grammar,
     )
 
 
@@ -429,7 +421,15 @@ def parse_request(endpoint: str, body: dict[str, Any]) -> ParsedRequest | Reques
         )
     if not isinstance(body, dict):
         return RequestError(400, ErrorCode.INVALID_TYPE.value, "The body must be an object.", None)
+    if ep is Endpoint.EMBEDDINGS:  # no generation: formats.embeddings parses these
+        return RequestError(
+            404, ErrorCode.INVALID_URL.value, "Embeddings are not a generation endpoint.", "url"
+        )
     try:
+        if ep is Endpoint.RESPONSES:
+            from batchmlx.formats.responses import parse_responses  # it builds on this module
+
+            return parse_responses(body)
         return _parse(ep, body)
     except _Reject as reject:
         return reject.error
@@ -440,7 +440,7 @@ def context_length_error(
 ) -> RequestError:
     """The 400 for a prompt (plus the completion it asks for) past the model's context, in
     OpenAI's words; never a 500, never a silent clamp."""
-    where = "messages" if endpoint is Endpoint.CHAT else "prompt"
+    where = _PROMPT_PARAM.get(endpoint, "prompt")
     if max_tokens is None:
         detail = f"your {where} resulted in {prompt_tokens} tokens. Please reduce the length of "
         detail += f"the {where}."
@@ -456,3 +456,6 @@ def context_length_error(
         f"This model's maximum context length is {context} tokens. However, {detail}",
         where,
     )
+
+
+_PROMPT_PARAM = {Endpoint.CHAT: "messages", Endpoint.RESPONSES: "input"}

@@ -17,8 +17,15 @@ from typing import Any
 import orjson
 
 from batchmlx.core.records import BatchErrorRecord
+from batchmlx.formats.embeddings import (
+    MAX_EMBEDDING_INPUTS,
+    check_embeddings_input,
+    count_inputs,
+    too_many_inputs,
+)
 from batchmlx.formats.errors import ErrorCode, json_type
 from batchmlx.formats.params import Endpoint, Role
+from batchmlx.formats.responses import check_responses_input
 
 SUPPORTED_URLS = tuple(Endpoint)
 _ROLES = frozenset(Role)
@@ -206,6 +213,7 @@ def validate_batch_file(
     model: str | None = model_override
     model_line: int | None = None
     tasks = 0
+    embedding_inputs = 0
 
     for number, raw in lines:
         if not raw.strip():
@@ -317,8 +325,9 @@ def validate_batch_file(
                         )
                     )
             if url is not None:
-                check = _check_chat if url == Endpoint.CHAT else _check_prompt
-                problem = check(body)
+                problem = _CHECKS[Endpoint(url)](body)
+                if problem is None and url == Endpoint.EMBEDDINGS:
+                    embedding_inputs += count_inputs(body["input"])
                 if problem:
                     param, what = problem
                     line_errors.append(_invalid(number, param, f"'{param}' {what}."))
@@ -354,6 +363,8 @@ def validate_batch_file(
 
     if tasks == 0:
         errors.add(_err(ErrorCode.EMPTY_FILE, "The batch input file has no requests."), keep=True)
+    if embedding_inputs > MAX_EMBEDDING_INPUTS:
+        errors.add(too_many_inputs(embedding_inputs), keep=True)
     if (
         model_override is None
         and model is not None
@@ -373,3 +384,9 @@ def validate_batch_file(
 
 
 _NOT_JSON = object()  # a sentinel no JSON value can equal
+_CHECKS = {
+    Endpoint.CHAT: _check_chat,
+    Endpoint.COMPLETIONS: _check_prompt,
+    Endpoint.RESPONSES: check_responses_input,
+    Endpoint.EMBEDDINGS: check_embeddings_input,
+}

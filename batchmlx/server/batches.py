@@ -15,6 +15,7 @@ from batchmlx.batches.lifecycle import cancel_unattended, expire_unattended
 from batchmlx.batches.windows import OPENAI_COMPLETION_WINDOW
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchRecord
+from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
 from batchmlx.formats.openai import batch_object
 from batchmlx.server.bodies import json_body
 from batchmlx.server.context import ServerContext
@@ -69,6 +70,12 @@ async def create(request: Request) -> JSONResponse:
                        f"values are: '{OPENAI_COMPLETION_WINDOW}'.",
                        code="invalid_value", param="completion_window")  # fmt: skip
     metadata = _metadata(body.get("metadata"))
+    try:
+        output_expires_after = parse_expires_after(
+            body.get("output_expires_after"), "output_expires_after"
+        )
+    except ExpiresAfterError as exc:
+        raise ApiError(400, str(exc), code="invalid_value", param=exc.param) from None
     if await ctx.store.get_file(input_file_id) is None:
         raise ApiError(400, f"No file found with id '{input_file_id}'.",
                        code="invalid_value", param="input_file_id")  # fmt: skip
@@ -76,6 +83,7 @@ async def create(request: Request) -> JSONResponse:
         rec = await create_batch(
             ctx.store, ctx.settings, input_file_id=input_file_id, endpoint=endpoint,
             now=time.time(), completion_window=window, metadata=metadata,
+            output_expires_after=output_expires_after,
         )  # fmt: skip
     except BatchError as exc:
         param = "endpoint" if "endpoint" in str(exc) else (

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from batchmlx.batches.files import delete_file, iter_file_content, store_file
 from batchmlx.core.records import FileRecord
+from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
 from batchmlx.formats.openai import file_deleted_object, file_object
 from batchmlx.server.bodies import BodyTooLarge, bounded, declared_length, media_type
 from batchmlx.server.context import ServerContext
@@ -60,6 +61,7 @@ async def upload(request: Request) -> JSONResponse:
             if upload is None or isinstance(upload, str):
                 raise ApiError(400, "Missing required parameter: 'file' (a file part).",
                                code="missing_required_parameter", param="file")  # fmt: skip
+            expires_after = _expires_after(form)
             data = await upload.read()
             filename = upload.filename or "upload.jsonl"
     except BodyTooLarge:
@@ -70,9 +72,21 @@ async def upload(request: Request) -> JSONResponse:
     if len(data) > limit:
         raise _too_large(limit)
     rec = await store_file(
-        ctx.store, ctx.settings, data, filename=filename, purpose=purpose, now=time.time()
-    )
+        ctx.store, ctx.settings, data, filename=filename, purpose=purpose, now=time.time(),
+        expires_after=expires_after,
+    )  # fmt: skip
     return JSONResponse(file_object(rec))
+
+
+def _expires_after(form) -> int | None:
+    """The SDK sends `expires_after` as the form fields expires_after[anchor] and [seconds]."""
+    fields = {k: form.get(f"expires_after[{k}]") for k in ("anchor", "seconds")}
+    if all(v is None for v in fields.values()):
+        return None
+    try:
+        return parse_expires_after(fields, "expires_after")
+    except ExpiresAfterError as exc:
+        raise ApiError(400, str(exc), code="invalid_value", param=exc.param) from None
 
 
 async def list_files(request: Request) -> JSONResponse:

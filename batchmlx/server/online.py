@@ -22,6 +22,7 @@ from batchmlx.server.streaming import ChoiceStream
 
 # Streaming is the server's business; the engine sees a plain request.
 _STREAM_KEYS = ("stream", "stream_options")
+_NO_STREAM = (Endpoint.RESPONSES, Endpoint.EMBEDDINGS)
 
 
 def _sse(obj: Any) -> bytes:
@@ -111,7 +112,11 @@ async def _complete(request: Request, endpoint: Endpoint) -> Response:
     body = await json_body(request)
     stream, include_usage = _stream_flags(body)
     engine_body = {k: v for k, v in body.items() if k not in _STREAM_KEYS}
-    parsed = parse_request(endpoint.value, engine_body)
+    if stream and endpoint in _NO_STREAM:
+        raise ApiError(400, "Unsupported parameter: 'stream' is not supported with this model.",
+                       code="unsupported_parameter", param="stream")  # fmt: skip
+    # embeddings bodies are judged by the worker (formats.embeddings), like in a batch
+    parsed = None if endpoint is Endpoint.EMBEDDINGS else parse_request(endpoint.value, engine_body)
     if isinstance(parsed, RequestError):
         return JSONResponse(parsed.body(), parsed.status_code)
     if not ctx.worker_alive:
@@ -135,6 +140,7 @@ async def _complete(request: Request, endpoint: Endpoint) -> Response:
             ctx.worker.online.cancel(ticket)
             raise
         return JSONResponse(event.body, event.status_code)
+    assert parsed is not None  # embeddings never stream (_NO_STREAM)
     return StreamingResponse(
         _stream(ctx, ticket, parsed, first, include_usage),
         media_type="text/event-stream",
@@ -150,7 +156,17 @@ async def completions(request: Request) -> Response:
     return await _complete(request, Endpoint.COMPLETIONS)
 
 
+async def responses(request: Request) -> Response:
+    return await _complete(request, Endpoint.RESPONSES)
+
+
+async def embeddings(request: Request) -> Response:
+    return await _complete(request, Endpoint.EMBEDDINGS)
+
+
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/responses", responses, methods=["POST"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
 ]

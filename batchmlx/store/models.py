@@ -41,6 +41,7 @@ class FileRow(Base):
     bytes: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[int] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(Text)  # where the content lives: a path, or "db:<id>"
+    expires_at: Mapped[int | None] = mapped_column(Integer, index=True)  # deleted after this
 
 
 class BatchRow(Base):
@@ -68,6 +69,7 @@ class BatchRow(Base):
     content_hash: Mapped[str | None] = mapped_column(String(128), index=True)  # inbox de-dup
     source: Mapped[str | None] = mapped_column(Text)  # "cli", "inbox:/path", …
     stats: Mapped[str | None] = mapped_column(Text)  # JSON object: batchmlx's own figures
+    output_expires_after: Mapped[int | None] = mapped_column(Integer)  # seconds, for output files
 
 
 class RequestRow(Base):

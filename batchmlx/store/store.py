@@ -204,6 +204,7 @@ def _batch_record(m: Mapping[str, Any], progress: Sequence[Any] | None) -> Batch
         usage=usage,
         metadata=_loads(m["metadata"]),
         stats=_loads(m["stats"]) or {},
+        output_expires_after=m.get("output_expires_after"),
     )
 
 
@@ -215,6 +216,7 @@ def _file_record(m: Mapping[str, Any]) -> FileRecord:
         bytes=m["bytes"],
         created_at=m["created_at"],
         path=m["path"],
+        expires_at=m.get("expires_at"),
     )
 
 
@@ -404,6 +406,7 @@ class Store:
             "bytes": rec.bytes,
             "created_at": rec.created_at,
             "path": rec.path,
+            "expires_at": rec.expires_at,
         }
         stmt = self._insert(F).values(**values)
         if replace:
@@ -422,10 +425,12 @@ class Store:
         purpose: str,
         created_at: int,
         replace: bool = False,
+        expires_at: int | None = None,
     ) -> FileRecord:
-        """Store a file's bytes (streamed, atomically) and record it; see `add_file`."""
+        """Store a file's bytes (streamed, atomically) and record it; see `add_file`. A file
+        with `expires_at` is deleted by the worker's housekeeping once that time has passed."""
         size, location = await self.blobs.put(file_id, chunks)
-        rec = FileRecord(file_id, filename, purpose, size, created_at, location)
+        rec = FileRecord(file_id, filename, purpose, size, created_at, location, expires_at)
         try:
             await self.add_file(rec, replace=replace)
         except BaseException:
@@ -478,6 +483,7 @@ class Store:
             "content_hash": content_hash,
             "source": source,
             "stats": _dumps(rec.stats or {}),
+            "output_expires_after": rec.output_expires_after,
         }
         async with self._engine.begin() as conn:
             await conn.execute(insert(B).values(**batch_values))
@@ -935,6 +941,13 @@ class Store:
                     )
                 query = query.where(beyond)
             rows = (await conn.execute(query.limit(limit))).mappings().all()
+        return [_file_record(r) for r in rows]
+
+    async def expired_files(self, now: float) -> list[FileRecord]:
+        """Files whose `expires_at` has passed, oldest expiry first."""
+        query = select(F).where(F.c.expires_at <= int(now)).order_by(F.c.expires_at)
+        async with self._reader.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
         return [_file_record(r) for r in rows]
 
     async def delete_file(self, file_id: str) -> FileRecord | None:

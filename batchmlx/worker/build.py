@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchmlx.core.engine_api import EngineProtocol, EngineSettings
+from batchmlx.core.engine_api import EmbedderProtocol, EngineProtocol, EngineSettings
 from batchmlx.worker.translate import Translator
 
 
@@ -18,6 +18,7 @@ class ServingModel:
     name: str  # the model string the worker was asked for
     engine: EngineProtocol
     translator: Translator
+    embedder: EmbedderProtocol | None = None  # /v1/embeddings; None: this engine has none
 
 
 EngineFactory = Callable[[str], ServingModel]  # model name → a fresh engine for it
@@ -45,9 +46,13 @@ def build_engine(
     )
     translator = Translator(
         loaded.tokenizer, loaded.spec.name, engine.max_context_tokens, loaded.eos_token_ids,
-        vocab_size=_vocab_size(loaded),
+        vocab_size=_vocab_size(loaded), grammar_check=engine.grammars.check,
     )  # fmt: skip
-    return ServingModel(name, engine, translator)
+    try:
+        embedder: EmbedderProtocol | None = engine.embedder
+    except ValueError:  # a model layout with no hidden-state body to pool
+        embedder = None
+    return ServingModel(name, engine, translator, embedder)
 
 
 def _vocab_size(loaded: Any) -> int | None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import batchmlx.ingest  # noqa: F401  (registers the inbox's finalize hook)
+from batchmlx.batches.files import delete_expired_files
 from batchmlx.batches.finalize import finalize
 from batchmlx.batches.lifecycle import expire, settle_cancelling
 from batchmlx.config import Settings
@@ -28,6 +29,7 @@ from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.faults import crash_point
 from batchmlx.store import Store
 from batchmlx.worker.build import EngineFactory, ServingModel, mlx_engine_factory
+from batchmlx.worker.embeddings import EmbeddingJobs, is_embeddings
 from batchmlx.worker.metrics import EngineMetrics, register_worker
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
 from batchmlx.worker.resilience import Backoff, is_transient
@@ -82,6 +84,7 @@ class Worker:
         self.online = OnlineQueue()  # the HTTP API's requests, ahead of batch work
         self.online_pending: dict[int, PendingRequest] = {}  # ticket id (< 0) -> request
         self.ready: list[tuple[int, RequestResult]] = []  # results waiting for a flush
+        self.embeddings = EmbeddingJobs()  # /v1/embeddings requests for the next batched pass
         self.ready_tokens: dict[str, int] = {}  # batch id -> completion tokens in `ready`
         self.stop_requested = False
         self.metrics = EngineMetrics()  # this process's registry and chart series
@@ -198,12 +201,16 @@ class Worker:
             self._next_housekeeping = now + self.settings.poll_s
             did |= await self._settle_batches()
             did |= await self._expire_batches()
+            await delete_expired_files(self.store, now=self.clock())
         did |= self._admit_online()
         if housekeeping or (len(self.pending) < self._max_batch() and not self._queue_dry):
             claimed = await self._claim()
             self._queue_dry = not claimed
             did |= claimed
         running = self.loaded is not None and self.loaded.engine.has_unfinished()
+        if self.embeddings:
+            self._run_embeddings()
+            did = True
         if running:
             self._step()
         # nothing left to step: write what is ready now rather than wait for the timer
@@ -239,6 +246,11 @@ class Worker:
                 id=t.id, batch_id="", custom_id="", line=0, endpoint=t.endpoint,
                 model=loaded.name, body=t.body, attempts=1,
             )  # fmt: skip
+            if is_embeddings(t.endpoint):
+                error = self._add_embeddings(loaded, claimed)
+                if error is not None:
+                    self.online.done(t.id, error.status_code, error.body)
+                continue
             pending, gens, error = loaded.translator.prepare(claimed)
             if error is not None:
                 self.online.done(t.id, error.status_code, error.body)
@@ -275,7 +287,7 @@ class Worker:
             ):
                 continue  # another worker's model
             model = self._model_for(b.model)
-            busy = self.pending or self.online_pending
+            busy = self.pending or self.online_pending or self.embeddings
             if self.loaded is not None and model != self.loaded.name and busy:
                 continue  # one engine holds one model; come back when this one drains
             claimed = await self.store.claim(
@@ -311,6 +323,11 @@ class Worker:
             self.ready.append((c.id, server_error_result(message)))
             return
         loaded = self._ensure_model(self._model_for(c.model))
+        if is_embeddings(c.endpoint):
+            error = self._add_embeddings(loaded, c)
+            if error is not None:
+                self.ready.append((c.id, error))
+            return
         pending, gens, error = loaded.translator.prepare(c)
         if error is not None:
             self.ready.append((c.id, error))
@@ -384,6 +401,23 @@ class Worker:
                 self.ready_tokens[b] = self.ready_tokens.get(b, 0) + result.completion_tokens
         self.metrics.after_step(loaded.engine, time.time())
         crash_point("mid_generation")
+
+    def _add_embeddings(self, loaded: ServingModel, c: ClaimedRequest) -> RequestResult | None:
+        if loaded.embedder is None:
+            return server_error_result(f"The model {loaded.name!r} computes no embeddings here.")
+        tr = loaded.translator
+        return self.embeddings.add(c, tr.tok, tr.context_length, loaded.embedder.dimensions)
+
+    def _run_embeddings(self) -> None:
+        """Every waiting embeddings request in one batched pass, before the next engine step."""
+        loaded = self.loaded
+        assert loaded is not None and loaded.embedder is not None  # set when they were added
+        results = self.embeddings.run(loaded.embedder, loaded.translator.model_name)
+        for key, result in results:
+            if OnlineQueue.owns(key):
+                self.online.done(key, result.status_code, result.body)
+            else:
+                self.ready.append((key, result))
 
     def _fail_running(self, exc: Exception) -> None:
         """The engine step raised. The requests it ran (the engine says which; all of them if

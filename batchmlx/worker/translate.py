@@ -3,6 +3,7 @@ template on the way in, completion bodies on the way out."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +32,8 @@ from batchmlx.formats.params import (
     context_length_error,
     parse_request,
 )
+from batchmlx.formats.responses import response_body
+from batchmlx.formats.structured import schema_error_message
 
 
 @dataclass(slots=True)
@@ -77,8 +80,10 @@ class Translator:
         context_length: int,  # prompt + completion tokens the engine holds
         eos_ids,
         vocab_size: int | None = None,  # the embedding's rows; None: not checked
+        grammar_check: Callable[[str], str | None] | None = None,
     ) -> None:
         self.tok = tokenizer
+        self.grammar_check = grammar_check  # schema → None, or why it cannot be compiled
         self.model_name = model_name
         self.context_length = context_length
         self.eos_ids = frozenset(eos_ids)
@@ -91,6 +96,12 @@ class Translator:
         parsed = parse_request(claimed.endpoint, claimed.body)
         if isinstance(parsed, RequestError):
             return None, [], error_result(parsed)
+        if parsed.grammar is not None and self.grammar_check is not None:
+            detail = self.grammar_check(parsed.grammar.schema)
+            if detail is not None:
+                msg = schema_error_message(parsed.grammar, detail)
+                err = RequestError(400, ErrorCode.INVALID_VALUE.value, msg, parsed.grammar.param)
+                return None, [], error_result(err)
         bad_id = self._out_of_vocab(parsed)
         if bad_id is not None:
             msg = (
@@ -122,6 +133,7 @@ class Translator:
                     prompt_tokens=tokens,
                     params=params,
                     stop_token_ids=self.eos_ids,
+                    grammar=parsed.grammar.schema if parsed.grammar else None,
                 )
             )
         return pending, gens, None
@@ -134,7 +146,7 @@ class Translator:
         return next((t for t in parsed.prompt_token_ids if t >= self.vocab_size), None)
 
     def _prompt(self, parsed: ParsedRequest) -> tuple[list[int], str]:
-        if parsed.endpoint is Endpoint.CHAT:
+        if parsed.messages is not None:  # chat and responses
             messages = [dict(m) for m in parsed.messages or ()]
             text = self.tok.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
@@ -164,7 +176,14 @@ class Translator:
             completion_tokens=completion_tokens,
             cached_tokens=first.cached_tokens,
         )
-        if p.parsed.endpoint is Endpoint.CHAT:
+        if p.parsed.endpoint is Endpoint.RESPONSES:
+            body = response_body(
+                id=new_id(IdPrefix.RESPONSE), message_id=new_id(IdPrefix.MESSAGE), created=now,
+                model=self.model_name, request=p.claimed.body, choice=choices[0],
+                input_tokens=usage["prompt_tokens"], output_tokens=completion_tokens,
+                cached_tokens=first.cached_tokens,
+            )  # fmt: skip
+        elif p.parsed.endpoint is Endpoint.CHAT:
             body = chat_completion_body(
                 id=new_id(IdPrefix.CHAT_COMPLETION), created=now, model=self.model_name,
                 choices=choices, **usage,

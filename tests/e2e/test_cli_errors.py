@@ -245,3 +245,11 @@ def test_malformed_metadata_is_a_clear_error(cli: Cli, tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr and "ValueError" not in proc.stderr
     assert "metadata" in proc.stderr
     assert cli.json("list") == []
+
+
+def test_output_expires_after_out_of_bounds_is_refused(cli: Cli, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "ok.jsonl", [request_line("a", chat_body("hi", max_tokens=4))])
+    proc = cli("submit", path, "--output-expires-after", "60")
+    assert proc.returncode != 0
+    assert "between 3600 and 2592000" in proc.stdout + proc.stderr, describe(proc)
+    assert cli("list").stdout.strip() == "no batches"  # nothing was enqueued

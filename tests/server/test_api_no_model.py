@@ -139,7 +139,7 @@ def test_create_is_validating_then_runs_or_fails(client):
 
 
 def wait_failed(client):
-    bad = jsonl(["not json", request_line("a", chat_body("q"), url="/v1/embeddings")])
+    bad = jsonl(["not json", request_line("a", chat_body("q"), url="/v1/moderations")])
     f = client.files.create(file=("bad.jsonl", bad), purpose="batch")
     b = client.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -170,7 +170,7 @@ def test_bad_create_requests(client):
     f = client.files.create(file=("in.jsonl", good_file()), purpose="batch")
     with pytest.raises(openai.BadRequestError) as exc:
         client.batches.create(
-            input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h"
+            input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h"
         )
     assert _envelope(exc.value)["param"] == "endpoint"
 
@@ -207,3 +207,25 @@ def test_refuses_remote_bind_without_key(tmp_path):
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode != 0 and "--allow-remote" in proc.stderr
+
+
+def test_expires_after_on_files_and_batches(client):
+    f = client.files.create(file=("in.jsonl", good_file()), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 7200})  # fmt: skip
+    assert f.expires_at == f.created_at + 7200
+    assert client.files.retrieve(f.id).expires_at == f.created_at + 7200
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.files.create(file=("in.jsonl", good_file()), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 60})  # fmt: skip
+    assert _envelope(exc.value)["param"] == "expires_after.seconds"
+    b = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 3600},
+    )  # fmt: skip
+    assert b.status == "validating"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+            output_expires_after={"anchor": "now", "seconds": 3600},
+        )  # fmt: skip
+    assert _envelope(exc.value)["param"] == "output_expires_after.anchor"

@@ -220,11 +220,11 @@ def test_invalid_completions_prompt(prompt):
 
 
 def test_invalid_url():
-    item = {**chat("a"), "url": "/v1/embeddings"}
+    item = {**chat("a"), "url": "/v1/images/generations"}
     r = validate_batch_file(jsonl(chat("z"), item))
     assert codes(r) == [("invalid_url", 2, "url")]
     msg = r.errors[0].message
-    assert "'/v1/embeddings'" in msg
+    assert "'/v1/images/generations'" in msg
     assert all(url in msg for url in SUPPORTED_URLS)
 
 

@@ -1,0 +1,131 @@
+"""Grammar-constrained decoding with llguidance: a JSON schema → a token mask per step.
+
+Each distinct schema is compiled once (keyed by its canonical text) into a template matcher;
+every request gets a cheap deep copy of it, so its state is its own. One step's masks are
+filled for all constrained rows in a single `LLExecutor` call (parallel, outside the GIL), and
+applied to the logits on the device; unconstrained rows are left untouched.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+# Compact JSON the way json.dumps writes it: small models do not wander off into whitespace.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_CACHED_GRAMMARS = 256
+
+
+class GrammarError(ValueError):
+    """A schema llguidance cannot compile; the message names the unsupported keyword."""
+
+
+@dataclass(slots=True)
+class GrammarStats:
+    compiled: int = 0  # distinct schemas compiled (cache misses)
+    matchers: int = 0  # matchers handed out (one per constrained sequence)
+
+
+class Grammars:
+    """The compiled-grammar cache and the batched mask step of one engine."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None) -> None:
+        self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx_lm's TokenizerWrapper
+        self._eos = getattr(tokenizer, "eos_token_id", None)
+        self.vocab_size = vocab_size
+        self._lltok: llguidance.LLTokenizer | None = None  # built on first use (about 1 s)
+        self._executor: llguidance.LLExecutor | None = None
+        self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._errors: dict[str, str] = {}
+        self.stats = GrammarStats()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._lltok is None:
+            self._lltok = llguidance.hf.from_tokenizer(
+                self._hf, n_vocab=self.vocab_size, eos_token=self._eos
+            )
+        return self._lltok
+
+    def check(self, schema: str) -> str | None:
+        """None when `schema` compiles, else llguidance's reason (it names the keyword)."""
+        try:
+            self._template(schema)
+        except GrammarError as exc:
+            return str(exc)
+        return None
+
+    def matcher(self, schema: str) -> llguidance.LLMatcher:
+        """A fresh matcher for one sequence; raises GrammarError for a bad schema."""
+        self.stats.matchers += 1
+        return self._template(schema).deep_copy()
+
+    def _template(self, schema: str) -> llguidance.LLMatcher:
+        if schema in self._errors:
+            raise GrammarError(self._errors[schema])
+        template = self._templates.get(schema)
+        if template is not None:
+            self._templates.move_to_end(schema)
+            return template
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema, overrides=_JSON_OPTIONS
+            )
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                grammar, self.tokenizer
+            )
+        except ValueError as exc:  # not a JSON object at all
+            is_error, messages = True, [str(exc)]
+        if is_error:
+            self._errors[schema] = "; ".join(messages) or "the schema cannot be compiled"
+            raise GrammarError(self._errors[schema])
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            self._errors[schema] = template.get_error()
+            raise GrammarError(self._errors[schema])
+        self.stats.compiled += 1
+        self._templates[schema] = template
+        if len(self._templates) > MAX_CACHED_GRAMMARS:
+            self._templates.popitem(last=False)
+        return template
+
+    def mask(self, logits: mx.array, rows: list[tuple[llguidance.LLMatcher, int]]) -> mx.array:
+        """logits [S, V] with each listed row (matcher, row index) limited to the tokens its
+        grammar allows next; the other rows unchanged."""
+        if not rows:
+            return logits
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        n_rows, vocab = logits.shape
+        bitmask = allocate_token_bitmask(n_rows, self.tokenizer.vocab_size)  # all allowed
+        fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        return apply_bitmask(logits, bitmask, vocab)
+
+    @staticmethod
+    def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
+        """Feed the sampled token; True when the grammar is complete (the sequence stops)."""
+        matcher.consume_token(token)
+        return matcher.is_stopped() or matcher.is_error()
+
+
+_BITS = mx.arange(32, dtype=mx.uint32)
+
+
+def apply_bitmask(logits: mx.array, bitmask: np.ndarray, vocab: int) -> mx.array:
+    """Set logits whose bit is 0 to -inf; token ids past the mask's width are disallowed."""
+    words = mx.array(bitmask.view(np.uint32))  # [S, W]
+    allowed = ((words[:, :, None] >> _BITS) & 1).reshape(words.shape[0], -1)  # [S, 32W]
+    width = allowed.shape[1]
+    if width >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        pad = mx.zeros((allowed.shape[0], vocab - width), dtype=allowed.dtype)
+        allowed = mx.concatenate([allowed, pad], axis=1)
+    return mx.where(allowed.astype(mx.bool_), logits, mx.array(-mx.inf, dtype=logits.dtype))

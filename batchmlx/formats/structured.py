@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,25 +109,29 @@ def _schema_fields(spec: dict[str, Any], at: str, param: str) -> Grammar:
 
 def chat_grammar(fmt: Any, param: str = "response_format") -> Grammar | None:
     """`response_format` of chat/completions: None for text (or absent)."""
-    if fmt is None:
-        return None
-    kind = _kind(fmt, param)
-    if kind is FormatKind.TEXT:
-        return None
-    if kind is FormatKind.JSON_OBJECT:
-        return Grammar(kind, canonical_schema(ANY_OBJECT_SCHEMA), kind.value, param)
-    spec = fmt.get("json_schema")
-    if not isinstance(spec, dict):
-        raise FormatError(
-            ErrorCode.MISSING_REQUIRED_PARAMETER,
-            f"Missing required parameter: '{param}.json_schema'.",
-            f"{param}.json_schema",
-        )
-    return _schema_fields(spec, f"{param}.json_schema", param)
+
+    def schema(fmt: dict[str, Any]) -> Grammar:
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise FormatError(
+                ErrorCode.MISSING_REQUIRED_PARAMETER,
+                f"Missing required parameter: '{param}.json_schema'.",
+                f"{param}.json_schema",
+            )
+        return _schema_fields(spec, f"{param}.json_schema", param)
+
+    return _grammar(fmt, param, schema)
 
 
 def responses_grammar(fmt: Any, param: str = "text.format") -> Grammar | None:
     """`text.format` of responses: the json_schema fields sit beside `type`."""
+    return _grammar(fmt, param, lambda fmt: _schema_fields(fmt, param, param))
+
+
+def _grammar(
+    fmt: Any, param: str, json_schema: Callable[[dict[str, Any]], Grammar]
+) -> Grammar | None:
+    """None for text (or absent), any JSON object, or what `json_schema` reads from `fmt`."""
     if fmt is None:
         return None
     kind = _kind(fmt, param)
@@ -134,7 +139,7 @@ def responses_grammar(fmt: Any, param: str = "text.format") -> Grammar | None:
         return None
     if kind is FormatKind.JSON_OBJECT:
         return Grammar(kind, canonical_schema(ANY_OBJECT_SCHEMA), kind.value, param)
-    return _schema_fields(fmt, param, param)
+    return json_schema(fmt)
 
 
 def schema_error_message(grammar: Grammar, detail: str) -> str:

@@ -278,13 +278,7 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
         role = msg.get("role")
         if role == "tool" or role == "function":
             raise _unsupported(f"{at}.role", "tool messages are not supported.")
-        if not isinstance(role, str) or role not in TEMPLATE_ROLE:
-            raise _fail(
-                ErrorCode.INVALID_VALUE,
-                f"Invalid value for '{at}.role': {role!r}. Supported values are: "
-                "'system', 'developer', 'user' and 'assistant'.",
-                f"{at}.role",
-            )
+        role = _check_role(role, at)
         # chat templates of local models know "system"; OpenAI treats "developer" the same way
         out.append(
             {
@@ -433,6 +427,19 @@ def parse_request(endpoint: str, body: dict[str, Any]) -> ParsedRequest | Reques
         return _parse(ep, body)
     except _Reject as reject:
         return reject.error
+
+
+def _check_role(role: Any, at: str) -> str:
+    """A message's role, which must be one a chat template takes (chat messages, response
+    items)."""
+    if not isinstance(role, str) or role not in TEMPLATE_ROLE:
+        raise _fail(
+            ErrorCode.INVALID_VALUE,
+            f"Invalid value for '{at}.role': {role!r}. Supported values are: "
+            "'system', 'developer', 'user' and 'assistant'.",
+            f"{at}.role",
+        )
+    return role
 
 
 def context_length_error(

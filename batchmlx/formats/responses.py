@@ -18,6 +18,7 @@ from batchmlx.formats.params import (
     Endpoint,
     ParsedRequest,
     Role,
+    _check_role,
     _fail,
     _float,
     _int,
@@ -136,13 +137,7 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
         if kind != "message":
             raise _unsupported_parameter(f"{at}.type", "only message items are supported.")
         role = item.get("role")
-        if not isinstance(role, str) or role not in TEMPLATE_ROLE:
-            raise _fail(
-                ErrorCode.INVALID_VALUE,
-                f"Invalid value for '{at}.role': {role!r}. Supported values are: 'system', "
-                "'developer', 'user' and 'assistant'.",
-                f"{at}.role",
-            )
+        role = _check_role(role, at)
         text = _content(item.get("content"), f"{at}.content")
         out.append({"role": TEMPLATE_ROLE[Role(role)], "content": text})
     return tuple(out)

@@ -92,8 +92,13 @@ class Engine:
         config: EngineSettings | None = None,
         clock=time.perf_counter,
         seed: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
+        """sliding_window: the model has layers that see only that many keys (arch.py): their
+        masks are limited to it, and steps never use cascade attention (whose shared-prefix
+        part has no mask)."""
         self.cfg = cfg = config or EngineSettings()
+        self.sliding_window = sliding_window
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.clock = clock
@@ -248,6 +253,7 @@ class Engine:
             token_chunks=chunks,
             starts=starts,
             block_tables=tables,
+            share_prefix=self.sliding_window is None,
         )
         rows = [i for i, s in enumerate(step.seqs) if s.samples]
         t0 = time.perf_counter()

@@ -1,0 +1,258 @@
+"""The unpaged engine: mlx-lm's own continuous batching (`BatchGenerator`) behind EngineProtocol.
+
+For models the paged engine cannot run (arch.py decides): hybrid and state-space caches,
+rotations that keep a prefix, attention the paged seam does not fit. mlx-lm batches these with
+its own per-architecture caches. What stays the same as the paged engine: finish rules (end of
+sequence, max tokens, stop strings), per-request sampling keyed by (seed, token index) through
+the same sampler (engine/sampler.py), log-probs of the raw logits, streaming callbacks. What it
+has not: prefix caching, KV blocks, structured outputs (refused: `grammar_check` names why, so
+the worker answers 400 before a request reaches `add`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from batchmlx.core.engine_api import EngineSettings, StepError
+from batchmlx.core.finish import FinishRules, fits_context, max_new_tokens
+from batchmlx.core.request import (
+    CacheOutcome,
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    TokenLogprob,
+)
+from batchmlx.core.telemetry import EngineCounters
+from batchmlx.engine.embed import Embedder
+from batchmlx.engine.sampler import SampleRow, sample
+from batchmlx.faults import crash_point
+
+PREFILL_BATCH = 8  # prompts mlx-lm prefills together (its default)
+NO_GRAMMAR = "structured outputs are not supported for this model's architecture (unpaged engine)"
+
+
+@dataclass(slots=True)
+class _Live:
+    request: GenerationRequest
+    rules: FinishRules
+    uid: int
+    added_at: float
+    entropy: int
+    tokens: list[int] = field(default_factory=list)  # generated, end-of-sequence included
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_at: float | None = None
+    stop_hit: bool = False
+
+
+class _NoGrammars:
+    """Stands in for engine/grammar.Grammars: every schema is refused."""
+
+    @staticmethod
+    def check(schema: str) -> str | None:
+        return NO_GRAMMAR
+
+
+class UnpagedEngine:
+    """EngineProtocol and EngineTelemetry over mlx_lm.generate.BatchGenerator."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        context_length: int,
+        config: EngineSettings | None = None,
+        clock=time.perf_counter,
+        seed: int | None = None,
+    ) -> None:
+        self.cfg = config or EngineSettings()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.clock = clock
+        self._rand = random.Random(seed)
+        self.grammars = _NoGrammars()
+        self._embedder: Embedder | None = None
+        self._live: dict[str, _Live] = {}
+        self._by_uid: dict[int, str] = {}
+        self._steps = 0
+        self._step_s = 0.0
+        self._generated = 0
+        self._added = 0
+        self._gen = self._generator()
+        self.on_token: Callable[[str, int], None] | None = None
+
+    def _generator(self):
+        from mlx_lm.generate import BatchGenerator
+
+        width = self.cfg.running_bound
+        return BatchGenerator(
+            self.model,
+            completion_batch_size=width,
+            prefill_batch_size=min(PREFILL_BATCH, width),
+            prefill_step_size=self.cfg.max_prefill_tokens,
+        )
+
+    # -- EngineProtocol ------------------------------------------------------------------------
+    @property
+    def max_context_tokens(self) -> int:
+        return self.context_length
+
+    def add(self, req: GenerationRequest) -> None:
+        n_prompt = len(req.prompt_tokens)
+        if n_prompt == 0:
+            raise ValueError("empty prompt")
+        if req.grammar:
+            raise ValueError(NO_GRAMMAR)
+        if not fits_context(n_prompt, self.max_context_tokens):
+            raise ValueError(
+                f"prompt of {n_prompt} tokens leaves no room in a context of "
+                f"{self.max_context_tokens} tokens"
+            )
+        rules = FinishRules(
+            max_new_tokens(req.params.max_tokens, n_prompt, self.max_context_tokens),
+            req.stop_token_ids,
+            req.params.stop,
+        )
+        entropy = self._rand.getrandbits(63)
+        sampler = None if req.params.greedy else _row_sampler(req, entropy)
+        (uid,) = self._gen.insert(
+            [list(req.prompt_tokens)], max_tokens=[rules.max_tokens], samplers=[sampler]
+        )
+        self._live[req.request_id] = _Live(req, rules, uid, self.clock(), entropy)
+        self._by_uid[uid] = req.request_id
+        self._added += 1
+
+    def abort(self, request_id: str) -> bool:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return False
+        self._by_uid.pop(live.uid, None)
+        self._gen.remove([live.uid])
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[GenerationOutput]:
+        if not self._live:
+            return []
+        t0 = time.perf_counter()
+        try:
+            crash_point("engine_step")
+            _, responses = self._gen.next()
+        except Exception as exc:
+            ids = list(self._live)
+            self._live.clear()
+            self._by_uid.clear()
+            self._gen = self._generator()  # its batches are in an unknown state
+            raise StepError(ids, exc) from exc
+        self._steps += 1
+        done = [o for r in responses if (o := self._on_response(r)) is not None]
+        self._step_s += time.perf_counter() - t0
+        return done
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        """Run requests to completion (tests, benchmarks, scripts)."""
+        for r in requests:
+            self.add(r)
+        outs: dict[str, GenerationOutput] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                outs[o.request_id] = o
+        return [outs[r.request_id] for r in requests]
+
+    # -- EngineTelemetry -----------------------------------------------------------------------
+    def counters(self) -> EngineCounters:
+        return EngineCounters(
+            steps=self._steps, step_s=self._step_s, generated_tokens=self._generated,
+            misses=self._added, running=len(self._live),
+        )  # fmt: skip
+
+    def generated_so_far(self, request_id: str) -> int:
+        live = self._live.get(request_id)
+        return 0 if live is None else len(live.tokens)
+
+    @property
+    def embedder(self) -> Embedder:
+        if self._embedder is None:
+            self._embedder = Embedder(self.model)
+        return self._embedder
+
+    # -- internals -----------------------------------------------------------------------------
+    def _on_response(self, r: Any) -> GenerationOutput | None:
+        rid = self._by_uid.get(r.uid)
+        if rid is None:  # aborted meanwhile
+            return None
+        live = self._live[rid]
+        tok = int(r.token)
+        self._generated += 1
+        if live.first_token_at is None:
+            live.first_token_at = self.clock()
+        live.tokens.append(tok)
+        rules = live.rules
+        reason = rules.on_token(tok, len(live.tokens))
+        finished = r.finish_reason is not None
+        if reason is FinishReason.STOP:  # end of sequence: not output
+            live.stop_hit = True
+            finished = True
+        else:
+            p = live.request.params
+            if p.logprobs:
+                live.logprobs.append(_logprob(r.logprobs, tok, p.top_logprobs))
+            if self.on_token is not None:
+                self.on_token(rid, tok)
+            if reason is FinishReason.LENGTH:
+                finished = True
+            elif rules.stops and rules.stop_in_tail(live.tokens, self.tokenizer.decode):
+                live.stop_hit = True
+                finished = True
+        if not finished:
+            return None
+        if r.finish_reason is None:  # ended here, not by mlx-lm: take it out of its batch
+            self._gen.remove([live.uid])
+        del self._live[rid]
+        del self._by_uid[live.uid]
+        gen = live.tokens[:-1] if live.stop_hit and rules.is_eos(live.tokens[-1]) else live.tokens
+        ttft = None if live.first_token_at is None else live.first_token_at - live.added_at
+        return GenerationOutput(
+            request_id=rid,
+            prompt_tokens=len(live.request.prompt_tokens),
+            cached_tokens=0,
+            cache_outcome=CacheOutcome.MISS,
+            token_ids=list(gen),
+            finish_reason=FinishReason.STOP if live.stop_hit else FinishReason.LENGTH,
+            logprobs=live.logprobs if live.request.params.logprobs else None,
+            first_token_s=ttft,
+            extra={"preemptions": 0.0},
+        )
+
+
+def _row_sampler(req: GenerationRequest, entropy: int) -> Callable[[mx.array], mx.array]:
+    """mlx-lm sampler for one sequence that draws as engine/sampler.py does, keyed by
+    (seed, token index): the same seed gives the same text in either engine."""
+    count = [0]
+
+    def draw(logprobs: mx.array) -> mx.array:  # [1, V] normalized logits
+        (tok,), _ = sample(logprobs, [SampleRow(req.params, count[0], entropy)])
+        count[0] += 1
+        return mx.array([tok], dtype=mx.uint32)
+
+    return draw
+
+
+def _logprob(row: mx.array, tok: int, top_k: int) -> TokenLogprob:
+    lp = np.array(row.astype(mx.float32))
+    top: tuple[tuple[int, float], ...] = ()
+    if top_k > 0:
+        idx = np.argpartition(-lp, top_k - 1)[:top_k]
+        idx = idx[np.argsort(-lp[idx], kind="stable")]
+        top = tuple((int(j), float(lp[j])) for j in idx)
+    return TokenLogprob(token_id=tok, logprob=float(lp[tok]), top=top)

@@ -1,0 +1,136 @@
+"""Every architecture family mlx-lm runs, through batchmlx: paged where it fits, mlx-lm's own
+batching where not (engine/arch.py), greedy tokens equal to mlx-lm's `generate_step` on the same
+random weights, for several concurrent requests of different lengths."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.generate import generate_step
+from mlx_lm.models import gemma3_text, lfm2, llama, mamba2, qwen3_moe
+
+from batchmlx.core.engine_api import EngineSettings
+from batchmlx.core.request import FinishReason, GenerationRequest, SamplingParams
+from batchmlx.engine.arch import EnginePath, make_engine, plan_architecture
+from batchmlx.engine.llm_engine import Engine
+from batchmlx.engine.unpaged import UnpagedEngine
+
+VOCAB = 256
+NEW_TOKENS = 10
+BASE = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=512,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    name: str
+    module: Any
+    args: dict
+    path: EnginePath
+    window: int | None = None
+
+
+FAMILIES = [
+    Family("llama", llama, dict(
+        model_type="llama", intermediate_size=128, rms_norm_eps=1e-5, rope_theta=1e4, head_dim=16,
+    ), EnginePath.PAGED),
+    # mistral-style: the first layer sees a 6-token window (mlx-lm gives it a RotatingKVCache)
+    Family("sliding window (llama layer_types)", llama, dict(
+        model_type="llama", intermediate_size=128, rms_norm_eps=1e-5, rope_theta=1e4, head_dim=16,
+        sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+    ), EnginePath.PAGED, 6),
+    # gemma3: rotating caches on the local layers, a different RoPE base there
+    Family("rotating cache (gemma3_text)", gemma3_text, dict(
+        model_type="gemma3_text", intermediate_size=128, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=5, sliding_window_pattern=2, vocab_size=VOCAB,
+    ), EnginePath.PAGED, 5),
+    Family("hybrid conv + attention (lfm2)", lfm2, dict(
+        model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=64,
+        block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+        block_ff_dim=128, full_attn_idxs=[1],
+    ), EnginePath.UNPAGED),
+    Family("state space (mamba2)", mamba2, dict(
+        model_type="mamba2", num_heads=4, head_dim=16, vocab_size=VOCAB, hidden_size=64,
+        intermediate_size=64, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
+        conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=True,
+        time_step_limit=(0.0, float("inf")), time_step_rank=4,
+    ), EnginePath.UNPAGED),
+    Family("mixture of experts (qwen3_moe)", qwen3_moe, dict(
+        model_type="qwen3_moe", intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-5,
+        head_dim=16, rope_theta=1e4, norm_topk_prob=True,
+    ), EnginePath.PAGED),
+]
+
+
+def build(family: Family):
+    mx.random.seed(0)
+    args = dict(BASE)
+    if family.module is mamba2:
+        args = {}
+    args.update(family.args)
+    model = family.module.Model(family.module.ModelArgs.from_dict(args))
+    model.set_dtype(mx.float32)
+    # larger weights so the argmax is decided by the context, not near-ties
+    model.update(tree_map(lambda p: p * 2.0, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    shared = rng.integers(1, VOCAB, size=9).tolist()
+    return [
+        rng.integers(1, VOCAB, size=n).tolist() for n in (3, 14, 7)
+    ] + [shared + rng.integers(1, VOCAB, size=4).tolist(), shared + [5]]
+
+
+def reference(model, prompt: list[int], n: int) -> list[int]:
+    """mlx-lm's own generation loop, one request alone (greedy)."""
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=[f.name for f in FAMILIES])
+def family(request):
+    return request.param, build(request.param)
+
+
+def engine(model, **cfg):
+    base = dict(block_size=4, cache_memory_mb=16, max_prefill_tokens=64, max_batch_size=4)
+    base.update(cfg)
+    return make_engine(model, None, name="tiny", context_length=256,
+                       config=EngineSettings(**base))  # fmt: skip
+
+
+def test_plan_names_the_path_and_why(family, caplog):
+    fam, model = family
+    plan = plan_architecture(model)
+    assert plan.path is fam.path, plan.reason
+    assert plan.window == fam.window
+    with caplog.at_level(logging.INFO, logger="batchmlx.engine"):
+        eng = engine(model)
+    assert isinstance(eng, Engine if fam.path is EnginePath.PAGED else UnpagedEngine)
+    (line,) = [r.getMessage() for r in caplog.records if "engine," in r.getMessage()]
+    assert f"{fam.path.value} engine" in line and plan.reason in line
+
+
+def test_greedy_tokens_equal_mlx_lm(family):
+    """Five requests of different lengths, at most four running at once (so one joins late)."""
+    fam, model = family
+    ps = prompts()
+    want = [reference(model, p, NEW_TOKENS) for p in ps]
+    eng = engine(model)
+    assert isinstance(eng, Engine if fam.path is EnginePath.PAGED else UnpagedEngine)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    outs = eng.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(ps)])
+    got = [o.token_ids for o in outs]
+    assert got == want
+    assert all(o.finish_reason is FinishReason.LENGTH for o in outs)

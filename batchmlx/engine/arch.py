@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -40,6 +40,7 @@ class ArchPlan:
     path: EnginePath
     reason: str  # one line for the log: why this path
     window: int | None = None  # sliding window of the windowed layers (paged path)
+    one_at_a_time: bool = False  # unpaged path: mlx-lm's batching is wrong for it, width 1
 
     @property
     def paged(self) -> bool:
@@ -53,11 +54,11 @@ def plan_architecture(model: Any) -> ArchPlan:
     try:
         caches = make_prompt_cache(model)
     except Exception as exc:  # noqa: BLE001 - any failure here means: let mlx-lm drive it
-        return ArchPlan(EnginePath.UNPAGED, f"mlx-lm cannot make its cache ({exc})")
+        return _unpaged(model, f"mlx-lm cannot make its cache ({exc})")
     kinds = sorted({type(c).__name__ for c in caches})
     if any(type(c) not in (KVCache, RotatingKVCache) for c in caches):
-        return ArchPlan(
-            EnginePath.UNPAGED,
+        return _unpaged(
+            model,
             f"layer caches {', '.join(kinds)}: not all key/value caches (hybrid or state-space)",
         )
     rotating = [c for c in caches if type(c) is RotatingKVCache]
@@ -65,15 +66,15 @@ def plan_architecture(model: Any) -> ArchPlan:
     if rotating:
         sizes = {c.max_size for c in rotating}
         if len(sizes) > 1 or any(c.keep for c in rotating):
-            return ArchPlan(
-                EnginePath.UNPAGED,
+            return _unpaged(
+                model,
                 f"rotating caches of sizes {sorted(sizes)} keeping "
                 f"{sorted({c.keep for c in rotating})} tokens: not one plain sliding window",
             )
         window = sizes.pop()
     failure = _probe(model, window)
     if failure is not None:
-        return ArchPlan(EnginePath.UNPAGED, f"paged probe: {failure}")
+        return _unpaged(model, f"paged probe: {failure}")
     what = []
     if window is not None:
         what.append(f"sliding window {window} on {len(rotating)} of {len(caches)} layers")
@@ -81,6 +82,49 @@ def plan_architecture(model: Any) -> ArchPlan:
     if experts:
         what.append(f"mixture of {experts} experts")
     return ArchPlan(EnginePath.PAGED, ", ".join(what) or "standard attention", window)
+
+
+def _unpaged(model: Any, reason: str) -> ArchPlan:
+    """The unpaged plan, one request at a time when mlx-lm's own batching is wrong for it."""
+    failure = _batch_probe(model)
+    if failure is None:
+        return ArchPlan(EnginePath.UNPAGED, reason)
+    return ArchPlan(
+        EnginePath.UNPAGED, f"{reason}; one request at a time (batched: {failure})",
+        one_at_a_time=True,
+    )  # fmt: skip
+
+
+def _batch_probe(model: Any) -> str | None:
+    """None when mlx-lm's BatchGenerator gives the ragged probe prompts the log-probs its
+    single-request loop gives them, else what went wrong (e.g. a model whose own attention
+    broadcasts a batch mask over the wrong axis)."""
+    from mlx_lm.generate import BatchGenerator, generate_step
+
+    steps = 2
+    try:
+        want = []
+        for p in _PROBE_PROMPTS:
+            want.append([lp for _, lp in generate_step(mx.array(p), model, max_tokens=steps)])
+        gen = BatchGenerator(model, completion_batch_size=len(_PROBE_PROMPTS))
+        uids = gen.insert([list(p) for p in _PROBE_PROMPTS], max_tokens=[steps] * 2)
+        got: dict[int, list[mx.array]] = {u: [] for u in uids}
+        while any(len(v) < steps for v in got.values()):
+            for r in gen.next_generated():
+                got[r.uid].append(r.logprobs)
+        gen.close()
+    except Exception as exc:  # noqa: BLE001 - the point of the probe
+        return f"{type(exc).__name__}: {exc}"
+    for u, ref in zip(uids, want, strict=True):
+        for a, b in zip(got[u], ref, strict=True):
+            diff = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+            if not diff <= _tolerance(b.dtype) * max(1.0, mx.abs(b).max().item()):
+                return f"log-probs differ from one request alone by {diff:.3g}"
+    return None
+
+
+def _tolerance(dtype: mx.Dtype) -> float:
+    return 1e-3 if dtype == mx.float32 else 5e-2
 
 
 def _experts(model: Any) -> int | None:
@@ -133,7 +177,7 @@ def _probe(model: Any, window: int | None) -> str | None:
         mx.eval(first, second)
     except Exception as exc:  # noqa: BLE001 - the point of the probe
         return f"{type(exc).__name__}: {exc}"
-    tol = 1e-3 if keys_dtype == mx.float32 else 5e-2
+    tol = _tolerance(keys_dtype)
     for i, (a, b) in enumerate(refs):
         for got, want in ((first[i], a), (second[i], b)):
             want = want.astype(mx.float32)
@@ -160,4 +204,6 @@ def make_engine(
             model, tokenizer, context_length=context_length, config=config,
             sliding_window=plan.window,
         )  # fmt: skip
+    if plan.one_at_a_time:
+        config = replace(config, max_batch_size=1)
     return UnpagedEngine(model, tokenizer, context_length=context_length, config=config)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
-from mlx_lm.models import gemma3_text, lfm2, llama, mamba2, qwen3_moe
+from mlx_lm.models import deepseek_v3, gemma2, gemma3_text, lfm2, llama, mamba2, mixtral, qwen3_moe
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import FinishReason, GenerationRequest, SamplingParams
@@ -36,6 +36,7 @@ class Family:
     args: dict
     path: EnginePath
     window: int | None = None
+    one_at_a_time: bool = False
 
 
 FAMILIES = [
@@ -68,6 +69,23 @@ FAMILIES = [
         decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-5,
         head_dim=16, rope_theta=1e4, norm_topk_prob=True,
     ), EnginePath.PAGED),
+    Family("mixture of experts (mixtral)", mixtral, dict(
+        model_type="mixtral", intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+        rms_norm_eps=1e-5, rope_theta=1e4,
+    ), EnginePath.PAGED),
+    # multi-head latent attention: keys and values the paged seam does not fit
+    Family("latent attention + experts (deepseek_v3)", deepseek_v3, dict(
+        model_type="deepseek_v3", intermediate_size=128, moe_intermediate_size=32,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        first_k_dense_replace=1, n_group=1, topk_group=1, rms_norm_eps=1e-5,
+    ), EnginePath.UNPAGED),
+    # attention written in the model: its mask broadcast fits one sequence at a time only
+    Family("softcapped attention (gemma2)", gemma2, dict(
+        model_type="gemma2", intermediate_size=128, head_dim=16, rms_norm_eps=1e-5,
+        rope_theta=1e4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        query_pre_attn_scalar=16,
+    ), EnginePath.UNPAGED, one_at_a_time=True),
 ]
 
 
@@ -115,6 +133,7 @@ def test_plan_names_the_path_and_why(family, caplog):
     plan = plan_architecture(model)
     assert plan.path is fam.path, plan.reason
     assert plan.window == fam.window
+    assert plan.one_at_a_time == fam.one_at_a_time
     with caplog.at_level(logging.INFO, logger="batchmlx.engine"):
         eng = engine(model)
     assert isinstance(eng, Engine if fam.path is EnginePath.PAGED else UnpagedEngine)
@@ -134,3 +153,97 @@ def test_greedy_tokens_equal_mlx_lm(family):
     got = [o.token_ids for o in outs]
     assert got == want
     assert all(o.finish_reason is FinishReason.LENGTH for o in outs)
+
+
+# -- the unpaged engine's request semantics, against the paged engine on the same llama ----------
+
+
+class CharTokenizer:
+    """Token id i decodes to chr(i): enough for stop strings."""
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def llama_model():
+    return build(FAMILIES[0])
+
+
+def both(model, **cfg):
+    base = dict(block_size=4, cache_memory_mb=16, max_prefill_tokens=64, max_batch_size=4)
+    base.update(cfg)
+    settings = EngineSettings(**base)
+    tok = CharTokenizer()
+    return (
+        Engine(model, tok, context_length=256, config=settings, seed=7),
+        UnpagedEngine(model, tok, context_length=256, config=settings, seed=7),
+    )
+
+
+def test_unpaged_seeds_and_logprobs_match_the_paged_engine(llama_model):
+    """Sampled rows draw through the same sampler keyed by (seed, index); log-probs of the raw
+    logits with their top alternatives."""
+    ps = prompts()
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.9, seed=11, logprobs=True, top_logprobs=3),
+        SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2),
+        SamplingParams(max_tokens=8, temperature=1.3, top_p=0.8, seed=5),
+        SamplingParams(max_tokens=5, temperature=0.7, seed=11),
+        SamplingParams(max_tokens=8, temperature=0.0),
+    ]
+    pairs = enumerate(zip(ps, params, strict=True))
+    reqs = [GenerationRequest(f"r{i}", p, sp) for i, (p, sp) in pairs]
+    paged, unpaged = (e.generate(reqs) for e in both(llama_model))
+    assert [o.token_ids for o in unpaged] == [o.token_ids for o in paged]
+    for a, b in zip(unpaged, paged, strict=True):
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+            assert x.token_id == y.token_id
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_unpaged_finish_rules(llama_model):
+    """End-of-sequence (not output), stop strings (generation ends at them), max_tokens."""
+    p = prompts()[1]
+    free = reference(llama_model, p, NEW_TOKENS)
+    eos, stop_at = free[4], free[2]
+    _, eng = both(llama_model)
+    outs = eng.generate([
+        GenerationRequest("eos", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
+                          stop_token_ids=frozenset({eos})),
+        GenerationRequest("stop", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                    stop=(chr(stop_at),))),
+        GenerationRequest("len", p, SamplingParams(max_tokens=3, temperature=0.0)),
+    ])  # fmt: skip
+    first_eos = free.index(eos)
+    assert outs[0].token_ids == free[:first_eos]
+    assert outs[0].finish_reason is FinishReason.STOP
+    assert outs[1].token_ids == free[: free.index(stop_at) + 1]
+    assert outs[1].finish_reason is FinishReason.STOP
+    assert outs[2].token_ids == free[:3] and outs[2].finish_reason is FinishReason.LENGTH
+    assert not eng.has_unfinished()
+
+
+def test_unpaged_abort_streams_and_refuses_grammars(llama_model):
+    _, eng = both(llama_model)
+    streamed: list[tuple[str, int]] = []
+    eng.on_token = lambda rid, tok: streamed.append((rid, tok))
+    ps = prompts()
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    eng.add(GenerationRequest("a", ps[0], params))
+    eng.add(GenerationRequest("b", ps[1], params))
+    eng.step()
+    assert eng.abort("a") and not eng.abort("a")
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert [o.request_id for o in outs] == ["b"]
+    assert outs[0].token_ids == reference(llama_model, ps[1], 6)
+    assert [t for r, t in streamed if r == "b"] == outs[0].token_ids
+    assert eng.grammars.check("{}") is not None
+    with pytest.raises(ValueError, match="structured outputs"):
+        eng.add(GenerationRequest("g", ps[0], params, grammar="{}"))
+    assert eng.counters().generated_tokens >= 6

@@ -30,7 +30,6 @@ from batchmlx.core.request import (
     TokenLogprob,
 )
 from batchmlx.core.telemetry import EngineCounters
-from batchmlx.engine.embed import Embedder
 from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.faults import crash_point
 
@@ -79,7 +78,6 @@ class UnpagedEngine:
         self.clock = clock
         self._rand = random.Random(seed)
         self.grammars = _NoGrammars()
-        self._embedder: Embedder | None = None
         self._live: dict[str, _Live] = {}
         self._by_uid: dict[int, str] = {}
         self._steps = 0
@@ -181,10 +179,10 @@ class UnpagedEngine:
         return 0 if live is None else len(live.tokens)
 
     @property
-    def embedder(self) -> Embedder:
-        if self._embedder is None:
-            self._embedder = Embedder(self.model)
-        return self._embedder
+    def embedder(self) -> Any:
+        """Always refused: the architectures this engine serves are the ones the embedder's
+        batched, block-cached passes do not fit (hybrid caches, batch-unsafe attention)."""
+        raise ValueError("embeddings are not computed for models on the unpaged engine")
 
     # -- internals -----------------------------------------------------------------------------
     def _on_response(self, r: Any) -> GenerationOutput | None:

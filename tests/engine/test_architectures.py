@@ -247,3 +247,34 @@ def test_unpaged_abort_streams_and_refuses_grammars(llama_model):
     with pytest.raises(ValueError, match="structured outputs"):
         eng.add(GenerationRequest("g", ps[0], params, grammar="{}"))
     assert eng.counters().generated_tokens >= 6
+
+
+# -- the worker's wiring: a model folder loaded by name gets the engine its architecture needs ----
+
+
+@pytest.mark.parametrize("fam", [FAMILIES[2], FAMILIES[3]], ids=["gemma3_text", "lfm2"])
+def test_worker_build_picks_the_engine(fam, tmp_path, caplog):
+    """build_engine (what the worker runs for a model name) on a folder of each kind: the engine
+    the plan names, no embeddings where the embedder does not fit, structured outputs refused by
+    the translator's check on the unpaged engine, and a request's greedy tokens equal mlx-lm's."""
+    from batchmlx.worker.build import build_engine
+    from tests.e2e.helpers import model_cache_dir
+    from tests.tiny_model import build_tiny_model
+
+    config = {**BASE, **fam.args, "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2}
+    folder = build_tiny_model(tmp_path / fam.args["model_type"], model_cache_dir(), config)
+    with caplog.at_level(logging.INFO, logger="batchmlx.engine"):
+        serving = build_engine(str(folder), cache_dir=tmp_path, settings=EngineSettings(
+            block_size=4, cache_memory_mb=64, max_batch_size=4))  # fmt: skip
+    assert any(f"{fam.path.value} engine" in r.getMessage() for r in caplog.records)
+    eng = serving.engine
+    assert isinstance(eng, Engine if fam.path is EnginePath.PAGED else UnpagedEngine)
+    assert serving.embedder is None  # rotating and hybrid caches: no embeddings here
+    refused = serving.translator.grammar_check('{"type": "object"}')
+    assert (refused is not None) == (fam.path is EnginePath.UNPAGED)
+    model = eng.runner.model if isinstance(eng, Engine) else eng.model
+    ps = prompts()
+    want = [reference(model, p, 6) for p in ps]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    outs = eng.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(ps)])
+    assert [o.token_ids for o in outs] == want

@@ -5,8 +5,9 @@ rotations that keep a prefix, attention the paged seam does not fit. mlx-lm batc
 its own per-architecture caches. What stays the same as the paged engine: finish rules (end of
 sequence, max tokens, stop strings), per-request sampling keyed by (seed, token index) through
 the same sampler (engine/sampler.py), log-probs of the raw logits, streaming callbacks. What it
-has not: prefix caching, KV blocks, structured outputs (refused: `grammar_check` names why, so
-the worker answers 400 before a request reaches `add`).
+has not: prefix caching, KV blocks, embeddings. Structured outputs go through an mlx-lm logits
+processor per constrained request: it feeds the matcher the token the step consumes (the one
+sampled last) and masks the logits the same way the paged engine does.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from batchmlx.core.engine_api import EngineSettings, StepError
-from batchmlx.core.finish import FinishRules, fits_context, max_new_tokens
+from batchmlx.core.finish import FinishRules, fits_context, grammar_finish, max_new_tokens
 from batchmlx.core.request import (
     CacheOutcome,
     FinishReason,
@@ -30,11 +31,11 @@ from batchmlx.core.request import (
     TokenLogprob,
 )
 from batchmlx.core.telemetry import EngineCounters
+from batchmlx.engine.grammar import Grammars
 from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.faults import crash_point
 
 PREFILL_BATCH = 8  # prompts mlx-lm prefills together (its default)
-NO_GRAMMAR = "structured outputs are not supported for this model's architecture (unpaged engine)"
 
 
 @dataclass(slots=True)
@@ -48,14 +49,7 @@ class _Live:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_at: float | None = None
     stop_hit: bool = False
-
-
-class _NoGrammars:
-    """Stands in for engine/grammar.Grammars: every schema is refused."""
-
-    @staticmethod
-    def check(schema: str) -> str | None:
-        return NO_GRAMMAR
+    matcher: Any = None  # llguidance matcher of a constrained request
 
 
 class UnpagedEngine:
@@ -77,7 +71,8 @@ class UnpagedEngine:
         self.context_length = context_length
         self.clock = clock
         self._rand = random.Random(seed)
-        self.grammars = _NoGrammars()
+        vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+        self.grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
         self._live: dict[str, _Live] = {}
         self._by_uid: dict[int, str] = {}
         self._steps = 0
@@ -107,8 +102,6 @@ class UnpagedEngine:
         n_prompt = len(req.prompt_tokens)
         if n_prompt == 0:
             raise ValueError("empty prompt")
-        if req.grammar:
-            raise ValueError(NO_GRAMMAR)
         if not fits_context(n_prompt, self.max_context_tokens):
             raise ValueError(
                 f"prompt of {n_prompt} tokens leaves no room in a context of "
@@ -121,10 +114,15 @@ class UnpagedEngine:
         )
         entropy = self._rand.getrandbits(63)
         sampler = None if req.params.greedy else _row_sampler(req, entropy)
+        matcher = self.grammars.matcher(req.grammar) if req.grammar else None
+        processors = [_grammar_processor(self.grammars, matcher)] if matcher is not None else []
         (uid,) = self._gen.insert(
-            [list(req.prompt_tokens)], max_tokens=[rules.max_tokens], samplers=[sampler]
+            [list(req.prompt_tokens)], max_tokens=[rules.max_tokens], samplers=[sampler],
+            logits_processors=[processors],
+        )  # fmt: skip
+        self._live[req.request_id] = _Live(
+            req, rules, uid, self.clock(), entropy, matcher=matcher
         )
-        self._live[req.request_id] = _Live(req, rules, uid, self.clock(), entropy)
         self._by_uid[uid] = req.request_id
         self._added += 1
 
@@ -207,7 +205,13 @@ class UnpagedEngine:
                 live.logprobs.append(_logprob(r.logprobs, tok, p.top_logprobs))
             if self.on_token is not None:
                 self.on_token(rid, tok)
-            if reason is FinishReason.LENGTH:
+            # the processor fed `tok` to the matcher when the step after it ran (before this)
+            m = live.matcher
+            reason = grammar_finish(reason, m is not None and (m.is_stopped() or m.is_error()))
+            if reason is FinishReason.STOP:  # the JSON value is complete (the token is output)
+                live.stop_hit = True
+                finished = True
+            elif reason is FinishReason.LENGTH:
                 finished = True
             elif rules.stops and rules.stop_in_tail(live.tokens, self.tokenizer.decode):
                 live.stop_hit = True
@@ -244,6 +248,23 @@ def _row_sampler(req: GenerationRequest, entropy: int) -> Callable[[mx.array], m
         return mx.array([tok], dtype=mx.uint32)
 
     return draw
+
+
+def _grammar_processor(
+    grammars: Grammars, matcher: Any
+) -> Callable[[mx.array, mx.array], mx.array]:
+    """mlx-lm logits processor for one constrained sequence. mlx-lm calls it once per sampled
+    token with the tokens fed so far: from the second call on, the last of them is the token
+    sampled before, which the matcher has not seen yet."""
+    calls = [0]
+
+    def constrain(context: mx.array, logits: mx.array) -> mx.array:  # logits [1, V]
+        if calls[0]:
+            Grammars.advance(matcher, int(context[-1].item()))
+        calls[0] += 1
+        return grammars.mask(logits, [(matcher, 0)])
+
+    return constrain
 
 
 def _logprob(row: mx.array, tok: int, top_k: int) -> TokenLogprob:

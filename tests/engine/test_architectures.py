@@ -227,7 +227,7 @@ def test_unpaged_finish_rules(llama_model):
     assert not eng.has_unfinished()
 
 
-def test_unpaged_abort_streams_and_refuses_grammars(llama_model):
+def test_unpaged_abort_and_streams(llama_model):
     _, eng = both(llama_model)
     streamed: list[tuple[str, int]] = []
     eng.on_token = lambda rid, tok: streamed.append((rid, tok))
@@ -243,9 +243,6 @@ def test_unpaged_abort_streams_and_refuses_grammars(llama_model):
     assert [o.request_id for o in outs] == ["b"]
     assert outs[0].token_ids == reference(llama_model, ps[1], 6)
     assert [t for r, t in streamed if r == "b"] == outs[0].token_ids
-    assert eng.grammars.check("{}") is not None
-    with pytest.raises(ValueError, match="structured outputs"):
-        eng.add(GenerationRequest("g", ps[0], params, grammar="{}"))
     assert eng.counters().generated_tokens >= 6
 
 
@@ -255,8 +252,8 @@ def test_unpaged_abort_streams_and_refuses_grammars(llama_model):
 @pytest.mark.parametrize("fam", [FAMILIES[2], FAMILIES[3]], ids=["gemma3_text", "lfm2"])
 def test_worker_build_picks_the_engine(fam, tmp_path, caplog):
     """build_engine (what the worker runs for a model name) on a folder of each kind: the engine
-    the plan names, no embeddings where the embedder does not fit, structured outputs refused by
-    the translator's check on the unpaged engine, and a request's greedy tokens equal mlx-lm's."""
+    the plan names, no embeddings where the embedder does not fit, schemas accepted, and a
+    request's greedy tokens equal mlx-lm's."""
     from batchmlx.worker.build import build_engine
     from tests.e2e.helpers import model_cache_dir
     from tests.tiny_model import build_tiny_model
@@ -270,11 +267,47 @@ def test_worker_build_picks_the_engine(fam, tmp_path, caplog):
     eng = serving.engine
     assert isinstance(eng, Engine if fam.path is EnginePath.PAGED else UnpagedEngine)
     assert serving.embedder is None  # rotating and hybrid caches: no embeddings here
-    refused = serving.translator.grammar_check('{"type": "object"}')
-    assert (refused is not None) == (fam.path is EnginePath.UNPAGED)
+    assert serving.translator.grammar_check('{"type": "object"}') is None
     model = eng.runner.model if isinstance(eng, Engine) else eng.model
     ps = prompts()
     want = [reference(model, p, 6) for p in ps]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     outs = eng.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(ps)])
     assert [o.token_ids for o in outs] == want
+
+
+def test_unpaged_structured_outputs_match_the_paged_engine(tiny_model_dir):
+    """The same constrained requests (greedy and seeded) through both engines on one model with
+    the real tokenizer: the same tokens, and every answer that completed is valid JSON."""
+    import json
+
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.loader import load_model
+    from batchmlx.formats.structured import canonical_schema
+
+    loaded = load_model(resolve_model(str(tiny_model_dir), cache_dir=tiny_model_dir),
+                        cache_dir=tiny_model_dir)  # fmt: skip
+    schema = canonical_schema({
+        "type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+        "required": ["ok", "n"], "additionalProperties": False,
+    })  # fmt: skip
+    ps = [loaded.tokenizer.encode(t) for t in ("Answer:", "JSON please", "x")]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0),
+        SamplingParams(max_tokens=24, temperature=1.0, seed=3, logprobs=True),
+        SamplingParams(max_tokens=24, temperature=0.8, seed=9),
+    ]
+    eos = frozenset(loaded.eos_token_ids)
+    reqs = [GenerationRequest(f"g{i}", p, sp, stop_token_ids=eos, grammar=schema)
+            for i, (p, sp) in enumerate(zip(ps, params, strict=True))]  # fmt: skip
+    reqs.append(GenerationRequest("free", ps[0], params[0], stop_token_ids=eos))
+    settings = EngineSettings(block_size=4, cache_memory_mb=64, max_batch_size=4)
+    paged = Engine(loaded.model, loaded.tokenizer, context_length=256, config=settings)
+    unpaged = UnpagedEngine(loaded.model, loaded.tokenizer, context_length=256, config=settings)
+    want, got = paged.generate(reqs), unpaged.generate(reqs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    completed = [o for o in got[:3] if o.finish_reason is FinishReason.STOP]
+    assert completed  # the grammar ends at least one answer
+    for o in completed:
+        assert set(json.loads(loaded.tokenizer.decode(o.token_ids))) == {"ok", "n"}

@@ -13,7 +13,17 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
-from mlx_lm.models import deepseek_v3, gemma2, gemma3_text, lfm2, llama, mamba2, mixtral, qwen3_moe
+from mlx_lm.models import (
+    deepseek_v3,
+    falcon_h1,
+    gemma2,
+    gemma3_text,
+    lfm2,
+    llama,
+    mamba2,
+    mixtral,
+    qwen3_moe,
+)
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import FinishReason, GenerationRequest, SamplingParams
@@ -63,6 +73,12 @@ FAMILIES = [
         intermediate_size=64, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
         conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=True,
         time_step_limit=(0.0, float("inf")), time_step_rank=4,
+    ), EnginePath.UNPAGED),
+    # attention and state-space side by side in each layer (one CacheList per layer)
+    Family("hybrid attention + mamba (falcon_h1)", falcon_h1, dict(
+        model_type="falcon_h1", intermediate_size=128, head_dim=16, mamba_d_conv=4,
+        mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=16, mamba_n_heads=4, mamba_chunk_size=16,
+        rope_theta=1e4,
     ), EnginePath.UNPAGED),
     Family("mixture of experts (qwen3_moe)", qwen3_moe, dict(
         model_type="qwen3_moe", intermediate_size=128, num_experts=4, num_experts_per_tok=2,

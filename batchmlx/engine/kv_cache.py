@@ -104,17 +104,18 @@ class BatchLayout:
     # [H, P / block_size] runs of a prefix every sequence shares (same blocks), or None; when
     # set, gather_runs and mask cover only the keys after it (cascade attention)
     prefix_runs: mx.array | None = None
-    # [B, 1, Q, 1] position of each query and [K] of each key (window_mask reads them)
-    query_pos: mx.array | None = None
-    key_pos: mx.array | None = None
+    # [B, Q] position of each query and [K] of each key, host-side: only a model with
+    # sliding-window layers reads them (window_mask)
+    query_pos: np.ndarray | None = None
+    key_pos: np.ndarray | None = None
     _windows: dict[int, mx.array] = field(default_factory=dict)
 
     def window_mask(self, window: int) -> mx.array:
         """`mask` limited to the last `window` keys of each query (sliding-window layers): the
         mask mlx-lm builds for a rotating cache of that size."""
         if window not in self._windows:
-            near = self.key_pos[None, None, None, :] > self.query_pos - window
-            self._windows[window] = self.mask & near
+            near = self.key_pos[None, None, :] > self.query_pos[:, :, None] - window
+            self._windows[window] = self.mask & mx.array(near[:, None])
         return self._windows[window]
 
     @staticmethod
@@ -189,8 +190,8 @@ class BatchLayout:
             mask=mx.array(mask[:, None, :, :]),
             last_index=mx.array((lens - 1).astype(np.int32)),
             prefix_runs=prefix_runs,
-            query_pos=mx.array(qwin[:, None, :, None].astype(np.int32)),
-            key_pos=mx.array(np.arange(first, k, dtype=np.int32)),
+            query_pos=qwin,
+            key_pos=np.arange(first, k),
         )
 
 

@@ -327,3 +327,20 @@ def test_unpaged_structured_outputs_match_the_paged_engine(tiny_model_dir):
     assert completed  # the grammar ends at least one answer
     for o in completed:
         assert set(json.loads(loaded.tokenizer.decode(o.token_ids))) == {"ok", "n"}
+
+
+@pytest.mark.parametrize("fam", [FAMILIES[1], FAMILIES[2]], ids=["llama-sliding", "gemma3_text"])
+def test_sliding_window_long_prompts_chunked_and_cached(fam):
+    """Prompts several windows long, prefilled in chunks shorter than the window, the second
+    and third reusing the first's cached prefix blocks: still mlx-lm's tokens."""
+    model = build(fam)
+    rng = np.random.default_rng(5)
+    long = rng.integers(1, VOCAB, size=37).tolist()
+    ps = [long, long + rng.integers(1, VOCAB, size=5).tolist(), long[:29] + [7, 8]]
+    want = [reference(model, p, NEW_TOKENS) for p in ps]
+    eng = engine(model, max_prefill_tokens=8, max_batch_size=1)  # one at a time: cache hits
+    assert isinstance(eng, Engine) and eng.sliding_window == fam.window
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    outs = eng.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(ps)])
+    assert [o.token_ids for o in outs] == want
+    assert outs[1].cached_tokens > 0 and outs[2].cached_tokens > 0

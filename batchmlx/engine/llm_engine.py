@@ -35,11 +35,23 @@ from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.faults import crash_point
 
 
-def available_memory_bytes() -> int:
+def available_memory_bytes(
+    on_gpu: bool | None = None, device_info: dict[str, Any] | None = None
+) -> int:
+    """Memory the KV cache's share is taken of: the GPU's free memory on MLX's CUDA backend
+    (where the KV arrays live; MLX reports it as `free_memory`), else the host's available
+    memory (CPU, and Metal's unified memory). Arguments: for tests (None: asked of MLX)."""
+    if on_gpu is None:
+        on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    info = (mx.device_info() if device_info is None else device_info) if on_gpu else {}
+    free = info.get("free_memory")
+    if isinstance(free, int) and free > 0:
+        return free
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # macOS has no SC_AVPHYS_PAGES
-        return int(mx.device_info().get("memory_size", 8 << 30))
+        info = info or mx.device_info()
+        return int(info.get("memory_size") or info.get("total_memory") or 8 << 30)
 
 
 def kv_block_budget(cfg: EngineSettings, bytes_per_block: int) -> int:

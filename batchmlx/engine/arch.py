@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -40,7 +40,8 @@ class ArchPlan:
     path: EnginePath
     reason: str  # one line for the log: why this path
     window: int | None = None  # sliding window of the windowed layers (paged path)
-    one_at_a_time: bool = False  # unpaged path: mlx-lm's batching is wrong for it, width 1
+    # unpaged path: mlx-lm's batching fails or differs for it, so its single-request loop
+    one_at_a_time: bool = False
 
     @property
     def paged(self) -> bool:
@@ -204,6 +205,7 @@ def make_engine(
             model, tokenizer, context_length=context_length, config=config,
             sliding_window=plan.window,
         )  # fmt: skip
-    if plan.one_at_a_time:
-        config = replace(config, max_batch_size=1)
-    return UnpagedEngine(model, tokenizer, context_length=context_length, config=config)
+    return UnpagedEngine(
+        model, tokenizer, context_length=context_length, config=config,
+        batched=not plan.one_at_a_time,
+    )  # fmt: skip

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +65,12 @@ class UnpagedEngine:
         config: EngineSettings | None = None,
         clock=time.perf_counter,
         seed: int | None = None,
+        batched: bool = True,
     ) -> None:
+        """batched False: one request at a time through mlx-lm's single-request loop, for a
+        model whose batched caches or attention mlx-lm cannot run correctly (arch.py)."""
         self.cfg = config or EngineSettings()
+        self.batched = batched
         self.model = model
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -85,6 +90,8 @@ class UnpagedEngine:
     def _generator(self):
         from mlx_lm.generate import BatchGenerator
 
+        if not self.batched:
+            return OneAtATime(self.model, self.cfg.max_prefill_tokens)
         width = self.cfg.running_bound
         return BatchGenerator(
             self.model,
@@ -235,6 +242,62 @@ class UnpagedEngine:
             first_token_s=ttft,
             extra={"preemptions": 0.0},
         )
+
+
+@dataclass(slots=True)
+class _Response:
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish_reason: str | None
+
+
+class OneAtATime:
+    """The part of mlx-lm's BatchGenerator interface the engine uses, over its single-request
+    loop (`generate_step`, what `mlx_lm.generate` runs): any cache mlx-lm has works here."""
+
+    def __init__(self, model: Any, prefill_step_size: int) -> None:
+        self.model = model
+        self.prefill_step_size = prefill_step_size
+        self._queue: deque[tuple[int, list[int], int, Any, list]] = deque()
+        self._uids = 0
+        self._current: tuple[int, int, Iterator] | None = None  # uid, tokens left, loop
+
+    def insert(self, prompts, max_tokens, samplers, logits_processors) -> list[int]:
+        uids = []
+        for args in zip(prompts, max_tokens, samplers, logits_processors, strict=True):
+            self._queue.append((self._uids, *args))
+            uids.append(self._uids)
+            self._uids += 1
+        return uids
+
+    def next(self) -> tuple[list, list[_Response]]:
+        from mlx_lm.generate import generate_step
+
+        if self._current is None:
+            if not self._queue:
+                return [], []
+            uid, prompt, max_tokens, sampler, processors = self._queue.popleft()
+            loop = generate_step(
+                mx.array(prompt), self.model, max_tokens=max_tokens, sampler=sampler,
+                logits_processors=list(processors) or None,
+                prefill_step_size=self.prefill_step_size,
+            )  # fmt: skip
+            self._current = (uid, max_tokens, loop)
+        uid, left, loop = self._current
+        token, logprobs = next(loop)
+        left -= 1
+        self._current = (uid, left, loop) if left else None
+        return [], [_Response(uid, int(token), logprobs, None if left else "length")]
+
+    def remove(self, uids: list[int]) -> None:
+        gone = set(uids)
+        self._queue = deque(q for q in self._queue if q[0] not in gone)
+        if self._current is not None and self._current[0] in gone:
+            self._current = None
+
+    def close(self) -> None:
+        pass
 
 
 def _row_sampler(req: GenerationRequest, entropy: int) -> Callable[[mx.array], mx.array]:

@@ -20,6 +20,7 @@ from mlx_lm.models import (
     gemma3_text,
     lfm2,
     llama,
+    llama4,
     mamba2,
     mixtral,
     qwen3_moe,
@@ -47,6 +48,7 @@ class Family:
     path: EnginePath
     window: int | None = None
     one_at_a_time: bool = False
+    base: bool = True  # args start from BASE (the shared tiny dimensions)
 
 
 FAMILIES = [
@@ -73,7 +75,7 @@ FAMILIES = [
         intermediate_size=64, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
         conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=True,
         time_step_limit=(0.0, float("inf")), time_step_rank=4,
-    ), EnginePath.UNPAGED),
+    ), EnginePath.UNPAGED, base=False),
     # attention and state-space side by side in each layer (one CacheList per layer)
     Family("hybrid attention + mamba (falcon_h1)", falcon_h1, dict(
         model_type="falcon_h1", intermediate_size=128, head_dim=16, mamba_d_conv=4,
@@ -102,15 +104,23 @@ FAMILIES = [
         rope_theta=1e4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
         query_pre_attn_scalar=16,
     ), EnginePath.UNPAGED, one_at_a_time=True),
+    # chunked attention: mlx-lm cannot batch its ChunkedKVCache, so its single-request loop
+    Family("chunked attention + experts (llama4)", llama4, dict(
+        model_type="llama4", text_config=dict(
+            model_type="llama4_text", attention_bias=False, attention_chunk_size=8, head_dim=16,
+            hidden_size=64, interleave_moe_layer_step=1, intermediate_size=32,
+            intermediate_size_mlp=128, max_position_embeddings=512, num_attention_heads=4,
+            num_experts_per_tok=1, num_hidden_layers=4, num_key_value_heads=2,
+            num_local_experts=4, rms_norm_eps=1e-5, rope_scaling=None, rope_theta=1e4,
+            use_qk_norm=True, vocab_size=VOCAB,
+        ),
+    ), EnginePath.UNPAGED, one_at_a_time=True, base=False),
 ]
 
 
 def build(family: Family):
     mx.random.seed(0)
-    args = dict(BASE)
-    if family.module is mamba2:
-        args = {}
-    args.update(family.args)
+    args = {**(BASE if family.base else {}), **family.args}
     model = family.module.Model(family.module.ModelArgs.from_dict(args))
     model.set_dtype(mx.float32)
     # larger weights so the argmax is decided by the context, not near-ties
@@ -153,6 +163,8 @@ def test_plan_names_the_path_and_why(family, caplog):
     with caplog.at_level(logging.INFO, logger="batchmlx.engine"):
         eng = engine(model)
     assert isinstance(eng, Engine if fam.path is EnginePath.PAGED else UnpagedEngine)
+    if isinstance(eng, UnpagedEngine):
+        assert eng.batched is not fam.one_at_a_time
     (line,) = [r.getMessage() for r in caplog.records if "engine," in r.getMessage()]
     assert f"{fam.path.value} engine" in line and plan.reason in line
 
@@ -187,18 +199,19 @@ def llama_model():
     return build(FAMILIES[0])
 
 
-def both(model, **cfg):
+def both(model, batched=True, **cfg):
     base = dict(block_size=4, cache_memory_mb=16, max_prefill_tokens=64, max_batch_size=4)
     base.update(cfg)
     settings = EngineSettings(**base)
     tok = CharTokenizer()
     return (
         Engine(model, tok, context_length=256, config=settings, seed=7),
-        UnpagedEngine(model, tok, context_length=256, config=settings, seed=7),
+        UnpagedEngine(model, tok, context_length=256, config=settings, seed=7, batched=batched),
     )
 
 
-def test_unpaged_seeds_and_logprobs_match_the_paged_engine(llama_model):
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-at-a-time"])
+def test_unpaged_seeds_and_logprobs_match_the_paged_engine(llama_model, batched):
     """Sampled rows draw through the same sampler keyed by (seed, index); log-probs of the raw
     logits with their top alternatives."""
     ps = prompts()
@@ -211,7 +224,7 @@ def test_unpaged_seeds_and_logprobs_match_the_paged_engine(llama_model):
     ]
     pairs = enumerate(zip(ps, params, strict=True))
     reqs = [GenerationRequest(f"r{i}", p, sp) for i, (p, sp) in pairs]
-    paged, unpaged = (e.generate(reqs) for e in both(llama_model))
+    paged, unpaged = (e.generate(reqs) for e in both(llama_model, batched))
     assert [o.token_ids for o in unpaged] == [o.token_ids for o in paged]
     for a, b in zip(unpaged, paged, strict=True):
         assert (a.logprobs is None) == (b.logprobs is None)
@@ -221,12 +234,13 @@ def test_unpaged_seeds_and_logprobs_match_the_paged_engine(llama_model):
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
-def test_unpaged_finish_rules(llama_model):
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-at-a-time"])
+def test_unpaged_finish_rules(llama_model, batched):
     """End-of-sequence (not output), stop strings (generation ends at them), max_tokens."""
     p = prompts()[1]
     free = reference(llama_model, p, NEW_TOKENS)
     eos, stop_at = free[4], free[2]
-    _, eng = both(llama_model)
+    _, eng = both(llama_model, batched)
     outs = eng.generate([
         GenerationRequest("eos", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
                           stop_token_ids=frozenset({eos})),
@@ -243,8 +257,9 @@ def test_unpaged_finish_rules(llama_model):
     assert not eng.has_unfinished()
 
 
-def test_unpaged_abort_and_streams(llama_model):
-    _, eng = both(llama_model)
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-at-a-time"])
+def test_unpaged_abort_and_streams(llama_model, batched):
+    _, eng = both(llama_model, batched)
     streamed: list[tuple[str, int]] = []
     eng.on_token = lambda rid, tok: streamed.append((rid, tok))
     ps = prompts()
@@ -292,7 +307,8 @@ def test_worker_build_picks_the_engine(fam, tmp_path, caplog):
     assert [o.token_ids for o in outs] == want
 
 
-def test_unpaged_structured_outputs_match_the_paged_engine(tiny_model_dir):
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-at-a-time"])
+def test_unpaged_structured_outputs_match_the_paged_engine(tiny_model_dir, batched):
     """The same constrained requests (greedy and seeded) through both engines on one model with
     the real tokenizer: the same tokens, and every answer that completed is valid JSON."""
     import json
@@ -319,7 +335,8 @@ def test_unpaged_structured_outputs_match_the_paged_engine(tiny_model_dir):
     reqs.append(GenerationRequest("free", ps[0], params[0], stop_token_ids=eos))
     settings = EngineSettings(block_size=4, cache_memory_mb=64, max_batch_size=4)
     paged = Engine(loaded.model, loaded.tokenizer, context_length=256, config=settings)
-    unpaged = UnpagedEngine(loaded.model, loaded.tokenizer, context_length=256, config=settings)
+    unpaged = UnpagedEngine(loaded.model, loaded.tokenizer, context_length=256, config=settings,
+                            batched=batched)  # fmt: skip
     want, got = paged.generate(reqs), unpaged.generate(reqs)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]

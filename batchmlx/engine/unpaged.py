@@ -12,6 +12,8 @@ sampled last) and masks the logits the same way the paged engine does.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import random
 import time
 from collections import deque
@@ -43,9 +45,11 @@ PREFILL_BATCH = 8  # prompts mlx-lm prefills together (its default)
 class _Live:
     request: GenerationRequest
     rules: FinishRules
-    uid: int
     added_at: float
     entropy: int
+    sampler: Any  # mlx-lm sampler (None: greedy)
+    processors: list  # mlx-lm logits processors (the grammar's)
+    uid: int | None = None  # mlx-lm's id once admitted into its batch
     tokens: list[int] = field(default_factory=list)  # generated, end-of-sequence included
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_at: float | None = None
@@ -78,8 +82,11 @@ class UnpagedEngine:
         self._rand = random.Random(seed)
         vocab = getattr(getattr(model, "args", None), "vocab_size", None)
         self.grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
-        self._live: dict[str, _Live] = {}
-        self._by_uid: dict[int, str] = {}
+        self._live: dict[str, _Live] = {}  # waiting and running
+        self._by_uid: dict[int, str] = {}  # running: in mlx-lm's batch
+        self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, request id)
+        self._order = itertools.count()
+        self.width = self.cfg.running_bound if batched else 1
         self._steps = 0
         self._step_s = 0.0
         self._generated = 0
@@ -123,22 +130,20 @@ class UnpagedEngine:
         sampler = None if req.params.greedy else _row_sampler(req, entropy)
         matcher = self.grammars.matcher(req.grammar) if req.grammar else None
         processors = [_grammar_processor(self.grammars, matcher)] if matcher is not None else []
-        (uid,) = self._gen.insert(
-            [list(req.prompt_tokens)], max_tokens=[rules.max_tokens], samplers=[sampler],
-            logits_processors=[processors],
-        )  # fmt: skip
         self._live[req.request_id] = _Live(
-            req, rules, uid, self.clock(), entropy, matcher=matcher
+            req, rules, self.clock(), entropy, sampler, processors, matcher=matcher
         )
-        self._by_uid[uid] = req.request_id
+        # admitted by priority (online before batch work), then arrival, as the batch has room
+        heapq.heappush(self._waiting, (req.priority, next(self._order), req.request_id))
         self._added += 1
 
     def abort(self, request_id: str) -> bool:
         live = self._live.pop(request_id, None)
         if live is None:
             return False
-        self._by_uid.pop(live.uid, None)
-        self._gen.remove([live.uid])
+        if live.uid is not None:  # a waiting one is skipped when its turn comes
+            del self._by_uid[live.uid]
+            self._gen.remove([live.uid])
         return True
 
     def has_unfinished(self) -> bool:
@@ -150,10 +155,12 @@ class UnpagedEngine:
         t0 = time.perf_counter()
         try:
             crash_point("engine_step")
+            self._admit()
             _, responses = self._gen.next()
         except Exception as exc:
-            ids = list(self._live)
-            self._live.clear()
+            ids = list(self._by_uid.values())
+            for rid in ids:
+                del self._live[rid]
             self._by_uid.clear()
             self._gen = self._generator()  # its batches are in an unknown state
             raise StepError(ids, exc) from exc
@@ -176,7 +183,7 @@ class UnpagedEngine:
     def counters(self) -> EngineCounters:
         return EngineCounters(
             steps=self._steps, step_s=self._step_s, generated_tokens=self._generated,
-            misses=self._added, running=len(self._live),
+            misses=self._added, running=len(self._by_uid),
         )  # fmt: skip
 
     def generated_so_far(self, request_id: str) -> int:
@@ -190,6 +197,18 @@ class UnpagedEngine:
         raise ValueError("embeddings are not computed for models on the unpaged engine")
 
     # -- internals -----------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self._waiting and len(self._by_uid) < self.width:
+            _, _, rid = heapq.heappop(self._waiting)
+            live = self._live.get(rid)
+            if live is None:  # aborted while waiting
+                continue
+            (live.uid,) = self._gen.insert(
+                [list(live.request.prompt_tokens)], max_tokens=[live.rules.max_tokens],
+                samplers=[live.sampler], logits_processors=[live.processors],
+            )  # fmt: skip
+            self._by_uid[live.uid] = rid
+
     def _on_response(self, r: Any) -> GenerationOutput | None:
         rid = self._by_uid.get(r.uid)
         if rid is None:  # aborted meanwhile

@@ -375,3 +375,19 @@ def test_kv_memory_is_the_gpus_on_cuda(monkeypatch):
     assert available_memory_bytes(on_gpu=True, device_info=cuda_info) == 140 << 30
     assert available_memory_bytes(on_gpu=False) == 4 << 30
     assert available_memory_bytes(on_gpu=True, device_info={"memory_size": 1 << 40}) == 4 << 30
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-at-a-time"])
+def test_unpaged_admits_online_requests_first(llama_model, batched):
+    """A full batch admits a waiting online request (priority 0) before earlier batch work."""
+    _, eng = both(llama_model, batched, max_batch_size=1)
+    ps = prompts()
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    eng.add(GenerationRequest("b1", ps[0], params, priority=1))
+    eng.add(GenerationRequest("b2", ps[1], params, priority=1))
+    order = [o.request_id for o in eng.step()]
+    eng.add(GenerationRequest("online", ps[2], params, priority=0))
+    assert eng.counters().running == 1
+    while eng.has_unfinished():
+        order += [o.request_id for o in eng.step()]
+    assert order == ["b1", "online", "b2"]

@@ -269,11 +269,39 @@ def _preloaded_blas(ld_preload: str) -> str | None:
     return None
 
 
-def reexec_env(environ: Mapping[str, str] | None = None) -> dict[str, str] | None:
+CUDA_BACKENDS = ("mlx-cuda-12", "mlx-cuda-13")  # MLX's CUDA wheels (`batchmlx[cuda12]`, ...)
+
+
+def mlx_backend(installed: Callable[[str], bool] | None = None) -> str:
+    """"cuda" when MLX's CUDA wheel is installed without the CPU one (the GPU install in the
+    README removes mlx-cpu, since both ship mlx/lib/libmlx.so), else "cpu". Read from package
+    metadata, so the CLI knows before importing MLX."""
+    installed = _installed if installed is None else installed
+    if any(installed(d) for d in CUDA_BACKENDS) and not installed("mlx-cpu"):
+        return "cuda"
+    return "cpu"
+
+
+def _installed(distribution: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(distribution)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def reexec_env(
+    environ: Mapping[str, str] | None = None, backend: str | None = None
+) -> dict[str, str] | None:
     """Variables to add to a process's environment so it starts on the fast BLAS, or None
-    when disabled, nothing is installed, or a BLAS is already preloaded in `environ`."""
+    when disabled, nothing is installed, a BLAS is already preloaded in `environ`, or MLX runs
+    on its CUDA backend (the matmuls are the GPU's: no re-exec, nothing preloaded)."""
     environ = os.environ if environ is None else environ
     if environ.get(SWITCH, "auto") == "0" or environ.get(REEXEC_MARKER):
+        return None
+    if environ.get(SWITCH, "auto") == "auto" and (backend or mlx_backend()) == "cuda":
         return None
     existing = environ.get("LD_PRELOAD", "")
     if _preloaded_blas(existing):
@@ -369,6 +397,8 @@ def doctor_report(*, measure: bool = True) -> dict[str, object]:
         "python": platform.python_version(),
         "mlx_version": mx.__version__,
         "default_device": str(mx.default_device()),
+        "mlx_backend": mlx_backend(),
+        "cuda_available": bool(getattr(mx, "cuda", None) and mx.cuda.is_available()),
         "cpu_coretype": cpu_coretype() if sys.platform.startswith("linux") else None,
         "active_blas": asdict(blas),
         "note": blas.note,

@@ -30,11 +30,17 @@ def tokenizer_source(cache: Path) -> Path:
     return cache / "models" / "SmolLM2-135M-Instruct-mlx"
 
 
-def build_tiny_model(dest: Path, cache: Path) -> Path:
-    """Write the folder `dest` (config.json, model.safetensors, tokenizer files)."""
+def build_tiny_model(dest: Path, cache: Path, config: dict | None = None) -> Path:
+    """Write the folder `dest` (config.json, model.safetensors, tokenizer files). config: the
+    model's config.json (default CONFIG, a llama); any mlx-lm model_type with the tokenizer's
+    vocabulary."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
+
+    config = CONFIG if config is None else config
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
 
     src = tokenizer_source(cache)
     if not all((src / f).is_file() for f in TOKENIZER_FILES):
@@ -44,10 +50,10 @@ def build_tiny_model(dest: Path, cache: Path) -> Path:
         model_folder(resolve_model("default", cache_dir=cache), cache_dir=cache)
     dest.mkdir(parents=True, exist_ok=True)
     mx.random.seed(0)
-    model = Model(ModelArgs.from_dict(CONFIG))
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (dest / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
     for f in TOKENIZER_FILES:
         shutil.copyfile(src / f, dest / f)
     return dest

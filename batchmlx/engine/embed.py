@@ -44,9 +44,16 @@ class Embedder:
     def __init__(
         self, model: Any, block_size: int = BLOCK_SIZE, max_blocks: int = MAX_CACHED_BLOCKS
     ) -> None:
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "embed_tokens"):
             raise ValueError("this model's layout has no hidden-state body to pool")
+        # the block cache below stores and restores plain keys and values per layer; rotating
+        # (sliding-window) and state-space caches hold something else
+        kinds = {type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache}
+        if kinds:
+            raise ValueError(f"embeddings need plain key/value caches, not {sorted(kinds)}")
         self._model = model
         self._body = inner  # mlx-lm's inner model returns the final-normed hidden states
         args = getattr(model, "args", None)

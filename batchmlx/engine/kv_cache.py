@@ -15,7 +15,7 @@ lets any mlx-lm architecture with the standard cache protocol run paged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -104,6 +104,19 @@ class BatchLayout:
     # [H, P / block_size] runs of a prefix every sequence shares (same blocks), or None; when
     # set, gather_runs and mask cover only the keys after it (cascade attention)
     prefix_runs: mx.array | None = None
+    # [B, Q] position of each query and [K] of each key, host-side: only a model with
+    # sliding-window layers reads them (window_mask)
+    query_pos: np.ndarray | None = None
+    key_pos: np.ndarray | None = None
+    _windows: dict[int, mx.array] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> mx.array:
+        """`mask` limited to the last `window` keys of each query (sliding-window layers): the
+        mask mlx-lm builds for a rotating cache of that size."""
+        if window not in self._windows:
+            near = self.key_pos[None, None, :] > self.query_pos[:, :, None] - window
+            self._windows[window] = self.mask & mx.array(near[:, None])
+        return self._windows[window]
 
     @staticmethod
     def build(
@@ -113,9 +126,12 @@ class BatchLayout:
         token_chunks: list[list[int]],
         starts: list[int],
         block_tables: list[list[int]],
+        share_prefix: bool = True,
     ) -> BatchLayout:
         """Lay out a ragged step. token_chunks[i] are sequence i's new tokens at positions
-        starts[i]..; block_tables[i] covers every position up to the chunk's end."""
+        starts[i]..; block_tables[i] covers every position up to the chunk's end.
+        share_prefix False: no cascade attention (its prefix part has no mask, so a model with
+        sliding-window layers must not use it)."""
         b = len(token_chunks)
         lens = np.array([len(c) for c in token_chunks], dtype=np.int64)
         st = np.array(starts, dtype=np.int64)
@@ -148,6 +164,8 @@ class BatchLayout:
         if gather.shape[1] < nkb:
             gather = np.pad(gather, ((0, 0), (0, nkb - gather.shape[1])))
         shared = _shared_prefix_blocks(gather, lens, int(st.min()) // block_size)
+        if not share_prefix:
+            shared = 0
         prefix_runs = None
         if shared:
             # the shared blocks are read once for the whole batch, not copied per sequence
@@ -161,6 +179,9 @@ class BatchLayout:
         # causal over absolute positions; padded query rows see key 0 so softmax stays finite
         mask = (kpos[:, None, :] <= qpos[:, :, None]) & kvalid[:, None, :]
         mask[:, :, 0] |= ~qvalid
+        # a padded query row stands at the first key's position, so it keeps that one key
+        # under any window (a row with no key would make its softmax NaN)
+        qwin = np.where(qvalid, qpos, first)
         return BatchLayout(
             tokens=mx.array(tokens),
             offsets=mx.array(st.astype(np.int32)),
@@ -169,6 +190,8 @@ class BatchLayout:
             mask=mx.array(mask[:, None, :, :]),
             last_index=mx.array((lens - 1).astype(np.int32)),
             prefix_runs=prefix_runs,
+            query_pos=qwin,
+            key_pos=np.arange(first, k),
         )
 
 
@@ -213,7 +236,7 @@ class PagedLayerCache:
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
-            raise NotImplementedError("sliding-window attention is not paged yet")
+            return self.layout.window_mask(window_size)
         return self.layout.mask
 
     # mlx-lm checks these on some paths

@@ -35,11 +35,23 @@ from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.faults import crash_point
 
 
-def available_memory_bytes() -> int:
+def available_memory_bytes(
+    on_gpu: bool | None = None, device_info: dict[str, Any] | None = None
+) -> int:
+    """Memory the KV cache's share is taken of: the GPU's free memory on MLX's CUDA backend
+    (where the KV arrays live; MLX reports it as `free_memory`), else the host's available
+    memory (CPU, and Metal's unified memory). Arguments: for tests (None: asked of MLX)."""
+    if on_gpu is None:
+        on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    info = (mx.device_info() if device_info is None else device_info) if on_gpu else {}
+    free = info.get("free_memory")
+    if isinstance(free, int) and free > 0:
+        return free
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # macOS has no SC_AVPHYS_PAGES
-        return int(mx.device_info().get("memory_size", 8 << 30))
+        info = info or mx.device_info()
+        return int(info.get("memory_size") or info.get("total_memory") or 8 << 30)
 
 
 def kv_block_budget(cfg: EngineSettings, bytes_per_block: int) -> int:
@@ -92,8 +104,13 @@ class Engine:
         config: EngineSettings | None = None,
         clock=time.perf_counter,
         seed: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
+        """sliding_window: the model has layers that see only that many keys (arch.py): their
+        masks are limited to it, and steps never use cascade attention (whose shared-prefix
+        part has no mask)."""
         self.cfg = cfg = config or EngineSettings()
+        self.sliding_window = sliding_window
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.clock = clock
@@ -248,6 +265,7 @@ class Engine:
             token_chunks=chunks,
             starts=starts,
             block_tables=tables,
+            share_prefix=self.sliding_window is None,
         )
         rows = [i for i, s in enumerate(step.seqs) if s.samples]
         t0 = time.perf_counter()

@@ -59,7 +59,7 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
     folder = model_folder(spec, cache_dir=cache_dir)
     model, tokenizer, config = mlx_lm.load(str(folder), return_config=True)
     dtype = effective_dtype(dtype, quantized="quantization" in config)
-    log.info("model %s: weights as %s", spec.name, dtype)
+    log.info("model %s: weights as %s on %s", spec.name, dtype, mx.default_device())
     if dtype in _DTYPES:
         dequantize_model(model, _DTYPES[dtype])
         config = {
@@ -78,14 +78,17 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
     )
 
 
-def effective_dtype(dtype: str, *, quantized: bool) -> str:
+def effective_dtype(dtype: str, *, quantized: bool, on_cpu: bool | None = None) -> str:
     """"auto": quantized weights become float32 on MLX's CPU backend, whose quantized matmul
     runs several times slower than float32 (measured: 9 vs 12.5 tok/s decode for SmolLM2-135M
-    at batch 1, before the fast BLAS); on Metal or CUDA they stay as stored. "stored" keeps
-    them as stored anywhere."""
+    at batch 1, before the fast BLAS); on a GPU (Metal, or CUDA with `batchmlx[cuda12]`) they
+    stay quantized, where quantized kernels are the fast path and memory is what is scarce.
+    "stored" keeps them as stored anywhere. on_cpu: the default device is the CPU (None:
+    asked of MLX)."""
     if dtype != "auto":
         return dtype
-    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    if on_cpu is None:
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
     return "float32" if (quantized and on_cpu) else "stored"
 
 

@@ -34,16 +34,17 @@ def build_engine(
 ) -> ServingModel:
     """Load the model `name` and wrap it in an Engine and the Translator that feeds it."""
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.llm_engine import Engine
+    from batchmlx.engine.arch import make_engine
     from batchmlx.engine.loader import load_model
 
     spec = resolve_model(name, cache_dir=cache_dir)
     if spec is None:
         raise ValueError(f"model {name!r} cannot be resolved")
     loaded = load_model(spec, cache_dir=cache_dir, dtype=dtype)
-    engine = Engine(
-        loaded.model, loaded.tokenizer, context_length=loaded.context_length, config=settings
-    )
+    engine = make_engine(
+        loaded.model, loaded.tokenizer, name=loaded.spec.name,
+        context_length=loaded.context_length, config=settings,
+    )  # fmt: skip
     translator = Translator(
         loaded.tokenizer, loaded.spec.name, engine.max_context_tokens, loaded.eos_token_ids,
         vocab_size=_vocab_size(loaded), grammar_check=engine.grammars.check,

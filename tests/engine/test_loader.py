@@ -240,3 +240,29 @@ def test_load_gguf_path(default_model_dir: Path, engine_cache_dir: Path, tmp_pat
     assert loaded.path.parent == tmp_path / "models"
     assert loaded.path.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
     assert "Paris" in _answer(loaded)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantized", "on_cpu", "expected"),
+    [
+        ("auto", True, True, "float32"),  # CPU: dense float32 is the fast path
+        ("auto", True, False, "stored"),  # GPU (CUDA or Metal): quantized stays quantized
+        ("auto", False, True, "stored"),
+        ("auto", False, False, "stored"),
+        ("stored", True, True, "stored"),
+        ("float16", True, False, "float16"),
+    ],
+)
+def test_dtype_auto_keeps_quantized_weights_on_a_gpu(dtype, quantized, on_cpu, expected):
+    from batchmlx.engine.loader import effective_dtype
+
+    assert effective_dtype(dtype, quantized=quantized, on_cpu=on_cpu) == expected
+
+
+def test_dtype_auto_asks_mlx_for_the_device():
+    import mlx.core as mx
+
+    from batchmlx.engine.loader import effective_dtype
+
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    assert effective_dtype("auto", quantized=True) == ("float32" if on_cpu else "stored")

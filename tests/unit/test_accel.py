@@ -273,3 +273,26 @@ def test_slow_blas_warning(monkeypatch) -> None:
     assert line is not None and line.startswith("WARNING") and "BATCHMLX_FAST_BLAS=0" in line
     assert "batchmlx doctor" in (accel.slow_blas_warning({}) or "")
     assert accel.slow_blas_warning({"LD_PRELOAD": "/x/libopenblas.so.0"}) is None
+
+
+@pytest.mark.parametrize(
+    ("installed", "backend"),
+    [
+        ({"mlx-cpu"}, "cpu"),
+        ({"mlx-cuda-12"}, "cuda"),
+        ({"mlx-cuda-13"}, "cuda"),
+        ({"mlx-cpu", "mlx-cuda-12"}, "cpu"),  # both ship libmlx.so: which one won is unknown
+    ],
+)
+def test_mlx_backend_from_installed_wheels(installed, backend) -> None:
+    assert accel.mlx_backend(installed.__contains__) == backend
+
+
+def test_no_reexec_on_the_cuda_backend(recorded_exec, monkeypatch) -> None:
+    """On MLX's CUDA backend the matmuls run on the GPU: the CLI starts as it is."""
+    monkeypatch.setattr(accel, "_installed", {"mlx-cuda-12"}.__contains__)
+    accel.ensure_fast_blas(["-m", "batchmlx.cli", "run"])
+    assert recorded_exec == []
+    monkeypatch.setenv(accel.SWITCH, "mkl")  # asked for by name: preloaded anyway
+    accel.ensure_fast_blas(["-m", "batchmlx.cli", "run"])
+    assert len(recorded_exec) == 1

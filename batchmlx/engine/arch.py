@@ -1,0 +1,211 @@
+"""Which engine runs a model: the paged engine, or mlx-lm's own batching (engine/unpaged.py).
+
+Decided once per model at load time, from the caches mlx-lm makes for it and one short probe:
+
+- every layer a plain KVCache → paged (mixture-of-experts models too: their experts live in the
+  MLP, the attention is the standard one);
+- sliding-window layers (RotatingKVCache of one size, nothing kept at its start) → paged, with
+  those layers' masks limited to the window: the paged cache keeps every key, and a query seeing
+  the last `window` of them is what mlx-lm's rotating cache gives;
+- anything else (state-space or other array caches of hybrid models, chunked caches, caches
+  whose rotation keeps a prefix) → unpaged;
+- a paged model whose probe (two ragged prompts and a decode step through the paged runner,
+  against mlx-lm's own forward) raises or differs → unpaged: an architecture the paged seam does
+  not fit (e.g. multi-head latent attention) falls back rather than failing later.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from batchmlx.core.engine_api import EngineSettings
+
+_PROBE_PROMPTS = ((1, 5, 9, 2, 7, 3, 11, 4, 6, 8, 10, 12), (3, 1, 4, 1, 5))  # ragged on purpose
+_PROBE_BLOCK = 4  # several blocks per probe prompt
+log = logging.getLogger("batchmlx.engine")
+
+
+class EnginePath(enum.Enum):
+    PAGED = "paged"
+    UNPAGED = "unpaged"
+
+
+@dataclass(frozen=True, slots=True)
+class ArchPlan:
+    path: EnginePath
+    reason: str  # one line for the log: why this path
+    window: int | None = None  # sliding window of the windowed layers (paged path)
+    # unpaged path: mlx-lm's batching fails or differs for it, so its single-request loop
+    one_at_a_time: bool = False
+
+    @property
+    def paged(self) -> bool:
+        return self.path is EnginePath.PAGED
+
+
+def plan_architecture(model: Any) -> ArchPlan:
+    """The engine path for `model` (an mlx-lm nn.Module), and why."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    try:
+        caches = make_prompt_cache(model)
+    except Exception as exc:  # noqa: BLE001 - any failure here means: let mlx-lm drive it
+        return _unpaged(model, f"mlx-lm cannot make its cache ({exc})")
+    kinds = sorted({type(c).__name__ for c in caches})
+    if any(type(c) not in (KVCache, RotatingKVCache) for c in caches):
+        return _unpaged(
+            model,
+            f"layer caches {', '.join(kinds)}: not all key/value caches (hybrid or state-space)",
+        )
+    rotating = [c for c in caches if type(c) is RotatingKVCache]
+    window = None
+    if rotating:
+        sizes = {c.max_size for c in rotating}
+        if len(sizes) > 1 or any(c.keep for c in rotating):
+            return _unpaged(
+                model,
+                f"rotating caches of sizes {sorted(sizes)} keeping "
+                f"{sorted({c.keep for c in rotating})} tokens: not one plain sliding window",
+            )
+        window = sizes.pop()
+    failure = _probe(model, window)
+    if failure is not None:
+        return _unpaged(model, f"paged probe: {failure}")
+    what = []
+    if window is not None:
+        what.append(f"sliding window {window} on {len(rotating)} of {len(caches)} layers")
+    experts = _experts(model)
+    if experts:
+        what.append(f"mixture of {experts} experts")
+    return ArchPlan(EnginePath.PAGED, ", ".join(what) or "standard attention", window)
+
+
+def _unpaged(model: Any, reason: str) -> ArchPlan:
+    """The unpaged plan, one request at a time when mlx-lm's own batching is wrong for it."""
+    failure = _batch_probe(model)
+    if failure is None:
+        return ArchPlan(EnginePath.UNPAGED, reason)
+    return ArchPlan(
+        EnginePath.UNPAGED, f"{reason}; one request at a time (batched: {failure})",
+        one_at_a_time=True,
+    )  # fmt: skip
+
+
+def _batch_probe(model: Any) -> str | None:
+    """None when mlx-lm's BatchGenerator gives the ragged probe prompts the log-probs its
+    single-request loop gives them, else what went wrong (e.g. a model whose own attention
+    broadcasts a batch mask over the wrong axis)."""
+    from mlx_lm.generate import BatchGenerator, generate_step
+
+    steps = 2
+    try:
+        want = []
+        for p in _PROBE_PROMPTS:
+            want.append([lp for _, lp in generate_step(mx.array(p), model, max_tokens=steps)])
+        gen = BatchGenerator(model, completion_batch_size=len(_PROBE_PROMPTS))
+        uids = gen.insert([list(p) for p in _PROBE_PROMPTS], max_tokens=[steps] * 2)
+        got: dict[int, list[mx.array]] = {u: [] for u in uids}
+        while any(len(v) < steps for v in got.values()):
+            for r in gen.next_generated():
+                got[r.uid].append(r.logprobs)
+        gen.close()
+    except Exception as exc:  # noqa: BLE001 - the point of the probe
+        return f"{type(exc).__name__}: {exc}"
+    for u, ref in zip(uids, want, strict=True):
+        for a, b in zip(got[u], ref, strict=True):
+            diff = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+            if not diff <= _tolerance(b.dtype) * max(1.0, mx.abs(b).max().item()):
+                return f"log-probs differ from one request alone by {diff:.3g}"
+    return None
+
+
+def _tolerance(dtype: mx.Dtype) -> float:
+    return 1e-3 if dtype == mx.float32 else 5e-2
+
+
+def _experts(model: Any) -> int | None:
+    args = getattr(model, "args", None)
+    for name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        n = getattr(args, name, None)
+        if isinstance(n, int) and n > 1:
+            return n
+    return None
+
+
+def _probe(model: Any, window: int | None) -> str | None:
+    """None when the paged runner gives mlx-lm's logits on a ragged prefill and a decode step,
+    else what went wrong."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
+    from batchmlx.engine.runner import ModelRunner, model_dims
+
+    try:
+        num_layers, n_kv, head_dim = model_dims(model)
+        # mlx-lm's reference: each prompt alone, then one decode token
+        refs, keys_dtype = [], None
+        for p in _PROBE_PROMPTS:
+            cache = make_prompt_cache(model)
+            first = model(mx.array([p]), cache=cache)[0, -1]
+            second = model(mx.array([[p[0]]]), cache=cache)[0, -1]
+            keys_dtype = cache[0].state[0].dtype
+            refs.append((first, second))
+        blocks = [-(-(len(p) + 1) // _PROBE_BLOCK) for p in _PROBE_PROMPTS]
+        storage = PagedKVStorage(
+            num_layers=num_layers, n_kv_heads=n_kv, head_dim=head_dim, block_size=_PROBE_BLOCK,
+            dtype=keys_dtype, max_blocks=1 + sum(blocks), grow_blocks=1 + sum(blocks),
+        )  # fmt: skip
+        tables, nxt = [], 1
+        for n in blocks:
+            tables.append(list(range(nxt, nxt + n)))
+            nxt += n
+        runner = ModelRunner(model, storage)
+
+        def run(chunks, starts):
+            layout = BatchLayout.build(
+                block_size=_PROBE_BLOCK, n_kv_heads=n_kv, token_chunks=chunks, starts=starts,
+                block_tables=tables, share_prefix=window is None,
+            )  # fmt: skip
+            return runner.forward(layout, None)
+
+        first = run([list(p) for p in _PROBE_PROMPTS], [0, 0])
+        second = run([[p[0]] for p in _PROBE_PROMPTS], [len(p) for p in _PROBE_PROMPTS])
+        mx.eval(first, second)
+    except Exception as exc:  # noqa: BLE001 - the point of the probe
+        return f"{type(exc).__name__}: {exc}"
+    tol = _tolerance(keys_dtype)
+    for i, (a, b) in enumerate(refs):
+        for got, want in ((first[i], a), (second[i], b)):
+            want = want.astype(mx.float32)
+            diff = mx.abs(got.astype(mx.float32) - want).max().item()
+            scale = max(1.0, mx.abs(want).max().item())
+            if not diff <= tol * scale:  # NaN fails too
+                return f"logits differ from mlx-lm's by {diff:.3g} (scale {scale:.3g})"
+    return None
+
+
+def make_engine(
+    model: Any, tokenizer: Any, *, name: str, context_length: int, config: EngineSettings
+) -> Any:
+    """The engine for `model`: paged where `plan_architecture` allows, else unpaged; the
+    choice and its reason logged once."""
+    from batchmlx.engine.llm_engine import Engine
+    from batchmlx.engine.unpaged import UnpagedEngine
+
+    plan = plan_architecture(model)
+    model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+    log.info("model %s (%s): %s engine, %s", name, model_type, plan.path.value, plan.reason)
+    if plan.paged:
+        return Engine(
+            model, tokenizer, context_length=context_length, config=config,
+            sliding_window=plan.window,
+        )  # fmt: skip
+    return UnpagedEngine(
+        model, tokenizer, context_length=context_length, config=config,
+        batched=not plan.one_at_a_time,
+    )  # fmt: skip

@@ -358,7 +358,10 @@ class Worker:
         return loaded
 
     def _max_batch(self) -> int:
-        return self.opts.engine.running_bound
+        """The running width now: the engine's adaptive limit (claims follow it as it grows),
+        else the configured bound."""
+        limit = getattr(self.loaded.engine, "running_limit", None) if self.loaded else None
+        return self.opts.engine.running_bound if limit is None else limit
 
     # -- running -------------------------------------------------------------------------------
     def inflight_tokens(self) -> dict[str, int]:

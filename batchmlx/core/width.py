@@ -159,7 +159,7 @@ class WidthController:
         self._reset_window()
 
     def _set(self, new: int, reason: str, tok_s: float | None) -> None:
-        if new != self.limit or reason != "plateau" or tok_s is not None:
+        if new != self.limit or tok_s is not None:
             self.changes.append(WidthChange(self._steps, self.limit, new, reason, tok_s))
         self.limit = new
         self._reset_window()

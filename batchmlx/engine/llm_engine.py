@@ -207,6 +207,7 @@ class Engine:
 
     def step(self) -> list[GenerationOutput]:
         t0 = time.perf_counter()
+        started = self.clock()  # the width controller's time (tests pass a fake clock)
         step = self.scheduler.schedule()
         if step is None:
             return []
@@ -216,10 +217,9 @@ class Engine:
         except Exception as exc:
             raise StepError([s.seq.seq_id for s in step.seqs], exc) from exc
         done = self.scheduler.update(step, sampled, finished)
-        seconds = time.perf_counter() - t0
-        self.stats.step_s += seconds
+        self.stats.step_s += time.perf_counter() - t0
         if self.width is not None:
-            self._size_width(len(sampled), seconds)
+            self._size_width(len(sampled), self.clock() - started)
         # sequences the scheduler ended itself (the pool cannot hold them even alone)
         return [self._output(seq) for seq in [*step.finished, *done]]
 

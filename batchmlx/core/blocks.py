@@ -74,7 +74,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hash_fn = hash_fn  # injected so tests can force collisions
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Block i exists once handed out (ids below _fresh): a pool bounded by memory may count
+        # hundreds of thousands of blocks for a small model, and most are never used.
+        self.blocks = [Block(NULL_BLOCK_ID)]
         # Blocks used before and now unreferenced: uncached at the front (reused first), cached
         # at the back in LRU order. OrderedDict: O(1) pop-front, push-front/back and removal.
         self._free: OrderedDict[int, Block] = OrderedDict()
@@ -140,7 +142,8 @@ class BlockPool:
         elif self._fresh < min(self.backed_blocks, self.num_blocks) or (
             front is None and self._fresh < self.num_blocks
         ):
-            block = self.blocks[self._fresh]
+            block = Block(self._fresh)
+            self.blocks.append(block)
             self._fresh += 1
         elif front is not None:
             block = self._free.popitem(last=False)[1]

@@ -219,8 +219,8 @@ def test_the_adaptive_width_grows_and_keeps_greedy_tokens(model):
 
     ps = many_prompts(48)
     simple = engine(model, simple=True).generate(reqs(ps))
-    e = Engine(model, None, context_length=256, seed=0, clock=StepClock(),
-               config=EngineSettings(block_size=4, cache_memory_mb=64, max_batch_size=32))  # fmt: skip
+    cfg = EngineSettings(block_size=4, cache_memory_mb=64, max_batch_size=32)
+    e = Engine(model, None, context_length=256, seed=0, clock=StepClock(), config=cfg)
     e.width = WidthController(WidthPolicy(cap=32, initial=2, window_steps=2))
     e.scheduler.running_limit = 2
     outs = e.generate(reqs(ps))
@@ -232,8 +232,6 @@ def test_the_adaptive_width_grows_and_keeps_greedy_tokens(model):
 
 
 def test_the_adaptive_width_shrinks_under_memory_pressure(model):
-    from batchmlx.core.width import WidthController, WidthPolicy
-
     ps = many_prompts(24)
     simple = engine(model, simple=True).generate(reqs(ps))
     # 14 usable blocks of 4 tokens: 12 sequences of up to 23 tokens cannot all stay

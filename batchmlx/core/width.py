@@ -17,16 +17,28 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
+from batchmlx.core.engine_api import EngineSettings
+
 
 class WidthPhase(enum.Enum):
     GROWING = "growing"  # measuring each width, doubling while throughput rises
     SETTLED = "settled"  # on the best width seen (or a memory ceiling)
 
 
+INITIAL_WIDTH = 32  # the width a fresh engine starts at (the old fixed default)
+
+
+def initial_width(settings: EngineSettings) -> int:
+    """The running width an engine with these settings starts at."""
+    if settings.adaptive_width and not settings.simple:
+        return min(INITIAL_WIDTH, settings.running_bound)
+    return settings.running_bound
+
+
 @dataclass(frozen=True, slots=True)
 class WidthPolicy:
     cap: int  # the hard bound (--max-batch-size)
-    initial: int = 32  # the width a fresh engine starts at (the old fixed default)
+    initial: int = INITIAL_WIDTH
     floor: int = 4  # never shrink below this
     window_steps: int = 12  # steps at full width per throughput measurement
     gain: float = 1.05  # a wider batch must be this much faster to keep growing

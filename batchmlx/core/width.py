@@ -26,6 +26,7 @@ class WidthPhase(enum.Enum):
 
 
 INITIAL_WIDTH = 32  # the width a fresh engine starts at (the old fixed default)
+FULL = 0.75  # a step counts toward a width's measurement with at least this share of it running
 
 
 def initial_width(settings: EngineSettings) -> int:
@@ -109,8 +110,10 @@ class WidthController:
                 return self.limit
             self._filled = True
             return self.limit
-        if r.running < self.limit and not r.waiting:
-            return self.limit  # the work ran out before this width could be measured
+        if r.running < self.limit * FULL:
+            # not this width's rate: the work ran out, or admissions were held back (online
+            # requests running, the pool blocked)
+            return self.limit
         self._win_steps += 1
         self._win_tokens += r.generated
         self._win_s += r.seconds

@@ -70,7 +70,13 @@ def _hoist_database_url(argv: list[str]) -> list[str]:
 DTYPE_HELP = "Weights: auto (float32 on the CPU, as stored on Metal/CUDA), stored, float32, …"
 # engine options shared by `worker` and `serve`
 SimpleOpt = Annotated[bool, typer.Option(help="Simple mode: one request at a time")]
-MaxBatchOpt = Annotated[int, typer.Option(help="Bound on the running batch")]
+MaxBatchOpt = Annotated[
+    int, typer.Option(help="Hard cap on the running batch (the adaptive width grows up to it)")
+]
+AdaptiveWidthOpt = Annotated[
+    bool, typer.Option(help="Size the running batch of queued work by measured throughput and "
+                       "KV memory (--no-adaptive-width: always --max-batch-size)"),
+]
 BlockSizeOpt = Annotated[int, typer.Option(help="Tokens per KV block")]
 PagedCacheOpt = Annotated[
     bool, typer.Option(help="Share prefix blocks between requests (on by default)")
@@ -361,6 +367,7 @@ def worker(
     model: Annotated[str | None, typer.Option(help="Serve every batch with this model")] = None,
     simple: SimpleOpt = ENGINE_DEFAULTS.simple,
     max_batch_size: MaxBatchOpt = ENGINE_DEFAULTS.max_batch_size,
+    adaptive_width: AdaptiveWidthOpt = ENGINE_DEFAULTS.adaptive_width,
     block_size: BlockSizeOpt = ENGINE_DEFAULTS.block_size,
     use_paged_cache: PagedCacheOpt = ENGINE_DEFAULTS.use_paged_cache,
     cache_memory_mb: CacheMemoryMbOpt = ENGINE_DEFAULTS.cache_memory_mb,
@@ -406,6 +413,7 @@ def worker(
     engine = EngineSettings(
         simple=simple,
         max_batch_size=max_batch_size,
+        adaptive_width=adaptive_width,
         block_size=block_size,
         use_paged_cache=use_paged_cache,
         cache_memory_mb=cache_memory_mb,
@@ -513,6 +521,7 @@ def serve(
     max_upload_mb: Annotated[int, typer.Option(min=1, help="Largest file upload")] = 200,
     simple: SimpleOpt = ENGINE_DEFAULTS.simple,
     max_batch_size: MaxBatchOpt = ENGINE_DEFAULTS.max_batch_size,
+    adaptive_width: AdaptiveWidthOpt = ENGINE_DEFAULTS.adaptive_width,
     block_size: BlockSizeOpt = ENGINE_DEFAULTS.block_size,
     use_paged_cache: PagedCacheOpt = ENGINE_DEFAULTS.use_paged_cache,
     cache_memory_mb: CacheMemoryMbOpt = ENGINE_DEFAULTS.cache_memory_mb,
@@ -531,8 +540,8 @@ def serve(
     from batchmlx.worker import WorkerOptions
 
     engine = EngineSettings(
-        simple=simple, max_batch_size=max_batch_size, block_size=block_size,
-        use_paged_cache=use_paged_cache, cache_memory_mb=cache_memory_mb,
+        simple=simple, max_batch_size=max_batch_size, adaptive_width=adaptive_width,
+        block_size=block_size, use_paged_cache=use_paged_cache, cache_memory_mb=cache_memory_mb,
     )  # fmt: skip
     options = ServerOptions(
         model=model,

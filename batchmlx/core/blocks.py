@@ -7,6 +7,11 @@ Prefix cache: a block that is full and computed is registered under a chained ha
 hash folded into its own), so a block hash names a whole prefix. A block whose ref count drops to
 0 stays in the hash map while it sits in the free queue; it is only forgotten when allocate()
 takes it for reuse (eviction). The free queue is the LRU order of eviction.
+
+Never-used blocks are kept apart from the free queue: the MLX storage grows to the highest block
+id handed out, so allocate() reuses blocks the storage already backs (free ones, never-used ones
+below `backed_blocks`, then the least recently used cached ones) before it hands out a block that
+makes the storage grow.
 """
 
 from __future__ import annotations
@@ -69,9 +74,16 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hash_fn = hash_fn  # injected so tests can force collisions
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Front = next to reuse. OrderedDict gives O(1) pop-front, push-front/back and removal.
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        # Block i exists once handed out (ids below _fresh): a pool bounded by memory may count
+        # hundreds of thousands of blocks for a small model, and most are never used.
+        self.blocks = [Block(NULL_BLOCK_ID)]
+        # Blocks used before and now unreferenced: uncached at the front (reused first), cached
+        # at the back in LRU order. OrderedDict: O(1) pop-front, push-front/back and removal.
+        self._free: OrderedDict[int, Block] = OrderedDict()
+        self._fresh = 1  # blocks _fresh..num_blocks-1 were never handed out
+        # Block ids below this are backed by storage (the MLX layer sets it as its arrays grow);
+        # a never-used block past it is handed out only when no backed block is left.
+        self.backed_blocks = num_blocks
         self._cached: dict[int, Block] = {}  # block hash -> the block holding that prefix
         self.queries = 0  # lookup() calls
         self.hits = 0  # lookup() calls that returned a block
@@ -90,7 +102,12 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks allocate() can hand out, cached-but-unreferenced ones included."""
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
+
+    @property
+    def num_ever_used(self) -> int:
+        """Blocks handed out at least once (block 0 excluded): what the storage must back."""
+        return self._fresh - 1
 
     @property
     def num_used(self) -> int:
@@ -106,23 +123,39 @@ class BlockPool:
         return self.num_used / self.num_usable
 
     def free_block_ids(self) -> list[int]:
-        """The free queue, front (reused first) to back."""
-        return list(self._free)
+        """Every free block in the order allocate() hands them out."""
+        uncached = [i for i, b in self._free.items() if b.block_hash is None]
+        cached = [i for i, b in self._free.items() if b.block_hash is not None]
+        split = max(self._fresh, min(self.backed_blocks, self.num_blocks))
+        backed, unbacked = range(self._fresh, split), range(split, self.num_blocks)
+        return [*uncached, *backed, *cached, *unbacked]
 
     # -- allocation -------------------------------------------------------------------------
 
     def allocate(self) -> Block | None:
-        """Take the block at the front of the free queue (ref count 1), or None if none is free."""
-        if not self._free:
+        """A free block with ref count 1, or None if none is free. Order: a freed uncached block,
+        a never-used block the storage backs, the least recently used cached block (evicted),
+        then a never-used block past the storage (the storage grows)."""
+        front = next(iter(self._free.values()), None)
+        if front is not None and front.block_hash is None:
+            block = self._free.popitem(last=False)[1]
+        elif self._fresh < min(self.backed_blocks, self.num_blocks) or (
+            front is None and self._fresh < self.num_blocks
+        ):
+            block = Block(self._fresh)
+            self.blocks.append(block)
+            self._fresh += 1
+        elif front is not None:
+            block = self._free.popitem(last=False)[1]
+            self._evict(block)
+        else:
             return None
-        _, block = self._free.popitem(last=False)
-        self._evict(block)
         block.ref_count = 1
         return block
 
     def allocate_many(self, n: int) -> list[Block] | None:
         """n blocks, or None (and nothing taken) if fewer than n are free."""
-        if n > len(self._free):
+        if n > self.num_free:
             return None
         return [self.allocate() for _ in range(n)]  # type: ignore[misc]
 
@@ -185,6 +218,8 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
             block.token_ids = ()
+            if block.block_id in self._free:  # now a plain free block: reused first
+                self._free.move_to_end(block.block_id, last=False)
         self._cached.clear()
         return dropped
 

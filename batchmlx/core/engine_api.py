@@ -19,7 +19,8 @@ TokenCallback = Callable[[str, int], None]  # (request id, token id), for every 
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
     simple: bool = False  # one request at a time
-    max_batch_size: int = 32  # running sequences at most
+    max_batch_size: int = 256  # running sequences at most (the hard cap)
+    adaptive_width: bool = True  # size the running batch of queued work (core/width.py)
     block_size: int = 16  # tokens per KV block
     max_prefill_tokens: int = 2048  # token budget of one prefill step
     use_paged_cache: bool = True  # share prefix blocks between requests and keep them cached

@@ -34,6 +34,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+BATCH_PRIORITY = 1  # queued batch work; more urgent (lower) priorities bypass the adaptive width
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     """One sequence to generate: a prompt already tokenized, and how to sample it."""
@@ -42,7 +45,7 @@ class GenerationRequest:
     prompt_tokens: list[int]
     params: SamplingParams
     stop_token_ids: frozenset[int] = frozenset()  # eos and friends
-    priority: int = 1  # lower is admitted first: online requests 0, batch work 1
+    priority: int = BATCH_PRIORITY  # lower is admitted first: online requests 0
     grammar: str | None = None  # a canonical JSON schema text: decoding is constrained to it
 
 

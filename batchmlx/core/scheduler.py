@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from batchmlx.core.blocks import BlockPool
 from batchmlx.core.engine_api import ENGINE_DEFAULTS
 from batchmlx.core.kv_manager import KVCacheManager, blocks_for
-from batchmlx.core.request import CacheOutcome, FinishReason, GenerationRequest
+from batchmlx.core.request import BATCH_PRIORITY, CacheOutcome, FinishReason, GenerationRequest
 from batchmlx.core.sequence import Sequence, SequenceStatus
 from batchmlx.core.waiting import WaitingQueue
 
@@ -72,6 +72,7 @@ class SchedulerStats:
     prefill_tokens_reused: int = 0  # tokens taken from the prefix cache at every (re)admission
     decode_tokens: int = 0
     preemptions: int = 0
+    urgent_preemptions: int = 0  # of which to make room for more urgent (online) work
     deferred: int = 0  # admissions put off by prefix grouping (a group counts once per step)
     peak_blocks_in_use: int = 0
     peak_running: int = 0
@@ -99,6 +100,11 @@ class Scheduler:
         self.waiting = WaitingQueue(config.block_size, config.prefix_grouping)
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
         self._arrivals = 0
+        # Batch work (priority >= BATCH_PRIORITY) is admitted only while fewer than this run
+        # (the "max_batch_size" of schedule()'s docstring, for batch work); the engine's width
+        # controller moves it (core/width.py). More urgent work is admitted up to
+        # max_batch_size, the hard cap, whatever this is.
+        self.running_limit = config.max_batch_size
 
     # -- public API -------------------------------------------------------------------------
 
@@ -233,9 +239,19 @@ class Scheduler:
             if victim is None:
                 break
             self._preempt(victim)
+            self.stats.urgent_preemptions += 1
             victims.append(victim)
             wanted -= 1
         return victims
+
+    def _admission_limit(self, seq: Sequence) -> int:
+        if seq.request.priority < BATCH_PRIORITY:
+            return self.config.max_batch_size
+        return min(self.running_limit, self.config.max_batch_size)
+
+    def online_running(self) -> int:
+        """Running sequences more urgent than batch work."""
+        return sum(1 for s in self.running if s.request.priority < BATCH_PRIORITY)
 
     def _admit_waiting(
         self, out: list[ScheduledSeq], budget: int, pending: set[int], finished: list[Sequence]
@@ -243,13 +259,15 @@ class Scheduler:
         admitted: list[Sequence] = []
         blocked = False
         for group in self.waiting.groups():
-            if blocked or budget == 0 or len(self.running) >= self.config.max_batch_size:
+            # groups come most urgent first: once one is at its limit, so are the rest
+            limit = self._admission_limit(next(iter(group)))
+            if blocked or budget == 0 or len(self.running) >= limit:
                 break
             if self._group_deferred(group, pending):
                 self.stats.deferred += 1
                 continue
             for seq in group:
-                if budget == 0 or len(self.running) >= self.config.max_batch_size:
+                if budget == 0 or len(self.running) >= limit:
                     break
                 result = self._admit(seq, budget, pending)
                 if result is _Admission.DEFERRED:

@@ -27,6 +27,7 @@ from batchmlx.core.request import (
 )
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
 from batchmlx.core.telemetry import EngineCounters
+from batchmlx.core.width import StepReport, WidthController, WidthPolicy
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
 from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
@@ -132,6 +133,7 @@ class Engine:
         )
         self.stats = EngineStats(kv_bound_bytes=num_blocks * per_block)
         self.pool = BlockPool(num_blocks, cfg.block_size)
+        self.pool.backed_blocks = self.storage.capacity_blocks  # reuse before growing
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batch_size=cfg.running_bound,
@@ -143,6 +145,12 @@ class Engine:
             ),
             self.pool,
         )
+        # the running width of queued work, sized by measured throughput and KV memory
+        self.width: WidthController | None = None
+        if cfg.adaptive_width and not cfg.simple:
+            self.width = WidthController(WidthPolicy(cap=cfg.running_bound))
+            self.scheduler.running_limit = self.width.limit
+        self._memory_preemptions = 0
         self.runner = ModelRunner(model, self.storage)
         vocab = getattr(getattr(model, "args", None), "vocab_size", None)
         self.grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
@@ -216,6 +224,7 @@ class Engine:
 
     def step(self) -> list[GenerationOutput]:
         t0 = time.perf_counter()
+        started = self.clock()  # the width controller's time (tests pass a fake clock)
         step = self.scheduler.schedule()
         if step is None:
             return []
@@ -226,6 +235,8 @@ class Engine:
             raise StepError([s.seq.seq_id for s in step.seqs], exc) from exc
         done = self.scheduler.update(step, sampled, finished)
         self.stats.step_s += time.perf_counter() - t0
+        if self.width is not None:
+            self._size_width(len(sampled), self.clock() - started)
         # sequences the scheduler ended itself (the pool cannot hold them even alone)
         return [self._output(seq) for seq in [*step.finished, *done]]
 
@@ -239,7 +250,24 @@ class Engine:
                 outs[o.request_id] = o
         return [outs[r.request_id] for r in requests]
 
+    @property
+    def running_limit(self) -> int:
+        """The running width batch work is admitted up to now (the worker claims by it)."""
+        return self.scheduler.running_limit
+
     # -- internals -----------------------------------------------------------------------------
+    def _size_width(self, generated: int, seconds: float) -> None:
+        sched = self.scheduler
+        memory = sched.stats.preemptions - sched.stats.urgent_preemptions
+        preempted, self._memory_preemptions = memory - self._memory_preemptions, memory
+        assert self.width is not None
+        self.width.observe(StepReport(
+            generated=generated, seconds=seconds, running=len(sched.running),
+            waiting=bool(sched.waiting), blocks_used=self.pool.num_used,
+            blocks_total=self.pool.num_usable, preempted=preempted,
+        ))  # fmt: skip
+        sched.running_limit = self.width.admission_limit(sched.online_running())
+
     def _run(self, step: SchedulerStep) -> tuple[dict[str, int], set[str]]:
         st = self.stats
         st.steps += 1
@@ -259,6 +287,7 @@ class Engine:
             if seq.block_table:
                 max_block = max(max_block, max(seq.block_table))
         self.storage.ensure_capacity(max_block + 1)
+        self.pool.backed_blocks = self.storage.capacity_blocks
         layout = BatchLayout.build(
             block_size=self.cfg.block_size,
             n_kv_heads=self.storage.n_kv_heads,

@@ -26,6 +26,7 @@ from batchmlx.config import Settings
 from batchmlx.core.engine_api import ENGINE_DEFAULTS, EngineSettings
 from batchmlx.core.lifecycle import BatchStatus, is_expired
 from batchmlx.core.records import ClaimedRequest, RequestResult
+from batchmlx.core.width import initial_width
 from batchmlx.faults import crash_point
 from batchmlx.store import Store
 from batchmlx.worker.build import EngineFactory, ServingModel, mlx_engine_factory
@@ -358,7 +359,10 @@ class Worker:
         return loaded
 
     def _max_batch(self) -> int:
-        return self.opts.engine.running_bound
+        """The running width now: the engine's adaptive limit (claims follow it as it grows),
+        else the width an engine starts at (not the hard cap: 4 x 256 claimed up front)."""
+        limit = getattr(self.loaded.engine, "running_limit", None) if self.loaded else None
+        return initial_width(self.opts.engine) if limit is None else limit
 
     # -- running -------------------------------------------------------------------------------
     def inflight_tokens(self) -> dict[str, int]:

@@ -195,3 +195,56 @@ def test_a_stop_string_ends_generation_on_the_decoded_text(model):
     first = next(i for i, t in enumerate(free) if f"<{t}>" == stop)
     assert out.token_ids == free[: first + 1]  # stops on the token completing the string
     assert out.finish_reason is FinishReason.STOP
+
+
+class StepClock:
+    """Every reading is one second later: a step's seconds are a constant number of readings,
+    so throughput grows with the width and the width controller decides deterministically."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def many_prompts(n: int) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(1, 97, size=int(rng.integers(2, 12))).tolist() for _ in range(n)]
+
+
+def test_the_adaptive_width_grows_and_keeps_greedy_tokens(model):
+    from batchmlx.core.width import WidthController, WidthPolicy
+
+    ps = many_prompts(48)
+    simple = engine(model, simple=True).generate(reqs(ps))
+    cfg = EngineSettings(block_size=4, cache_memory_mb=64, max_batch_size=32)
+    e = Engine(model, None, context_length=256, seed=0, clock=StepClock(), config=cfg)
+    e.width = WidthController(WidthPolicy(cap=32, initial=2, window_steps=2))
+    e.scheduler.running_limit = 2
+    outs = e.generate(reqs(ps))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
+    grown = [c.new for c in e.width.changes if c.reason == "faster"]
+    assert grown[:2] == [4, 8]
+    assert e.scheduler.stats.peak_running > 2
+    assert e.scheduler.stats.preemptions == 0
+
+
+def test_the_adaptive_width_shrinks_under_memory_pressure(model):
+    ps = many_prompts(24)
+    simple = engine(model, simple=True).generate(reqs(ps))
+    # 14 usable blocks of 4 tokens: 12 sequences of up to 23 tokens cannot all stay
+    e = Engine(model, None, context_length=256, seed=0, clock=StepClock(),
+               config=EngineSettings(block_size=4, memory_aware=False, cache_max_blocks=14,
+                                     max_batch_size=12))  # fmt: skip
+    fixed = Engine(model, None, context_length=256, seed=0,
+                   config=EngineSettings(block_size=4, memory_aware=False, cache_max_blocks=14,
+                                         max_batch_size=12, adaptive_width=False))  # fmt: skip
+    outs = e.generate(reqs(ps))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
+    assert [o.token_ids for o in fixed.generate(reqs(ps))] == [o.token_ids for o in simple]
+    shrinks = [c for c in e.width.changes if c.reason == "memory"]
+    assert shrinks and all(c.new < c.old for c in shrinks)
+    # narrowing after the first preemptions spares the pool most of the fixed width's
+    assert 0 < e.scheduler.stats.preemptions < fixed.scheduler.stats.preemptions

@@ -187,3 +187,65 @@ def test_hash_block_is_chained_and_stable_across_processes():
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
     assert int(out.stdout) == h2
+
+
+def test_cached_blocks_are_reused_before_the_storage_grows():
+    # Old pool: never-used blocks sat ahead of evictable cached ones, so a pool that never held
+    # more than 3 blocks at once handed out ids up to 6 (and the MLX storage grew to back them).
+    pool = make_pool()
+    pool.backed_blocks = 4  # the storage backs ids 0..3
+    first = pool.allocate_many(3)  # 1, 2, 3
+    assert [b.block_id for b in first] == [1, 2, 3]
+    cache_chain(pool, first, [tokens(0), tokens(16), tokens(32)])
+    pool.free(reversed(first))  # all three stay cached, evictable
+    assert pool.free_block_ids() == [3, 2, 1, 4, 5, 6, 7, 8, 9, 10]
+    again = pool.allocate_many(3)
+    assert [b.block_id for b in again] == [3, 2, 1]  # LRU cached, no id past the storage
+    assert pool.evictions == 3
+    assert pool.num_ever_used == 3
+    assert pool.allocate().block_id == 4  # none left below the storage: now it grows
+
+
+def test_free_uncached_and_backed_never_used_blocks_come_before_evicting_the_cache():
+    pool = make_pool()
+    pool.backed_blocks = 6  # ids 1..5 backed
+    a, b = pool.allocate_many(2)  # 1, 2
+    (h,) = cache_chain(pool, [a], [tokens(0)])
+    pool.free([b, a])  # 2 uncached (front), 1 cached (back)
+    taken = [pool.allocate().block_id for _ in range(4)]
+    assert taken == [2, 3, 4, 5]  # the free one, then backed never-used ones: the cache survives
+    assert pool.lookup(h, tokens(0)) is a
+    assert pool.allocate().block_id == 1  # now the cached block is evicted, before growing
+    assert pool.lookup(h, tokens(0)) is None
+    assert pool.allocate().block_id == 6
+
+
+def test_reset_prefix_cache_moves_its_free_blocks_ahead_of_never_used_ones():
+    pool = make_pool()
+    pool.backed_blocks = 3
+    a, b = pool.allocate_many(2)
+    cache_chain(pool, [a, b], [tokens(0), tokens(16)])
+    pool.free([b, a])
+    assert pool.reset_prefix_cache() == 2
+    assert sorted(pool.free_block_ids()[:2]) == [1, 2]
+    assert sorted(pool.allocate().block_id for _ in range(2)) == [1, 2]
+    assert pool.allocate().block_id == 3
+    assert pool.evictions == 0
+
+
+def test_peak_in_use_bounds_the_ids_handed_out_under_churn():
+    """Many short sequences with distinct cached prompts: ids never exceed the peak in use."""
+    pool = BlockPool(num_blocks=200, block_size=BS)
+    pool.backed_blocks = 1  # the storage grows only as far as the pool asks
+    held: list[list] = []
+    peak = 0
+    for i in range(300):
+        blocks = pool.allocate_many(3)
+        cache_chain(pool, blocks[:2], [tokens(1000 * i), tokens(1000 * i + 16)])
+        held.append(blocks)
+        peak = max(peak, pool.num_used)
+        if len(held) > 4:
+            pool.free(reversed(held.pop(0)))
+        pool.backed_blocks = max(pool.backed_blocks, pool.num_ever_used + 1)
+    assert peak == 15
+    assert pool.num_ever_used == peak

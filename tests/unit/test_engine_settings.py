@@ -22,3 +22,9 @@ def test_scheduler_and_cli_take_their_defaults_from_engine_settings() -> None:
     for command in (cli.worker, cli.serve, cli.submit):
         default = inspect.signature(command).parameters["max_batch_size"].default
         assert default == ENGINE_DEFAULTS.max_batch_size, command.__name__
+
+
+def test_cli_engine_commands_take_the_adaptive_width_default() -> None:
+    for command in (cli.worker, cli.serve):
+        default = inspect.signature(command).parameters["adaptive_width"].default
+        assert default is ENGINE_DEFAULTS.adaptive_width, command.__name__

@@ -46,3 +46,30 @@ def test_waiting_online_requests_are_admitted_before_older_batch_work():
         order += [s.seq.seq_id for s in step.seqs if s.seq.seq_id not in order]
         sched.update(step, *runner_for(sched).run(step))
     assert order == ["o0", "b0", "b1"]
+
+
+def test_the_running_limit_bounds_batch_work_and_online_requests_bypass_it():
+    sched = Scheduler(SchedulerConfig(max_batch_size=4, block_size=4, num_blocks=64))
+    sched.running_limit = 2  # what the width controller set
+    for i in range(4):
+        sched.add(req(f"b{i}", [1 + i, 2, 3], 6, priority=1))
+    runner = runner_for(sched)
+    step = sched.schedule()
+    assert [s.seq.seq_id for s in step.seqs] == ["b0", "b1"]
+    sched.update(step, *runner.run(step))
+
+    sched.add(req("o0", [9, 9, 9], 3, priority=0))
+    sched.add(req("o1", [8, 8, 8], 3, priority=0))
+    step = sched.schedule()
+    # above the running limit but within the hard cap: admitted at once, nobody preempted
+    assert [s.seq.seq_id for s in step.seqs] == ["o0", "o1"]
+    assert step.preempted == []
+    assert sched.online_running() == 2
+    sched.update(step, *runner.run(step))
+
+    sched.running_limit = 4  # widening admits the waiting batch work up to the hard cap only
+    outputs, _ = drive(sched)
+    assert outputs["b3"] == alone([4, 2, 3], 6)
+    assert sched.stats.peak_running == 4
+    assert sched.stats.urgent_preemptions == 0
+    assert_all_free(sched)

@@ -178,3 +178,32 @@ def test_online_requests_are_admitted_before_waiting_batch_work(tmp_path: Path) 
     assert done.body["choices"][0]["text"] == TOK.decode(expected_tokens(TOK.encode("zz"), 2))
     assert len(events) == 3  # a token event per token, then done
     assert rec.status is BatchStatus.COMPLETED
+
+
+def test_claims_follow_the_engines_running_width_not_the_hard_cap(tmp_path, monkeypatch):
+    # the hard cap is 256 (claim_factor 2 would hold 512); the engine runs 3 wide
+    monkeypatch.setattr(FakeEngine, "running_limit", 3, raising=False)
+    rig = Rig(tmp_path, EngineSettings(max_batch_size=256), claim_factor=2)
+
+    async def main():
+        await rig.open(_file(20))
+        rig.worker.load()
+        await rig.worker.run()
+        return await rig.finished()
+
+    rec = asyncio.run(main())
+    assert rec.request_counts.completed == 20
+    assert rig.engine.max_held == 6  # claim_factor x the engine's width
+
+
+def test_before_its_engine_loads_a_worker_claims_by_the_initial_width(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, EngineSettings(max_batch_size=256), claim_factor=1)
+
+    async def main():
+        await rig.open(_file(100))
+        await rig.worker.run()
+        return await rig.finished()
+
+    rec = asyncio.run(main())
+    assert rec.request_counts.completed == 100
+    assert rig.engine.max_held == 32  # the adaptive width's start, not 256

@@ -14,7 +14,7 @@ import typer
 
 import batchmlx.ingest  # noqa: F401  (registers the inbox's finalize hook)
 from batchmlx.batches.errors import BatchError
-from batchmlx.batches.files import iter_file_content
+from batchmlx.batches.files import iter_file_content, read_chunks
 from batchmlx.batches.finalize import get_batch
 from batchmlx.batches.intake import submit as submit_batch
 from batchmlx.batches.lifecycle import cancel_unattended, expire_unattended
@@ -229,7 +229,7 @@ def submit(
     meta = dict(m.split("=", 1) for m in metadata or []) or None
     rec = _run(
         lambda store, settings: submit_batch(
-            store, settings, file.read_bytes(), filename=file.name, now=time.time(),
+            store, settings, read_chunks(file), filename=file.name, now=time.time(),
             model=model, completion_window=completion_window, metadata=meta,
             output_expires_after=output_expires_after,
         )

@@ -3,9 +3,10 @@ seam (under files/ with SQLite, in the database with PostgreSQL) and stream back
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from batchmlx.batches.errors import BatchError
@@ -14,6 +15,7 @@ from batchmlx.core.records import FileRecord
 from batchmlx.faults import crash_point
 from batchmlx.formats.openai import IdPrefix, new_id
 from batchmlx.store import Store
+from batchmlx.store.blobs import CHUNK_BYTES, Chunks, LocalBlobs, aiter_chunks
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -41,10 +43,34 @@ def text_name(name: str) -> str:
         return name.encode("utf-8", "backslashreplace").decode()
 
 
+class Hashed:
+    """Chunks passed through unchanged while their SHA-256 is computed (`hexdigest` once
+    they are all read): one pass over a file that is stored and hashed."""
+
+    def __init__(self, chunks: bytes | Chunks) -> None:
+        self._chunks: Chunks = [chunks] if isinstance(chunks, bytes) else chunks
+        self._sha = hashlib.sha256()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in aiter_chunks(self._chunks):
+            self._sha.update(chunk)
+            yield chunk
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+def read_chunks(path: Path, size: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """A local file's bytes in chunks (the CLI's submit)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(size):
+            yield chunk
+
+
 async def store_file(
     store: Store,
     settings: Settings,
-    data: bytes,
+    data: bytes | Chunks,
     *,
     filename: str,
     purpose: str,
@@ -52,16 +78,16 @@ async def store_file(
     file_id: str | None = None,
     expires_after: int | None = None,
 ) -> FileRecord:
-    """Store `data` (under files/, or in the database) and record it; a given `file_id`
-    replaces that file. With `expires_after` (seconds) the worker deletes it that long after
-    `now`."""
+    """Store `data` (bytes, or chunks streamed in) under files/ or in the database, and record
+    it; a given `file_id` replaces that file. With `expires_after` (seconds) the worker deletes
+    it that long after `now`."""
     replace = file_id is not None
     file_id = file_id or new_id(IdPrefix.FILE)
     crash_point("store_file")
     expires_at = None if expires_after is None else int(now) + expires_after
     return await store.save_file(
-        file_id, [data], filename=text_name(filename), purpose=purpose, created_at=int(now),
-        replace=replace, expires_at=expires_at,
+        file_id, [data] if isinstance(data, bytes) else data, filename=text_name(filename),
+        purpose=purpose, created_at=int(now), replace=replace, expires_at=expires_at,
     )  # fmt: skip
 
 
@@ -78,6 +104,11 @@ async def iter_file_content(store: Store, file_id: str | None) -> AsyncIterator[
         raise BatchError(f"no file with id {file_id!r}")
     async for chunk in store.read_file(f):
         yield chunk
+
+
+async def copy_file(store: Store, file_id: str | None, path: Path) -> int:
+    """Write a stored file to `path` (empty for None), streamed and atomically; its size."""
+    return (await LocalBlobs(path.parent).put(path.name, iter_file_content(store, file_id)))[0]
 
 
 async def delete_file(store: Store, file_id: str) -> bool:

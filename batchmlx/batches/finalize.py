@@ -1,12 +1,14 @@
 """Finalize a batch whose every request has a result: render (formats/output), write, move.
 
-Hooks registered with `on_finalized` see the rendered files before the status moves: the inbox
+The files are streamed: rows come from the store in line order a few hundred at a time and
+their lines go out in 1 MiB chunks, so a batch with 200 MB of results is never whole in memory.
+Hooks registered with `on_finalized` see the written files before the status moves: the inbox
 copies them to its results/ folder that way, so this package knows nothing of the inbox."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,22 +16,24 @@ from batchmlx.batches.errors import BatchError
 from batchmlx.batches.files import store_file
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, TransitionError
-from batchmlx.core.records import BatchRecord
+from batchmlx.core.records import BatchRecord, FileRecord
 from batchmlx.faults import crash_point
 from batchmlx.formats.errors import ErrorCode
-from batchmlx.formats.output import derived_id, render_results
+from batchmlx.formats.output import ResultRenderer, derived_id
 from batchmlx.store import Store
+from batchmlx.store.blobs import rechunk
 
 log = logging.getLogger("batchmlx.batches")
 
 
 @dataclass(frozen=True, slots=True)
 class Finalized:
-    """What a finalize hook is told: the batch and the bytes of its two files."""
+    """What a finalize hook is told: the batch and the ids of its two files (None: no lines;
+    read them streamed, `batches.files.copy_file`)."""
 
     batch_id: str
-    output: bytes
-    errors: bytes
+    output_file_id: str | None
+    error_file_id: str | None
 
 
 FinalizeHook = Callable[[Store, Finalized], Awaitable[None]]
@@ -76,12 +80,11 @@ async def _finalize(
     rec = await get_batch(store, batch_id)
     if rec.status.terminal:
         return rec
-    rows = await store.iter_results(batch_id)
     crash_point("finalize_start")
     if rec.status is BatchStatus.CANCELLING:
         end = BatchStatus.CANCELLED
-    elif rec.status is BatchStatus.IN_PROGRESS and any(
-        (r.error or {}).get("code") == ErrorCode.BATCH_EXPIRED.value for r in rows
+    elif rec.status is BatchStatus.IN_PROGRESS and await store.has_error_code(
+        batch_id, ErrorCode.BATCH_EXPIRED.value
     ):
         end = BatchStatus.EXPIRED
     else:
@@ -91,28 +94,58 @@ async def _finalize(
             if rec.status is not BatchStatus.FINALIZING:
                 return rec  # cancelled meanwhile (settled next) or finished by another worker
     crash_point("before_finalize")
-    files = render_results(batch_id, rows)
-    await store.update_batch_stats(batch_id, files.outcomes)
+    # each file streamed from the rows (line order) into its store, never whole in memory
+    renderer = ResultRenderer(batch_id)
     fields: dict[str, Any] = {}
-    for data, key, suffix in (
-        (files.output, "output_file_id", "output"),
-        (files.errors, "error_file_id", "errors"),
-    ):
-        if data:
-            f = await store_file(
-                store, settings, data, filename=f"{batch_id}_{suffix}.jsonl",
-                purpose="batch_output", now=now, file_id=derived_id(batch_id, suffix, "file-"),
-                expires_after=rec.output_expires_after,
-            )  # fmt: skip
+    for output, key, suffix in ((True, "output_file_id", "output"),
+                                (False, "error_file_id", "errors")):  # fmt: skip
+        f = await _write_file(store, settings, rec, renderer, output, suffix, now)
+        if f is not None:
             fields[key] = f.id
-        if suffix == "output":
+        if output:
             crash_point("mid_finalize")
-    if files.served_model is not None:
-        fields["model"] = files.served_model  # the model actually used, as its bodies name it
+    await store.update_batch_stats(batch_id, renderer.outcomes)
+    if renderer.served_model is not None:
+        fields["model"] = renderer.served_model  # the model actually used, as its bodies name it
     for hook in _HOOKS:
-        await hook(store, Finalized(batch_id, files.output, files.errors))
+        await hook(store, Finalized(batch_id, fields.get("output_file_id"),
+                                    fields.get("error_file_id")))  # fmt: skip
     crash_point("after_finalize_files")
     return await _move(store, batch_id, end, now, **fields)
+
+
+async def _write_file(
+    store: Store,
+    settings: Settings,
+    rec: BatchRecord,
+    renderer: ResultRenderer,
+    output: bool,
+    suffix: str,
+    now: float,
+) -> FileRecord | None:
+    """Render the rows of the output (or error) file into it; None (no file) when it has none."""
+
+    async def lines() -> AsyncIterator[bytes]:
+        async for row in store.stream_results(rec.id, output=output):
+            if renderer.to_output(row) is not output:  # the store and formats must agree
+                raise RuntimeError(f"batch {rec.id}: line {row.line} selected for the wrong file")
+            yield renderer.render(row)
+
+    chunks = rechunk(lines())
+    first = await anext(chunks, None)
+    if first is None:
+        return None
+
+    async def all_chunks() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    return await store_file(
+        store, settings, all_chunks(), filename=f"{rec.id}_{suffix}.jsonl",
+        purpose="batch_output", now=now, file_id=derived_id(rec.id, suffix, "file-"),
+        expires_after=rec.output_expires_after,
+    )  # fmt: skip
 
 
 async def _move(

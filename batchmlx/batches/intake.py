@@ -1,17 +1,19 @@
 """One intake path for every caller: create the batch `validating`, then validate it.
 
 The HTTP API answers between the two (OpenAI validates after create); the CLI's `submit` and
-the inbox call both at once through `submit`. Only `validate_batch` enqueues requests.
+the inbox call both at once through `submit`. Only `validate_batch` enqueues requests. Files
+stream through both: in as chunks, validated and enqueued a chunk at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from batchmlx.batches.errors import BatchError
-from batchmlx.batches.files import delete_file, store_file
+from batchmlx.batches.files import Hashed, delete_file, store_file
 from batchmlx.batches.finalize import get_batch
 from batchmlx.batches.windows import parse_window
 from batchmlx.config import Settings
@@ -19,8 +21,16 @@ from batchmlx.core.lifecycle import BatchStatus, TransitionError
 from batchmlx.core.records import BatchErrorRecord, BatchRecord, FileRecord
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import IdPrefix, new_id
-from batchmlx.formats.validate import SUPPORTED_URLS, validate_batch_file
+from batchmlx.formats.validate import (
+    SUPPORTED_URLS,
+    FileValidator,
+    LineSplitter,
+    ValidationResult,
+    too_large,
+)
 from batchmlx.store import NewRequest, Store
+from batchmlx.store.blobs import Chunks
+from batchmlx.store.store import Enqueue
 
 
 def _model_resolves(settings: Settings) -> Callable[[str], bool]:
@@ -32,7 +42,7 @@ def _model_resolves(settings: Settings) -> Callable[[str], bool]:
 async def submit(
     store: Store,
     settings: Settings,
-    data: bytes,
+    data: bytes | Chunks,
     *,
     filename: str,
     now: float,
@@ -42,27 +52,27 @@ async def submit(
     source: str | None = "cli",
     output_expires_after: int | None = None,
 ) -> BatchRecord:
-    """Store a batch input file, create its batch and validate it at once (the CLI, the
-    inbox); a file that fails validation gives a `failed` batch. `output_expires_after`
-    (seconds) makes its output and error files expire."""
+    """Store a batch input file (bytes, or chunks streamed in), create its batch and validate
+    it at once (the CLI, the inbox); a file that fails validation gives a `failed` batch.
+    `output_expires_after` (seconds) makes its output and error files expire."""
     parse_window(completion_window)
     if model is not None and not _model_resolves(settings)(model):
         raise BatchError(
             f"model {model!r} cannot be resolved: use 'default', a local MLX folder, "
             "a .gguf file or a hub id (org/name)"
         )
-    file = await store_file(store, settings, data, filename=filename, purpose="batch", now=now)
+    hashed = Hashed(data)
+    file = await store_file(store, settings, hashed, filename=filename, purpose="batch", now=now)
     try:  # no input file without its batch: what fails here leaves nothing behind
         rec = await create_batch(
             store, settings, input_file_id=file.id, endpoint=None, now=now,
             completion_window=completion_window, metadata=metadata, source=source,
-            content_hash=hashlib.sha256(data).hexdigest(),
-            output_expires_after=output_expires_after,
+            content_hash=hashed.hexdigest(), output_expires_after=output_expires_after,
         )  # fmt: skip
     except Exception:
         await delete_file(store, file.id)
         raise
-    return await validate_batch(store, settings, rec.id, now=now, model=model, data=data)
+    return await validate_batch(store, settings, rec.id, now=now, model=model)
 
 
 async def create_batch(
@@ -101,16 +111,12 @@ async def create_batch(
     return await get_batch(store, rec.id)
 
 
-async def _read_input(store: Store, f: FileRecord | None, file_id: str) -> tuple[bytes | None, str]:
-    """The input file's bytes, wherever they are stored, or None and why not."""
-    if f is None:
-        return None, f"The input file {file_id} no longer exists."
-    try:
-        return await store.read_file_bytes(f), ""
-    except FileNotFoundError:
-        return None, f"The input file {file_id} no longer exists."
-    except OSError as exc:  # the batch fails once, not validated again every poll
-        return None, f"The input file {file_id} cannot be read: {exc.strerror}."
+def _unreadable(file_id: str, exc: OSError | None = None) -> BatchErrorRecord:
+    if exc is None or isinstance(exc, FileNotFoundError):
+        message = f"The input file {file_id} no longer exists."
+    else:  # the batch fails once, not validated again every poll
+        message = f"The input file {file_id} cannot be read: {exc.strerror}."
+    return BatchErrorRecord(ErrorCode.INVALID_REQUEST.value, message)
 
 
 async def validate_batch(
@@ -120,46 +126,105 @@ async def validate_batch(
     *,
     now: float,
     model: str | None = None,
-    data: bytes | None = None,
 ) -> BatchRecord:
     """validating → in_progress (requests enqueued) or failed (with its errors). `model` serves
-    the whole file whatever its bodies name, like `submit --model`; `data`: the input file's
-    bytes when the caller has them. Safe to race: one wins."""
+    the whole file whatever its bodies name, like `submit --model`. The stored file is read in
+    chunks and validated a line at a time, good lines enqueued as they come in the one
+    transaction that starts the batch (so a 200 MB file is never whole in memory, and a file
+    that fails on its last line leaves nothing enqueued). Safe to race: one wins."""
     rec = await get_batch(store, batch_id)
     if rec.status is not BatchStatus.VALIDATING:
         return rec
-    if data is None:
-        f = await store.get_file(rec.input_file_id)
-        data, unreadable = await _read_input(store, f, rec.input_file_id)
-    if data is None:
-        await _fail(store, batch_id, now, (BatchErrorRecord(ErrorCode.INVALID_REQUEST.value,
-                                                            unreadable),))  # fmt: skip
+    f = await store.get_file(rec.input_file_id)
+    if f is None:
+        await _fail(store, batch_id, now, (_unreadable(rec.input_file_id),))
         return await get_batch(store, batch_id)
-    result = await asyncio.to_thread(
-        validate_batch_file, data, model_resolves=_model_resolves(settings), model_override=model
-    )
-    errors = tuple(result.errors)
-    # a batch created without an endpoint (CLI, inbox) takes its file's
-    endpoint = rec.endpoint or result.endpoint or (result.lines[0].url if result.lines else "")
-    if result.ok and result.endpoint != endpoint:
-        errors = (
-            BatchErrorRecord(
-                ErrorCode.URL_MISMATCH.value,
-                f"The input file's requests use {result.endpoint!r}, but the batch was "
-                f"created for {rec.endpoint!r}.",
-                param="endpoint",
-            ),
-        )
-    fields = {} if rec.endpoint else {"endpoint": endpoint, "model": model or result.model}
-    if errors:
+    errors: tuple[BatchErrorRecord, ...] = ()
+    fields: dict[str, object] = {}
+    over = too_large(f.bytes)
+    async with store.enqueue(batch_id) as q:
+        if q is None:  # another process validated it meanwhile
+            return await get_batch(store, batch_id)
+        result: ValidationResult | None = over
+        digest = ""
+        if over is None:
+            try:
+                result, digest = await _check_and_enqueue(store, settings, f, q, model)
+            except _Unreadable as exc:
+                result, errors = None, (_unreadable(rec.input_file_id, exc.cause),)
+        if result is not None:
+            errors = result.errors
+            # a batch created without an endpoint (CLI, inbox) takes its file's
+            endpoint = rec.endpoint or result.endpoint or ""
+            if not errors and result.endpoint != endpoint:
+                errors = (
+                    BatchErrorRecord(
+                        ErrorCode.URL_MISMATCH.value,
+                        f"The input file's requests use {result.endpoint!r}, but the batch "
+                        f"was created for {rec.endpoint!r}.",
+                        param="endpoint",
+                    ),
+                )
+            fields = {} if rec.endpoint else {"endpoint": endpoint, "model": model or result.model}
+            if not errors:
+                await q.start(now, model=result.model, endpoint=endpoint, content_hash=digest)
+    if errors:  # nothing was enqueued: the block ended without starting the batch
         await _fail(store, batch_id, now, errors, **fields)
-    else:
-        reqs = [NewRequest(line.line, line.custom_id, line.body_json) for line in result.lines]
-        await store.start_validated_batch(
-            batch_id, reqs, now, model=result.model, endpoint=endpoint,
-            content_hash=hashlib.sha256(data).hexdigest(),
-        )  # fmt: skip
     return await get_batch(store, batch_id)
+
+
+class _Unreadable(Exception):
+    def __init__(self, cause: OSError) -> None:
+        self.cause = cause
+
+
+async def _read(store: Store, f: FileRecord) -> AsyncIterator[bytes]:
+    """The file's chunks; a file gone or unreadable raises _Unreadable (not any OSError the
+    enqueue may meet)."""
+    chunks = store.read_file(f)
+    while True:
+        try:
+            chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except OSError as exc:
+            raise _Unreadable(exc) from exc
+        yield chunk
+
+
+async def _check_and_enqueue(
+    store: Store, settings: Settings, f: FileRecord, q: Enqueue, model: str | None
+) -> tuple[ValidationResult, str]:
+    """Validate the stored file chunk by chunk (off the event loop), adding its good lines to
+    `q` while it has no error; the result (without lines) and the file's SHA-256. A chunk's
+    requests are written while the next chunk is validated (the database's work releases the
+    GIL), one write at a time."""
+    validator = FileValidator(model_override=model)
+    splitter = LineSplitter()
+    sha = hashlib.sha256()
+
+    def check(lines: list[tuple[int, bytes]]) -> list[NewRequest]:
+        return [NewRequest(g.line, g.custom_id, g.body_json) for g in validator.check_lines(lines)]
+
+    writing: asyncio.Task[None] | None = None
+    try:
+        async for chunk in _read(store, f):
+            sha.update(chunk)
+            good = await asyncio.to_thread(check, splitter.feed(chunk))
+            if writing is not None:
+                await writing
+            writing = asyncio.create_task(q.add(good))
+        good = await asyncio.to_thread(check, splitter.end())
+        if writing is not None:
+            await writing
+        await q.add(good)
+    finally:
+        if writing is not None and not writing.done():
+            writing.cancel()
+            with contextlib.suppress(BaseException):
+                await writing
+    result = await asyncio.to_thread(validator.finish, model_resolves=_model_resolves(settings))
+    return result, sha.hexdigest()
 
 
 async def _fail(

@@ -46,31 +46,53 @@ def derived_id(batch_id: str, key: str, prefix: str) -> str:
     return f"{prefix}{digest}"
 
 
-def render_results(batch_id: str, rows: Iterable[DoneRequest]) -> RenderedFiles:
-    """The JSONL output and error files of a batch, lines in the order of `rows`."""
-    out, err = bytearray(), bytearray()
-    outcomes = {"hits": 0, "prefix_hits": 0, "misses": 0}
-    served: str | None = None
-    for row in rows:
+class ResultRenderer:
+    """Renders done requests one at a time (finalize streams a batch's rows through it), and
+    counts what the Batch's stats say: prefix-cache outcomes and the model actually used."""
+
+    __slots__ = ("batch_id", "outcomes", "served_model")
+
+    def __init__(self, batch_id: str) -> None:
+        self.batch_id = batch_id
+        self.outcomes = {"hits": 0, "prefix_hits": 0, "misses": 0}
+        # the model the first succeeded body (in line order) names
+        self.served_model: str | None = None
+
+    @staticmethod
+    def to_output(row: DoneRequest) -> bool:
+        """Whether the row's line goes to the output file (else the error file); the store
+        selects the same rows for each file (`Store.stream_results`)."""
+        return row.status is RequestStatus.SUCCEEDED and row.response_body is not None
+
+    def render(self, row: DoneRequest) -> bytes:
+        """The row's JSONL line, for the file `to_output` says."""
         if row.cache_outcome in _OUTCOME_KEYS:
-            outcomes[_OUTCOME_KEYS[row.cache_outcome]] += 1
-        line_id = derived_id(batch_id, row.custom_id, IdPrefix.BATCH_REQUEST)
+            self.outcomes[_OUTCOME_KEYS[row.cache_outcome]] += 1
+        line_id = derived_id(self.batch_id, row.custom_id, IdPrefix.BATCH_REQUEST)
         if row.response_body is None:
             e = row.error or {"code": "server_error", "message": "no result"}
-            err += dumps_line(
+            return dumps_line(
                 error_line(id=line_id, custom_id=row.custom_id, code=e["code"],
                            message=e["message"])
             )  # fmt: skip
-            continue
         line = output_line(
             id=line_id,
             custom_id=row.custom_id,
             status_code=row.status_code or 200,
-            request_id=derived_id(batch_id, row.custom_id, "req_"),
+            request_id=derived_id(self.batch_id, row.custom_id, "req_"),
             body=row.response_body,
         )
-        (out if row.status is RequestStatus.SUCCEEDED else err).extend(dumps_line(line))
-        if served is None and row.status is RequestStatus.SUCCEEDED:
+        if self.served_model is None and row.status is RequestStatus.SUCCEEDED:
             model = row.response_body.get("model")
-            served = model if isinstance(model, str) else None
-    return RenderedFiles(bytes(out), bytes(err), outcomes, served)
+            self.served_model = model if isinstance(model, str) else None
+        return dumps_line(line)
+
+
+def render_results(batch_id: str, rows: Iterable[DoneRequest]) -> RenderedFiles:
+    """The JSONL output and error files of a batch, lines in the order of `rows` (whole, for
+    small batches and tests; finalize streams through `ResultRenderer`)."""
+    out, err = bytearray(), bytearray()
+    r = ResultRenderer(batch_id)
+    for row in rows:
+        (out if r.to_output(row) else err).extend(r.render(row))
+    return RenderedFiles(bytes(out), bytes(err), r.outcomes, r.served_model)

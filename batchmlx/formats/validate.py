@@ -2,15 +2,15 @@
 
 The file either passes whole or fails whole: every error is counted, and the first
 `MAX_REPORTED_ERRORS` (in line order) are reported with a last item giving the total, so a file of
-garbage gives a small Batch object. Lines are read one at a time and a good line keeps only its
-re-encoded body, so memory stays near the file's size. Only the shape is checked here; odd
-parameter values (temperature 7, stream true, unknown keys) are per-request 400s decided at run
-time by `formats.params`.
+garbage gives a small Batch object. `FileValidator` takes a file in chunks, a line at a time,
+and keeps no line, so a 200 MB file is never whole. Only the shape is checked here; odd parameter
+values (temperature 7, stream true, unknown keys) are per-request 400s decided at run time by
+`formats.params`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,46 +185,82 @@ class _Errors:
         return tuple(kept)
 
 
-def validate_batch_file(
-    data: bytes,
-    *,
-    model_resolves: Callable[[str], bool] | None = None,
-    model_override: str | None = None,
-    max_bytes: int = MAX_FILE_BYTES,
-    max_tasks: int = MAX_TASKS,
-    max_errors: int = MAX_REPORTED_ERRORS,
-) -> ValidationResult:
-    """Check every line of a batch input file; O(n) in its size.
+class LineSplitter:
+    """A file given in chunks, cut into (1-based number, line) as `_split_lines` cuts the whole
+    file, a UTF-8 BOM at its start skipped; it holds one partial line between chunks."""
 
-    With `model_override` the body models are ignored (a file written for "gpt-4o-mini" runs
-    unchanged) and the result's `model` is the override. Otherwise `model_resolves`, when given,
-    is asked once about the file's model.
-    """
-    if len(data) > max_bytes:
-        msg = f"The batch input file is {len(data)} bytes; the limit is {max_bytes} bytes."
-        return ValidationResult((), (_err(ErrorCode.FILE_TOO_LARGE, msg),), None, None, 1)
-    # a BOM is skipped by starting after it, not by copying the file without it
-    lines = _split_lines(data, len(_BOM) if data.startswith(_BOM) else 0)
+    __slots__ = ("_first", "_number", "_tail")
 
-    errors = _Errors(max_errors)
-    good: list[BatchLine] = []
-    seen_ids: dict[str, int] = {}
-    endpoint: str | None = None
-    model: str | None = model_override
-    model_line: int | None = None
-    tasks = 0
-    embedding_inputs = 0
+    def __init__(self) -> None:
+        self._number, self._tail, self._first = 1, b"", True
 
-    for number, raw in lines:
+    def feed(self, chunk: bytes) -> list[tuple[int, bytes]]:
+        """The lines `chunk` completes."""
+        if not chunk:
+            return []
+        pieces = (self._tail + chunk).split(b"\n")
+        self._tail = pieces.pop()
+        return [self._line(p) for p in pieces]
+
+    def end(self) -> list[tuple[int, bytes]]:
+        """The last line (empty after a final newline, as `_split_lines` gives it)."""
+        tail, self._tail = self._tail, b""
+        return [self._line(tail)]
+
+    def _line(self, piece: bytes) -> tuple[int, bytes]:
+        if self._first:
+            piece, self._first = piece.removeprefix(_BOM), False
+        self._number += 1
+        return self._number - 1, piece
+
+
+class FileValidator:
+    """Validates a file line by line (`check`), keeping no line: what `validate_batch_file`
+    does to a whole file, for files fed in chunks (a 200 MB file is never whole). Holds the
+    custom ids seen (at most MAX_TASKS) and the first errors."""
+
+    def __init__(
+        self,
+        *,
+        model_override: str | None = None,
+        max_tasks: int = MAX_TASKS,
+        max_errors: int = MAX_REPORTED_ERRORS,
+    ) -> None:
+        self.model_override = model_override
+        self.max_tasks = max_tasks
+        self.errors = _Errors(max_errors)
+        self.endpoint: str | None = None  # the one url of the file
+        self.model: str | None = model_override
+        self.tasks = 0
+        self._seen_ids: dict[str, int] = {}
+        self._model_line: int | None = None
+        self._embedding_inputs = 0
+
+    @property
+    def failed(self) -> bool:
+        """An error was found: the file fails whole, so its good lines need not be kept."""
+        return self.errors.total > 0
+
+    def check_lines(self, lines: Iterable[tuple[int, bytes]]) -> list[BatchLine]:
+        """`check` each line; the good ones (none once the file has failed)."""
+        good = []
+        for number, raw in lines:
+            line = self.check(number, raw)
+            if line is not None and not self.failed:
+                good.append(line)
+        return [] if self.failed else good
+
+    def check(self, number: int, raw: bytes) -> BatchLine | None:
+        """Check one line; the line (its body re-encoded) when it has no error."""
         if not raw.strip():
-            continue  # blank lines (and the empty tail after the final newline) still count
-        tasks += 1
-        if tasks == max_tasks + 1:
-            errors.add(
+            return None  # blank lines (and the empty tail after the final newline) still count
+        self.tasks += 1
+        if self.tasks == self.max_tasks + 1:
+            self.errors.add(
                 _err(
                     ErrorCode.TOO_MANY_TASKS,
-                    f"The batch input file has more than {max_tasks} requests; "
-                    f"line {number} is request {tasks}.",
+                    f"The batch input file has more than {self.max_tasks} requests; "
+                    f"line {number} is request {self.tasks}.",
                     number,
                 )
             )
@@ -234,32 +270,33 @@ def validate_batch_file(
         except orjson.JSONDecodeError:
             obj = _NOT_JSON
         if not isinstance(obj, dict):
-            errors.add(
+            self.errors.add(
                 _err(
                     ErrorCode.INVALID_JSON_LINE,
                     f"Line {number} is not a valid JSON object.",
                     number,
                 )
             )
-            continue
+            return None
 
         custom_id = obj.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
             line_errors.append(
                 _invalid(number, "custom_id", "'custom_id' must be a non-empty string.")
             )
-        elif custom_id in seen_ids:
+        elif custom_id in self._seen_ids:
             line_errors.append(
                 _err(
                     ErrorCode.DUPLICATE_CUSTOM_ID,
                     f"Line {number}: custom_id {custom_id!r} is already used on line "
-                    f"{seen_ids[custom_id]}; each request in a batch needs a unique custom_id.",
+                    f"{self._seen_ids[custom_id]}; each request in a batch needs a unique "
+                    "custom_id.",
                     number,
                     "custom_id",
                 )
             )
         else:
-            seen_ids[custom_id] = number
+            self._seen_ids[custom_id] = number
 
         method = obj.get("method")
         if method != "POST":
@@ -285,14 +322,14 @@ def validate_batch_file(
                 )
             )
             url = None
-        elif endpoint is None:
-            endpoint = url
-        elif url != endpoint:
+        elif self.endpoint is None:
+            self.endpoint = url
+        elif url != self.endpoint:
             line_errors.append(
                 _err(
                     ErrorCode.URL_MISMATCH,
-                    f"Line {number}: the url {url!r} differs from {endpoint!r}, the url of the "
-                    "first request; every request in a batch must use the same url.",
+                    f"Line {number}: the url {url!r} differs from {self.endpoint!r}, the url of "
+                    "the first request; every request in a batch must use the same url.",
                     number,
                     "url",
                 )
@@ -305,21 +342,21 @@ def validate_batch_file(
             )
             line_errors.append(_invalid(number, "body", f"'body' {what}."))
         else:
-            if model_override is None:
+            if self.model_override is None:
                 body_model = body.get("model")
                 if not isinstance(body_model, str) or not body_model:
                     line_errors.append(
                         _invalid(number, "body.model", "'body.model' must be a non-empty string.")
                     )
-                elif model is None:
-                    model, model_line = body_model, number
-                elif body_model != model:
+                elif self.model is None:
+                    self.model, self._model_line = body_model, number
+                elif body_model != self.model:
                     line_errors.append(
                         _err(
                             ErrorCode.MODEL_MISMATCH,
-                            f"Line {number}: the model {body_model!r} differs from {model!r}, the "
-                            "model of the first request; every request in a batch must use the "
-                            "same model.",
+                            f"Line {number}: the model {body_model!r} differs from "
+                            f"{self.model!r}, the model of the first request; every request "
+                            "in a batch must use the same model.",
                             number,
                             "body.model",
                         )
@@ -327,7 +364,7 @@ def validate_batch_file(
             if url is not None:
                 problem = _CHECKS[Endpoint(url)](body)
                 if problem is None and url == Endpoint.EMBEDDINGS:
-                    embedding_inputs += count_inputs(body["input"])
+                    self._embedding_inputs += count_inputs(body["input"])
                 if problem:
                     param, what = problem
                     line_errors.append(_invalid(number, param, f"'{param}' {what}."))
@@ -343,11 +380,12 @@ def validate_batch_file(
                     )
                 )
 
+        kept = None
         if not line_errors:
             # no error on the line: each field passed its check above
             assert isinstance(custom_id, str) and url is not None and isinstance(body, dict)
             try:  # orjson reads JSON nested 1024 deep but writes at most 254: refuse it here
-                good.append(BatchLine(number, custom_id, url, orjson.dumps(body).decode()))
+                kept = BatchLine(number, custom_id, url, orjson.dumps(body).decode())
             except orjson.JSONEncodeError:
                 line_errors.append(
                     _err(
@@ -359,28 +397,74 @@ def validate_batch_file(
                     )
                 )
         for err in line_errors:
-            errors.add(err)
+            self.errors.add(err)
+        return kept
 
-    if tasks == 0:
-        errors.add(_err(ErrorCode.EMPTY_FILE, "The batch input file has no requests."), keep=True)
-    if embedding_inputs > MAX_EMBEDDING_INPUTS:
-        errors.add(too_many_inputs(embedding_inputs), keep=True)
-    if (
-        model_override is None
-        and model is not None
-        and model_resolves is not None
-        and not model_resolves(model)
-    ):
-        errors.add(
-            _err(
-                ErrorCode.MODEL_NOT_FOUND,
-                f"The model {model!r} does not exist or could not be loaded.",
-                model_line,
-                "body.model",
-            ),
-            keep=True,
-        )
-    return ValidationResult(tuple(good), errors.final(), endpoint, model, errors.total)
+
+    def finish(
+        self, *, model_resolves: Callable[[str], bool] | None = None
+    ) -> ValidationResult:
+        """The file-level checks after its last line, and the result (no lines in it).
+        `model_resolves`, when given, is asked once about the file's model."""
+        errors = self.errors
+        if self.tasks == 0:
+            errors.add(
+                _err(ErrorCode.EMPTY_FILE, "The batch input file has no requests."), keep=True
+            )
+        if self._embedding_inputs > MAX_EMBEDDING_INPUTS:
+            errors.add(too_many_inputs(self._embedding_inputs), keep=True)
+        if (
+            self.model_override is None
+            and self.model is not None
+            and model_resolves is not None
+            and not model_resolves(self.model)
+        ):
+            errors.add(
+                _err(
+                    ErrorCode.MODEL_NOT_FOUND,
+                    f"The model {self.model!r} does not exist or could not be loaded.",
+                    self._model_line,
+                    "body.model",
+                ),
+                keep=True,
+            )
+        return ValidationResult((), errors.final(), self.endpoint, self.model, errors.total)
+
+
+def too_large(size: int, max_bytes: int = MAX_FILE_BYTES) -> ValidationResult | None:
+    """The result of a file over `max_bytes` (None: within it), known from its size alone."""
+    if size <= max_bytes:
+        return None
+    msg = f"The batch input file is {size} bytes; the limit is {max_bytes} bytes."
+    return ValidationResult((), (_err(ErrorCode.FILE_TOO_LARGE, msg),), None, None, 1)
+
+
+def validate_batch_file(
+    data: bytes,
+    *,
+    model_resolves: Callable[[str], bool] | None = None,
+    model_override: str | None = None,
+    max_bytes: int = MAX_FILE_BYTES,
+    max_tasks: int = MAX_TASKS,
+    max_errors: int = MAX_REPORTED_ERRORS,
+) -> ValidationResult:
+    """Check every line of a whole batch input file; O(n) in its size.
+
+    With `model_override` the body models are ignored (a file written for "gpt-4o-mini" runs
+    unchanged) and the result's `model` is the override. Otherwise `model_resolves`, when given,
+    is asked once about the file's model.
+    """
+    over = too_large(len(data), max_bytes)
+    if over is not None:
+        return over
+    v = FileValidator(model_override=model_override, max_tasks=max_tasks, max_errors=max_errors)
+    # a BOM is skipped by starting after it, not by copying the file without it
+    lines = _split_lines(data, len(_BOM) if data.startswith(_BOM) else 0)
+    good = [line for number, raw in lines if (line := v.check(number, raw)) is not None]
+    result = v.finish(model_resolves=model_resolves)
+    return ValidationResult(
+        tuple(good), result.errors, result.endpoint, result.model, result.error_count
+    )
 
 
 _NOT_JSON = object()  # a sentinel no JSON value can equal

@@ -19,13 +19,15 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 import orjson
 from watchfiles import awatch
 
 from batchmlx.batches.errors import BatchError
-from batchmlx.batches.files import text_name, write_atomic
+from batchmlx.batches.files import CHUNK_BYTES, text_name, write_atomic
 from batchmlx.batches.intake import submit, validate_batch
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
@@ -150,29 +152,36 @@ class Inbox:
             self._put_away(path, prior)
             return None
         try:
-            data = _read_no_follow(path)
+            f = _open_no_follow(path)
         except OSError as exc:
             _refuse(path, f"it cannot be read: {exc.strerror}")
             return None
-        if not self.force:
-            dup = await store.find_batch_by_hash(hashlib.sha256(data).hexdigest(), _SEEN_BEFORE)
-            if dup is not None:
-                log.info("%s: same content as %s; not submitted again", name, dup.id)
-                _move(path, self.folder / DONE)
+        with f:  # read twice, a chunk at a time: hashed for the duplicate check, then stored
+            try:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+                f.seek(0)
+            except OSError as exc:
+                _refuse(path, f"it cannot be read: {exc.strerror}")
                 return None
-        try:
-            rec = await submit(
-                store, self.settings, data, filename=name, now=self.clock(),
-                model=self.model, completion_window=self.completion_window,
-                source=drop.source,
-            )  # fmt: skip
-        except BatchError as exc:  # e.g. an unknown --model: the file is not at fault
-            log.error("%s: %s", name, exc)
-            return None
-        except Exception as exc:  # submit left nothing behind; the file must not come back
-            log.exception("%s: cannot be submitted", name)
-            _refuse(path, f"it cannot be submitted: {exc}")
-            return None
+            if not self.force:
+                dup = await store.find_batch_by_hash(digest, _SEEN_BEFORE)
+                if dup is not None:
+                    log.info("%s: same content as %s; not submitted again", name, dup.id)
+                    _move(path, self.folder / DONE)
+                    return None
+            try:
+                rec = await submit(
+                    store, self.settings, iter(partial(f.read, CHUNK_BYTES), b""),
+                    filename=name, now=self.clock(), model=self.model,
+                    completion_window=self.completion_window, source=drop.source,
+                )  # fmt: skip
+            except BatchError as exc:  # e.g. an unknown --model: the file is not at fault
+                log.error("%s: %s", name, exc)
+                return None
+            except Exception as exc:  # submit left nothing behind; the file must not come back
+                log.exception("%s: cannot be submitted", name)
+                _refuse(path, f"it cannot be submitted: {exc}")
+                return None
         crash_point("inbox_after_submit")
         self._put_away(path, rec)
         return rec
@@ -186,10 +195,9 @@ class Inbox:
             log.info("%s: batch %s, %d requests", path.name, rec.id, rec.request_counts.total)
 
 
-def _read_no_follow(path: Path) -> bytes:
+def _open_no_follow(path: Path) -> BinaryIO:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
+    return os.fdopen(fd, "rb")
 
 
 def _refuse(path: Path, reason: str | None, rec: BatchRecord | None = None) -> Path:

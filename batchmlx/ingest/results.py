@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from batchmlx.batches.files import write_atomic
+from batchmlx.batches.files import copy_file
 from batchmlx.batches.finalize import Finalized, on_finalized
 from batchmlx.ingest.layout import result_paths
 from batchmlx.store import Store
@@ -23,10 +23,10 @@ async def write_inbox_results(store: Store, done: Finalized) -> None:
     paths = result_paths(await store.batch_source(done.batch_id), done.batch_id)
     if paths is None:
         return
-    try:
-        write_atomic(paths[0], done.output)
-        if done.errors:
-            write_atomic(paths[1], done.errors)
+    try:  # streamed from the store: a 200 MB output file is never whole in memory
+        await copy_file(store, done.output_file_id, paths[0])
+        if done.error_file_id is not None:
+            await copy_file(store, done.error_file_id, paths[1])
     except OSError as exc:
         log.error("batch %s: inbox result copy not written (%s); the batch's files are in "
                   "files/ (batchmlx results %s)", done.batch_id, exc, done.batch_id)  # fmt: skip

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from batchmlx.batches.files import file_content
+from batchmlx.batches.files import iter_file_content
 from batchmlx.core.progress import RateMeter, batch_meter, estimate_batch
 from batchmlx.core.records import BatchRecord
 from batchmlx.formats.openai import batch_object
@@ -139,8 +139,16 @@ async def _error_lines(ctx: ServerContext, rec: BatchRecord) -> list[dict[str, A
     if rec.error_file_id is None:
         return []
     out = []
-    data = await file_content(ctx.store, rec.error_file_id)
-    for raw in data.splitlines()[:ERROR_LINES]:
+    data = bytearray()
+    chunks = iter_file_content(ctx.store, rec.error_file_id)
+    try:
+        async for chunk in chunks:
+            data += chunk  # only as far as the lines shown: an error file may be 200 MB
+            if data.count(b"\n") >= ERROR_LINES:
+                break
+    finally:
+        await chunks.aclose()
+    for raw in bytes(data).splitlines()[:ERROR_LINES]:
         line = orjson.loads(raw)
         err = line.get("error") or {}
         resp = line.get("response") or {}

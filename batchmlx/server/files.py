@@ -8,13 +8,14 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from batchmlx.batches.files import delete_file, iter_file_content, store_file
+from batchmlx.batches.files import CHUNK_BYTES, delete_file, iter_file_content, store_file
 from batchmlx.core.records import FileRecord
 from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
 from batchmlx.formats.openai import file_deleted_object, file_object
@@ -62,20 +63,26 @@ async def upload(request: Request) -> JSONResponse:
                 raise ApiError(400, "Missing required parameter: 'file' (a file part).",
                                code="missing_required_parameter", param="file")  # fmt: skip
             expires_after = _expires_after(form)
-            data = await upload.read()
-            filename = upload.filename or "upload.jsonl"
+            if upload.size is not None and upload.size > limit:
+                raise _too_large(limit)
+            # the parser spooled the part to a temporary file: stored from there in chunks,
+            # so a 200 MB upload is never whole in memory
+            rec = await store_file(
+                ctx.store, ctx.settings, _chunks(upload), filename=upload.filename or
+                "upload.jsonl", purpose=purpose, now=time.time(), expires_after=expires_after,
+            )  # fmt: skip
     except BodyTooLarge:
         raise _too_large(limit) from None
     except (HTTPException, MultiPartException) as exc:  # starlette's word for a malformed body
         detail = getattr(exc, "detail", None) or getattr(exc, "message", str(exc))
         raise ApiError(400, f"Malformed multipart body: {detail}", code="invalid_request") from None
-    if len(data) > limit:
-        raise _too_large(limit)
-    rec = await store_file(
-        ctx.store, ctx.settings, data, filename=filename, purpose=purpose, now=time.time(),
-        expires_after=expires_after,
-    )  # fmt: skip
     return JSONResponse(file_object(rec))
+
+
+async def _chunks(upload: UploadFile) -> AsyncIterator[bytes]:
+    await upload.seek(0)
+    while chunk := await upload.read(CHUNK_BYTES):
+        yield chunk
 
 
 def _expires_after(form) -> int | None:

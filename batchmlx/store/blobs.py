@@ -27,7 +27,7 @@ DB_PREFIX = "db:"  # FileRecord.path of a file kept in the database
 Chunks = Iterable[bytes] | AsyncIterable[bytes]
 
 
-async def _aiter(chunks: Chunks) -> AsyncIterator[bytes]:
+async def aiter_chunks(chunks: Chunks) -> AsyncIterator[bytes]:
     if isinstance(chunks, AsyncIterable):
         async for c in chunks:
             yield c
@@ -39,7 +39,7 @@ async def _aiter(chunks: Chunks) -> AsyncIterator[bytes]:
 async def rechunk(chunks: Chunks, size: int = CHUNK_BYTES) -> AsyncIterator[bytes]:
     """The same bytes in pieces of `size` (the last one shorter), skipping empty pieces."""
     buf = bytearray()
-    async for c in _aiter(chunks):
+    async for c in aiter_chunks(chunks):
         buf += c
         while len(buf) >= size:
             yield bytes(buf[:size])
@@ -73,7 +73,7 @@ class LocalBlobs:
         size = 0
         try:
             with os.fdopen(fd, "wb") as f:
-                async for c in _aiter(chunks):
+                async for c in aiter_chunks(chunks):
                     f.write(c)
                     size += len(c)
                 f.flush()
@@ -112,17 +112,26 @@ class DatabaseBlobs:
         return size, DB_PREFIX + file_id
 
     async def read(self, file_id: str, location: str) -> AsyncIterator[bytes]:
-        query = (
-            select(FILE_CHUNKS.c.data)
-            .where(FILE_CHUNKS.c.file_id == file_id)
-            .order_by(FILE_CHUNKS.c.seq)
-            .execution_options(yield_per=2)  # two chunks in memory, not the whole file
-        )
-        # one transaction: a snapshot, so a replace while we read cannot mix old and new
+        # one chunk per query: a streamed result would not do, asyncpg's cursor under
+        # SQLAlchemy fetches 50 rows (50 MiB here) at a time whatever yield_per says
         async with self._reader.connect() as conn:
-            result = await conn.stream(query)
-            async for (data,) in result:
+            if conn.dialect.name == "postgresql":
+                # one snapshot for every query: a replace while we read cannot mix old and new
+                # (SQLite's read transaction is one already)
+                await conn.execution_options(isolation_level="REPEATABLE READ")
+            seq = 0
+            while True:
+                data = (
+                    await conn.execute(
+                        select(FILE_CHUNKS.c.data).where(
+                            FILE_CHUNKS.c.file_id == file_id, FILE_CHUNKS.c.seq == seq
+                        )
+                    )
+                ).scalar()
+                if data is None:
+                    return
                 yield data
+                seq += 1
 
     async def delete(self, file_id: str, location: str) -> None:
         async with self._engine.begin() as conn:

@@ -58,6 +58,7 @@ from batchmlx.core.records import (
 from batchmlx.store.blobs import Blobs, Chunks, DatabaseBlobs, LocalBlobs
 from batchmlx.store.connection import BEGIN_OPTION, DEFAULT_BUSY_TIMEOUT_S, install_sqlite_setup
 from batchmlx.store.listen import Listener
+from batchmlx.store.locks import lock_path, try_lock, unlock
 from batchmlx.store.migrate import upgrade_to_head
 from batchmlx.store.models import BATCHES, FILES, REQUESTS, WORKERS
 from batchmlx.store.types import BatchRef, FileStorage, NewRequest, ResultRow, StoreUnavailable
@@ -375,10 +376,22 @@ class Store:
     async def batch_lock(self, batch_id: str) -> AsyncIterator[bool]:
         """Try to become the one process working on `batch_id` (finalize): yields True when
         this process holds it. On PostgreSQL a session advisory lock, so a host that dies
-        lets go with its connection; on SQLite always True (one host; BEGIN IMMEDIATE orders
-        the status moves, and finalize writes the same bytes whoever does it)."""
+        lets go with its connection; on SQLite (one host) an `flock` on a file beside the
+        database, which a process that dies lets go of too."""
         if self.dialect is not Dialect.POSTGRESQL:
-            yield True
+            assert self.path is not None
+            path = lock_path(self.path.parent / "locks", batch_id)
+            fd = try_lock(path)
+            if fd is None:
+                yield False
+                return
+            finished = False
+            try:
+                yield True
+                status = await self._batch_status(batch_id)
+                finished = status is None or BatchStatus(status).terminal
+            finally:
+                unlock(fd, path, remove=finished)  # no lock file per finished batch
             return
         key = {"s": _LOCK_SPACE, "k": zlib.crc32(batch_id.encode()) - (1 << 31)}
         async with self._engine.connect() as conn:
@@ -638,29 +651,58 @@ class Store:
         async with self._reader.connect() as conn:
             return list((await conn.execute(query)).scalars())
 
+    def _results_query(self, batch_id: str, output: bool | None) -> Any:
+        query = select(R).where(R.c.batch_id == batch_id, R.c.status.in_(_DONE))
+        # the output file's lines: what formats.output renders there (a success with a body)
+        to_output = and_(R.c.status == _SUCCEEDED, R.c.response_body.is_not(None))
+        if output is not None:
+            query = query.where(to_output if output else ~to_output)
+        return query.order_by(R.c.line)
+
     async def iter_results(self, batch_id: str) -> list[ResultRow]:
-        """The batch's done requests in input line order."""
-        query = select(R).where(R.c.batch_id == batch_id, R.c.status.in_(_DONE)).order_by(R.c.line)
+        """The batch's done requests in input line order (all at once: small batches)."""
+        return [r async for r in self.stream_results(batch_id)]
+
+    async def stream_results(
+        self, batch_id: str, *, output: bool | None = None, per: int = 256
+    ) -> AsyncIterator[ResultRow]:
+        """The batch's done requests in input line order, `per` rows in memory at a time.
+        `output` True: only those of the output file (succeeded, with a body); False: only
+        those of the error file; None: all."""
+        query = self._results_query(batch_id, output).execution_options(yield_per=per)
+        # one read transaction: a snapshot of the rows, however long the caller takes
         async with self._reader.connect() as conn:
-            rows = (await conn.execute(query)).mappings().all()
-        return [
-            ResultRow(
-                id=m["id"],
-                custom_id=m["custom_id"],
-                line=m["line"],
-                status=RequestStatus(m["status"]),
-                status_code=m["status_code"],
-                response_body=_loads(m["response_body"]),
-                error=_loads(m["error"]),
-                prompt_tokens=m["prompt_tokens"],
-                cached_tokens=m["cached_tokens"],
-                completion_tokens=m["completion_tokens"],
-                cache_outcome=m["cache_outcome"],
-                attempts=m["attempts"],
-                finished_at=m["finished_at"],
-            )
-            for m in rows
-        ]
+            result = await conn.stream(query)
+            async for m in result.mappings():
+                yield ResultRow(
+                    id=m["id"],
+                    custom_id=m["custom_id"],
+                    line=m["line"],
+                    status=RequestStatus(m["status"]),
+                    status_code=m["status_code"],
+                    response_body=_loads(m["response_body"]),
+                    error=_loads(m["error"]),
+                    prompt_tokens=m["prompt_tokens"],
+                    cached_tokens=m["cached_tokens"],
+                    completion_tokens=m["completion_tokens"],
+                    cache_outcome=m["cache_outcome"],
+                    attempts=m["attempts"],
+                    finished_at=m["finished_at"],
+                )
+
+    async def has_error_code(self, batch_id: str, code: str) -> bool:
+        """Whether a done request of the batch carries an error object with this `code`."""
+        query = (
+            select(R.c.error)
+            .where(R.c.batch_id == batch_id, R.c.status.in_(_DONE), R.c.error.contains(code))
+            .execution_options(yield_per=256)
+        )
+        async with self._reader.connect() as conn:
+            result = await conn.stream(query)
+            async for (error,) in result:
+                if (_loads(error) or {}).get("code") == code:
+                    return True
+        return False
 
     async def finish_unfinished(self, batch_id: str, result: RequestResult, now: float) -> int:
         """Give every not-done request of the batch `result` (cancel, expiry); returns how many.
@@ -894,6 +936,10 @@ class Store:
 
     # -- helpers -----------------------------------------------------------------------------
 
+    async def _batch_status(self, batch_id: str) -> str | None:
+        async with self._reader.connect() as conn:
+            return (await conn.execute(select(B.c.status).where(B.c.id == batch_id))).scalar()
+
     @staticmethod
     async def _read_batch(conn: AsyncConnection, batch_id: str) -> BatchRecord | None:
         row = (await conn.execute(select(B).where(B.c.id == batch_id))).mappings().first()
@@ -969,12 +1015,61 @@ class Store:
         endpoint: str | None = None,
         content_hash: str | None = None,
     ) -> bool:
-        """validating → in_progress with its requests enqueued, in one transaction: the one
-        place request rows are written. False (and nothing written) when the batch is no longer
-        validating: another process got there."""
+        """validating → in_progress with its requests enqueued, in one transaction. False (and
+        nothing written) when the batch is no longer validating: another process got there."""
+        async with self.enqueue(batch_id) as q:
+            if q is None:
+                return False
+            await q.add(requests)
+            return await q.start(now, model=model, endpoint=endpoint, content_hash=content_hash)
+
+    @contextlib.asynccontextmanager
+    async def enqueue(self, batch_id: str) -> AsyncIterator[Enqueue | None]:
+        """One transaction that writes a validating batch's requests as they come (`add`, any
+        number of times) and then starts it (`start`): the one place request rows are written.
+        Nothing is visible before it commits, and nothing is kept unless `start` was called
+        (a file that fails validation half-way, an exception, a crash). Yields None when the
+        batch is no longer validating. Two callers take turns (the batch row is locked)."""
+        async with self._engine.connect() as conn:
+            tx = await conn.begin()
+            try:
+                current = (
+                    await conn.execute(
+                        select(B.c.status).where(B.c.id == batch_id).with_for_update()
+                    )
+                ).scalar()
+                if current is None:
+                    raise KeyError(batch_id)
+                if current != BatchStatus.VALIDATING.value:
+                    await tx.rollback()
+                    yield None
+                    return
+                q = Enqueue(self, conn, batch_id)
+                yield q
+                if q.started:
+                    await tx.commit()
+                else:
+                    await tx.rollback()
+            except BaseException:
+                if tx.is_active:
+                    await tx.rollback()
+                raise
+
+
+class Enqueue:
+    """A validating batch's requests on their way in (see `Store.enqueue`)."""
+
+    def __init__(self, store: Store, conn: AsyncConnection, batch_id: str) -> None:
+        self._store, self._conn, self.batch_id = store, conn, batch_id
+        self.added = 0  # request rows written so far
+        self.started = False
+
+    async def add(self, requests: Sequence[NewRequest]) -> None:
+        if not requests:
+            return
         rows = [
             {
-                "batch_id": batch_id,
+                "batch_id": self.batch_id,
                 "line": r.line,
                 "custom_id": r.custom_id,
                 "body": _body_text(r.body),
@@ -982,6 +1077,19 @@ class Store:
             }
             for r in requests
         ]
+        await self._conn.execute(insert(R), rows)  # executemany: one prepared statement
+        self.added += len(rows)
+
+    async def start(
+        self,
+        now: float,
+        *,
+        model: str | None,
+        endpoint: str | None = None,
+        content_hash: str | None = None,
+    ) -> bool:
+        """validating → in_progress, committed with the requests when the block ends."""
+        check_transition(BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
         values: dict[str, Any] = {
             "status": BatchStatus.IN_PROGRESS.value,
             "in_progress_at": int(now),
@@ -993,19 +1101,12 @@ class Store:
             values["content_hash"] = content_hash
         move = (
             update(B)
-            .where(B.c.id == batch_id, B.c.status == BatchStatus.VALIDATING.value)
+            .where(B.c.id == self.batch_id, B.c.status == BatchStatus.VALIDATING.value)
             .values(**values)
         )
-        async with self._engine.begin() as conn:
-            current = (await conn.execute(select(B.c.status).where(B.c.id == batch_id))).scalar()
-            if current is None:
-                raise KeyError(batch_id)
-            if current != BatchStatus.VALIDATING.value:
-                return False
-            check_transition(BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
-            if (await conn.execute(move)).rowcount != 1:
-                return False
-            if rows:
-                await conn.execute(insert(R), rows)  # executemany: one prepared statement
-                await self._notify(conn)
+        if (await self._conn.execute(move)).rowcount != 1:
+            return False
+        if self.added:
+            await self._store._notify(self._conn)
+        self.started = True
         return True

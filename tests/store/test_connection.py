@@ -42,7 +42,7 @@ def test_writes_begin_immediate_and_reads_deferred(with_store):
 
     seen = with_store(scenario)
     create_batch = ["BEGIN IMMEDIATE", "INSERT"]  # the batch, validating
-    create_batch += ["BEGIN IMMEDIATE", "SELECT", "UPDATE", "INSERT"]  # started, requests in
+    create_batch += ["BEGIN IMMEDIATE", "SELECT", "INSERT", "UPDATE"]  # requests in, started
     get_batch = ["BEGIN DEFERRED", "SELECT", "SELECT"]
     claim = ["BEGIN IMMEDIATE", "UPDATE", "SELECT"]
     assert seen == create_batch + get_batch + claim

@@ -13,6 +13,9 @@ from batchmlx.formats.validate import (
     MAX_TASKS,
     SUPPORTED_URLS,
     BatchLine,
+    FileValidator,
+    LineSplitter,
+    _split_lines,
     validate_batch_file,
 )
 
@@ -381,3 +384,37 @@ def test_body_nested_deeper_than_orjson_writes_is_refused():
 def test_bom_and_no_final_newline_with_streamed_lines():
     r = validate_batch_file(b"\xef\xbb\xbf" + jsonl(chat("a"), b"", chat("b"), final=False))
     assert r.ok and [ln.line for ln in r.lines] == [1, 3]
+
+
+def _streamed(data: bytes, step: int, **kw):
+    """`data` through LineSplitter and FileValidator in chunks of `step` bytes."""
+    splitter, v, good = LineSplitter(), FileValidator(**kw), []
+    for i in range(0, len(data), step):
+        good += [g for n, raw in splitter.feed(data[i : i + step]) if (g := v.check(n, raw))]
+    good += [g for n, raw in splitter.end() if (g := v.check(n, raw))]
+    return good, v.finish()
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 64, 10_000])
+def test_streamed_validation_is_whole_file_validation_whatever_the_chunks(step):
+    data = b"\xef\xbb\xbf" + jsonl(chat("a"), b"", b"oops", chat("a"), compl("c"), b"\r",
+                                     chat("d"), final=False)  # fmt: skip
+    whole = validate_batch_file(data)
+    good, result = _streamed(data, step)
+    assert tuple(good) == whole.lines
+    assert (result.errors, result.endpoint, result.model, result.error_count) == (
+        whole.errors, whole.endpoint, whole.model, whole.error_count)  # fmt: skip
+    ok_data = jsonl(chat("a"), chat("b"))
+    good, result = _streamed(ok_data, step)
+    assert [g.custom_id for g in good] == ["a", "b"] and not result.errors
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_line_splitter_numbers_lines_as_the_whole_file_does(step):
+    data = b"\xef\xbb\xbfab\n\ncd\r\n\nef"
+    splitter, lines = LineSplitter(), []
+    for i in range(0, len(data), step):
+        lines += splitter.feed(data[i : i + step])
+    lines += splitter.end()
+    assert lines == list(_split_lines(data, 3)) == [
+        (1, b"ab"), (2, b""), (3, b"cd\r"), (4, b""), (5, b"ef")]  # fmt: skip

@@ -25,7 +25,7 @@ from batchmlx.core.request import (
     GenerationRequest,
     TokenLogprob,
 )
-from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
+from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep, StepKind
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
@@ -70,6 +70,7 @@ class EngineStats:
     steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    mixed_steps: int = 0  # running decodes and prompt chunks in one step
     generated_tokens: int = 0
     peak_kv_bytes: int = 0  # largest KV storage actually allocated
     kv_bound_bytes: int = 0
@@ -123,6 +124,7 @@ class Engine:
                 max_prefill_tokens=cfg.max_prefill_tokens,
                 enable_prefix_cache=cfg.use_paged_cache,
                 prefix_grouping=cfg.prefix_grouping,
+                mixed_steps=cfg.mixed_steps,
             ),
             self.pool,
         )
@@ -226,10 +228,12 @@ class Engine:
     def _run(self, step: SchedulerStep) -> tuple[dict[str, int], set[str]]:
         st = self.stats
         st.steps += 1
-        if step.kind.name == "PREFILL":
+        if step.kind is StepKind.PREFILL:
             st.prefill_steps += 1
-        else:
+        elif step.kind is StepKind.DECODE:
             st.decode_steps += 1
+        else:
+            st.mixed_steps += 1
         if not step.seqs:
             return {}, set()
         chunks, starts, tables = [], [], []

@@ -29,7 +29,7 @@ from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep, S
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
-from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
+from batchmlx.engine.kv_cache import BatchLayout, PackedLayout, PagedKVStorage
 from batchmlx.engine.runner import ModelRunner, model_dims
 from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.faults import crash_point
@@ -246,7 +246,9 @@ class Engine:
             if seq.block_table:
                 max_block = max(max_block, max(seq.block_table))
         self.storage.ensure_capacity(max_block + 1)
-        layout = BatchLayout.build(
+        # mixed steps run packed: a step costs its real tokens, not B x its longest chunk
+        packed = self.cfg.mixed_steps and self.runner.packs
+        layout = (PackedLayout if packed else BatchLayout).build(
             block_size=self.cfg.block_size,
             n_kv_heads=self.storage.n_kv_heads,
             token_chunks=chunks,

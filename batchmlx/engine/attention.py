@@ -49,40 +49,19 @@ def packed_attention(
     prefix); a prompt chunk's rows become one sequence [1, Hq, L, D] with a causal mask."""
     layout = cache.layout
     assert isinstance(layout, PackedLayout)
+    if sinks is not None:  # (models with sinks also slide windows, which are not paged yet)
+        raise NotImplementedError("attention sinks in packed steps: use mixed_steps=False")
     outs = []
     for seg, (keys, values, prefix) in zip(layout.segments, cache.segment_kv, strict=True):
         q = queries[seg.first : seg.first + seg.length]
         if seg.chunk:
             q = q.transpose(2, 1, 0, 3)  # [L, Hq, 1, D] -> [1, Hq, L, D]
-        if sinks is not None:  # attention sinks: mlx's own kernel takes them
-            o = mx.fast.scaled_dot_product_attention(
-                q, *_with_prefix(keys, values, prefix), scale=scale,
-                mask=_prefix_mask(seg.mask, prefix), sinks=sinks,
-            )  # fmt: skip
-        elif prefix is not None:
+        if prefix is not None:
             o = prefix_attention(q, keys, values, prefix, scale, seg.mask)
         else:
             o = attend(q, keys, values, scale, seg.mask)
         outs.append(o.transpose(2, 1, 0, 3) if seg.chunk else o)
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-
-
-def _with_prefix(
-    keys: mx.array, values: mx.array, prefix: tuple[mx.array, mx.array] | None
-) -> tuple[mx.array, mx.array]:
-    if prefix is None:
-        return keys, values
-    b = keys.shape[0]
-    kp, vp = (mx.broadcast_to(p[None], (b, *p.shape)) for p in prefix)
-    return mx.concatenate([kp, keys], axis=2), mx.concatenate([vp, values], axis=2)
-
-
-def _prefix_mask(mask: mx.array, prefix: tuple[mx.array, mx.array] | None) -> mx.array:
-    if prefix is None:
-        return mask
-    b, _, q, _ = mask.shape
-    seen = mx.ones((b, 1, q, prefix[0].shape[1]), dtype=mx.bool_)
-    return mx.concatenate([seen, mask], axis=-1)
 
 
 def cascade_attention(
@@ -150,11 +129,18 @@ def paged_attention(
 class AttentionRoute:
     """Where a model's attention is looked up, and what a paged step puts there."""
 
-    def __init__(self, model: Any, prefix_attention: PrefixAttention = cascade_attention) -> None:
+    def __init__(
+        self,
+        model: Any,
+        prefix_attention: PrefixAttention = cascade_attention,
+        attend: SegmentAttention = segment_attention,
+    ) -> None:
         self.module = sys.modules.get(type(model).__module__)
         self.original: Attention | None = getattr(self.module, "scaled_dot_product_attention", None)
         self.paged = (
-            None if self.original is None else paged_attention(self.original, prefix_attention)
+            None
+            if self.original is None
+            else paged_attention(self.original, prefix_attention, attend)
         )
 
     @contextmanager

@@ -290,3 +290,37 @@ def test_packed_layout_feeds_each_token_once_at_its_position():
     order = [(1, 0), (3, 0)] + [(0, q) for q in range(5)] + [(2, 0), (2, 1)]
     for t, (b, q) in enumerate(order):
         assert rows[t].tolist() == pad[b, :, q].tolist()
+
+
+def test_packed_decodes_sharing_a_prefix_keep_the_cascade():
+    from batchmlx.engine.kv_cache import PackedLayout
+
+    layout = PackedLayout.build(
+        block_size=4, n_kv_heads=2, token_chunks=[[1], [2], [3, 4, 5]], starts=[9, 10, 0],
+        block_tables=[[1, 2, 3], [1, 2, 4], [5]],
+    )  # fmt: skip
+    rows, chunk = layout.segments
+    assert rows.prefix_runs is not None and rows.prefix_runs.shape == (2, 2)  # blocks 1, 2
+    assert chunk.prefix_runs is None  # one sequence: nothing to share
+
+
+def test_a_mixed_step_attends_by_segment_without_padding(model):
+    from batchmlx.engine.attention import AttentionRoute, segment_attention
+
+    shapes: list[tuple[int, int, int]] = []  # (batch, queries, keys) of each segment call
+
+    def attend(queries, keys, values, scale, mask):
+        shapes.append((queries.shape[0], queries.shape[2], keys.shape[2]))
+        return segment_attention(queries, keys, values, scale, mask)
+
+    e = engine(model, max_batch_size=8, max_prefill_tokens=24, use_paged_cache=False)
+    e.runner.attention = AttentionRoute(model, attend=attend)
+    e.add(GenerationRequest("a", prompts()[2], GREEDY))  # 7 tokens
+    e.add(GenerationRequest("b", prompts()[5], GREEDY))  # 3 tokens
+    e.step()  # both prompts: two chunks
+    assert sorted(shapes) == [(1, 3, 4), (1, 3, 4), (1, 7, 8), (1, 7, 8)]  # 2 layers each
+    shapes.clear()
+    e.add(GenerationRequest("long", list(range(1, 41)), GREEDY))
+    e.step()  # a mixed step: a and b decode beside the first 22 tokens of the long prompt
+    assert e.stats.mixed_steps == 1
+    assert sorted(shapes) == [(1, 22, 24), (1, 22, 24), (2, 1, 8), (2, 1, 8)]

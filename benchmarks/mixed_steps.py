@@ -9,7 +9,9 @@ alternating mixing on / off (`EngineSettings.mixed_steps`), after a warm-up:
 - tok/s = generated tokens / wall time from the first submission to the last token;
 - TTFT p50 / max of the long prompts (from their add() to their first token) and of all;
 - stall = the longest wall gap between two consecutive tokens of one running sequence (from
-  the streaming callback): with mixing off it is a whole prefill step of a long prompt.
+  the streaming callback): with mixing off it is a whole prefill step of a long prompt; also in
+  steps (deterministic: 1 means a token every step);
+- CPU s = this process's CPU time for the run, steadier than wall time on a shared machine.
 `section(loaded, quick)` returns the Markdown lines; `main()` prints them (and writes --out).
 """
 
@@ -54,6 +56,8 @@ class Run:
     ttft_long: list[float]
     ttft_all: list[float]
     stall_s: float  # longest gap between two tokens of one sequence
+    stall_steps: int  # the same in engine steps
+    cpu_s: float
     steps: int
     mixed_steps: int
     same_tokens: bool = True
@@ -103,33 +107,35 @@ def run(loaded: Any, w: Workload, mixed: bool, tag: str) -> tuple[Run, dict[str,
     )  # fmt: skip
     engine = Engine(loaded.model, loaded.tokenizer, context_length=loaded.context_length,
                     config=cfg, seed=0)  # fmt: skip
-    last: dict[str, float] = {}
-    stall = 0.0
+    last: dict[str, tuple[float, int]] = {}
+    stall, stall_steps = 0.0, 0
 
     def on_token(rid: str, _tok: int) -> None:
-        nonlocal stall
-        now = time.perf_counter()
+        nonlocal stall, stall_steps
+        now, step = time.perf_counter(), engine.stats.steps
         if rid in last:
-            stall = max(stall, now - last[rid])
-        last[rid] = now
+            stall = max(stall, now - last[rid][0])
+            stall_steps = max(stall_steps, step - last[rid][1])
+        last[rid] = (now, step)
 
     engine.on_token = on_token
     pending = requests(loaded, w, tag)
     outs: dict[str, Any] = {}
     n = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     while pending or engine.has_unfinished():
         while pending and pending[0][0] <= n:
             engine.add(pending.pop(0)[1])
         for o in engine.step():
             outs[o.request_id] = o
         n += 1
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     longs = [o.first_token_s for rid, o in outs.items() if rid.startswith(f"{tag}l")]
     result = Run(
         mixed=mixed, wall_s=wall, tokens=sum(len(o.token_ids) for o in outs.values()),
         ttft_long=longs, ttft_all=[o.first_token_s for o in outs.values()], stall_s=stall,
-        steps=engine.stats.steps, mixed_steps=engine.stats.mixed_steps,
+        stall_steps=stall_steps, cpu_s=cpu, steps=engine.stats.steps,
+        mixed_steps=engine.stats.mixed_steps,
     )  # fmt: skip
     return result, {rid[len(tag) :]: o.token_ids for rid, o in outs.items()}
 
@@ -138,8 +144,8 @@ def _ms(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:,.0f} / {max(xs) * 1e3:,.0f}"
 
 
-def section(loaded: Any, quick: bool = False) -> list[str]:
-    w = QUICK if quick else FULL
+def section(loaded: Any, quick: bool = False, workload: Workload | None = None) -> list[str]:
+    w = workload or (QUICK if quick else FULL)
     warm = Workload(decoders=2, decode_tokens=4, longs=1, long_tokens=64, long_new_tokens=2,
                     first_arrival=1, every=1, max_prefill_tokens=32, rounds=1)  # fmt: skip
     for mixed in (True, False):
@@ -160,20 +166,22 @@ def section(loaded: Any, quick: bool = False) -> list[str]:
         f"step token budget {w.max_prefill_tokens}, greedy. Mixing on: decodes and prompt "
         "chunks share each step (packed, no padding); off: a step is all prefill or all decode.",
         "",
-        "| mixing | round | tok/s | TTFT long p50 / max ms | TTFT all p50 / max ms | "
-        "longest stall ms | steps (mixed) | same tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mixing | round | tok/s | CPU s | TTFT long p50 / max ms | TTFT all p50 / max ms | "
+        "longest stall ms (steps) | steps (mixed) | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(runs):
         lines.append(
-            f"| {'on' if r.mixed else 'off'} | {i // 2 + 1} | {r.tok_s:.1f} | "
-            f"{_ms(r.ttft_long)} | {_ms(r.ttft_all)} | {r.stall_s * 1e3:,.0f} | "
+            f"| {'on' if r.mixed else 'off'} | {i // 2 + 1} | {r.tok_s:.1f} | {r.cpu_s:.1f} | "
+            f"{_ms(r.ttft_long)} | {_ms(r.ttft_all)} | {r.stall_s * 1e3:,.0f} "
+            f"({r.stall_steps}) | "
             f"{r.steps} ({r.mixed_steps}) | {'yes' if r.same_tokens else 'NO'} |"
         )
     on, off = runs[-2], runs[-1]
     lines += [
         "",
-        f"Last round, on / off: throughput **{on.tok_s / off.tok_s:.2f}x**, longest stall "
+        f"Last round, on / off: throughput **{on.tok_s / off.tok_s:.2f}x** (CPU time "
+        f"{on.cpu_s / off.cpu_s:.2f}x), longest stall "
         f"**{on.stall_s / off.stall_s:.2f}x**, long-prompt TTFT p50 "
         f"{statistics.median(on.ttft_long) / statistics.median(off.ttft_long):.2f}x. "
         f"Load average {os.getloadavg()[0]:.1f} (a shared machine skews wall times).",

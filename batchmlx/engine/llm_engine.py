@@ -116,6 +116,10 @@ class Engine:
         )
         self.stats = EngineStats(kv_bound_bytes=num_blocks * per_block)
         self.pool = BlockPool(num_blocks, cfg.block_size)
+        self.runner = ModelRunner(model, self.storage)
+        # mixed steps need the packed layout: padded, one prompt chunk would cost every decode
+        # row its length (a model without the attention seam keeps prefill-or-decode steps)
+        self.mixed_steps = cfg.mixed_steps and self.runner.packs
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batch_size=cfg.running_bound,
@@ -124,11 +128,10 @@ class Engine:
                 max_prefill_tokens=cfg.max_prefill_tokens,
                 enable_prefix_cache=cfg.use_paged_cache,
                 prefix_grouping=cfg.prefix_grouping,
-                mixed_steps=cfg.mixed_steps,
+                mixed_steps=self.mixed_steps,
             ),
             self.pool,
         )
-        self.runner = ModelRunner(model, self.storage)
         vocab = getattr(getattr(model, "args", None), "vocab_size", None)
         self.grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
         self._embedder: Embedder | None = None
@@ -247,8 +250,7 @@ class Engine:
                 max_block = max(max_block, max(seq.block_table))
         self.storage.ensure_capacity(max_block + 1)
         # mixed steps run packed: a step costs its real tokens, not B x its longest chunk
-        packed = self.cfg.mixed_steps and self.runner.packs
-        layout = (PackedLayout if packed else BatchLayout).build(
+        layout = (PackedLayout if self.mixed_steps else BatchLayout).build(
             block_size=self.cfg.block_size,
             n_kv_heads=self.storage.n_kv_heads,
             token_chunks=chunks,

@@ -45,7 +45,7 @@ class ModelRunner:
     @property
     def packs(self) -> bool:
         """Whether this model can run PackedLayout steps: its attention has the seam the
-        packed attention needs (else steps use the padded BatchLayout: correct, slower)."""
+        packed attention needs (else steps use the padded BatchLayout, unmixed)."""
         return self.attention.paged is not None
 
     def forward(self, layout: BatchLayout | PackedLayout, rows: list[int] | None) -> mx.array:

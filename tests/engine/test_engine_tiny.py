@@ -324,3 +324,15 @@ def test_a_mixed_step_attends_by_segment_without_padding(model):
     e.step()  # a mixed step: a and b decode beside the first 22 tokens of the long prompt
     assert e.stats.mixed_steps == 1
     assert sorted(shapes) == [(1, 22, 24), (1, 22, 24), (2, 1, 8), (2, 1, 8)]
+
+
+def test_a_model_without_the_attention_seam_keeps_unmixed_padded_steps(model, monkeypatch):
+    from batchmlx.engine.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "packs", property(lambda self: False))
+    e = engine(model, max_batch_size=8, max_prefill_tokens=24)
+    assert not e.mixed_steps and not e.scheduler.config.mixed_steps
+    outs = staggered(e, mixed_workload())
+    assert e.stats.mixed_steps == 0
+    for _, r in mixed_workload():
+        assert outs[r.request_id].token_ids == reference_greedy(model, r.prompt_tokens, 12)

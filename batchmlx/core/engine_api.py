@@ -22,7 +22,7 @@ class EngineSettings:
     max_batch_size: int = 256  # running sequences at most (the hard cap)
     adaptive_width: bool = True  # size the running batch of queued work (core/width.py)
     block_size: int = 16  # tokens per KV block
-    max_prefill_tokens: int = 2048  # token budget of one prefill step
+    max_prefill_tokens: int = 2048  # token budget of one step (prompt chunks + decodes)
     use_paged_cache: bool = True  # share prefix blocks between requests and keep them cached
     memory_aware: bool = True  # bound the KV cache by memory (else by cache_max_blocks)
     cache_memory_mb: int | None = None  # explicit bound on KV memory
@@ -30,6 +30,9 @@ class EngineSettings:
     cache_max_blocks: int = 4096  # the bound when memory_aware is off (an entry count)
     prefix_grouping: bool = True  # shared prefix blocks computed once per step group
     kv_grow_blocks: int = 64  # KV storage grows this many blocks at a time, up to the bound
+    # running decodes and prompt chunks share a step (packed, padding-free), so decodes never
+    # wait for a prefill; off: a step is all prefill or all decode (padded batch)
+    mixed_steps: bool = True
 
     @property
     def running_bound(self) -> int:

@@ -24,10 +24,13 @@ class SchedulerConfig:
     max_batch_size: int = ENGINE_DEFAULTS.max_batch_size  # running sequences at most
     block_size: int = ENGINE_DEFAULTS.block_size
     num_blocks: int = 1024  # pool size incl. the reserved block 0
-    # token budget of one prefill step (a longer prompt is chunked)
+    # token budget of one step, decode tokens included when steps are mixed (a longer prompt is
+    # chunked)
     max_prefill_tokens: int = ENGINE_DEFAULTS.max_prefill_tokens
     enable_prefix_cache: bool = ENGINE_DEFAULTS.use_paged_cache
     prefix_grouping: bool = ENGINE_DEFAULTS.prefix_grouping  # shared prefix blocks computed once
+    # one step feeds the running decodes and prompt chunks together (else a step is all one kind)
+    mixed_steps: bool = ENGINE_DEFAULTS.mixed_steps
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.block_size < 1 or self.max_prefill_tokens < 1:
@@ -39,6 +42,7 @@ class SchedulerConfig:
 class StepKind(enum.Enum):
     PREFILL = "prefill"  # prompt chunks, new admissions, recomputation after preemption
     DECODE = "decode"  # one freshly sampled token per running sequence
+    MIXED = "mixed"  # both: the running decodes and prompt chunks in one step
 
 
 @dataclass(slots=True)
@@ -47,6 +51,7 @@ class ScheduledSeq:
     start: int  # = seq.num_computed_tokens before the step: position of the first new token
     num_new_tokens: int  # tokens fed this step (prompt chunk, or 1 for decode)
     samples: bool  # this step produces a new token for it (last prompt chunk, or decode)
+    decode: bool = False  # its one token was sampled last step (else prompt or recompute work)
 
     @property
     def token_ids(self) -> list[int]:
@@ -68,9 +73,10 @@ class SchedulerStats:
     steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
-    prefill_tokens_computed: int = 0  # tokens fed in prefill steps (prompts and recomputation)
+    mixed_steps: int = 0
+    prefill_tokens_computed: int = 0  # prompt and recomputation tokens fed, in any step
     prefill_tokens_reused: int = 0  # tokens taken from the prefix cache at every (re)admission
-    decode_tokens: int = 0
+    decode_tokens: int = 0  # sampled tokens fed back, in any step
     preemptions: int = 0
     urgent_preemptions: int = 0  # of which to make room for more urgent (online) work
     deferred: int = 0  # admissions put off by prefix grouping (a group counts once per step)
@@ -127,25 +133,34 @@ class Scheduler:
         """The next step, or None when nothing is left to do.
 
         Algorithm: there is no separate phase state. Each sequence has num_computed_tokens
-        catching up with len(token_ids). While any running sequence is still catching up on the
-        tokens it knew at admission, or a waiting one can be admitted, the step is a PREFILL: it
-        continues chunked prompts first, then admits waiting sequences (preempted first, then
-        prefix groups in FIFO order) while fewer than max_batch_size run and the token budget
-        lasts. A prefill step never preempts to admit; it only preempts to continue a running
-        prompt. Otherwise the step is a DECODE: one token per running sequence, preempting the
-        most recently admitted sequence when the pool is exhausted. Prefix-cache hits set
-        num_computed_tokens forward at admission; blocks enter the cache in update(), after
-        the step that computed them.
+        catching up with len(token_ids): a running sequence below its prefill_end (the tokens
+        it knew at admission) is prefilling, one token behind is decoding. Prefix-cache hits
+        set num_computed_tokens forward at admission; blocks enter the cache in update(),
+        after the step that computed them.
+
+        Mixed steps (the default, vLLM v1's way): one pass over the running sequences in
+        admission order gives every decoding sequence its token (they never wait for a
+        prompt) and continues chunked prompts with the token budget the decodes leave; then
+        waiting sequences are admitted (preempted first, then prefix groups in FIFO order)
+        while fewer than max_batch_size run and the budget lasts. When the pool is exhausted
+        the most recently admitted sequence is preempted; a step that preempted for memory
+        admits nobody, so what was just evicted is not taken back at once (no preemption
+        storm).
+
+        Unmixed steps: a step is a PREFILL (the pass above over prompts only, then admission)
+        while any prompt work can run, else a DECODE of every running sequence.
         """
         preempted: list[Sequence] = []
         finished: list[Sequence] = []
-        kind = StepKind.PREFILL
-        seqs = self._schedule_prefill(preempted, finished)
-        if not seqs:
-            kind = StepKind.DECODE
-            seqs = self._schedule_decode(preempted, finished)
+        if self.config.mixed_steps:
+            seqs = self._schedule_mixed(preempted, finished)
+        else:
+            seqs = self._schedule_prefill(preempted, finished)
+            if not seqs:
+                seqs = self._schedule_decode(preempted, finished)
         if not (seqs or preempted or finished):
             return None
+        kind = _kind(seqs)
         self._count_step(kind, seqs)
         return SchedulerStep(kind, seqs, preempted, finished)
 
@@ -192,6 +207,41 @@ class Scheduler:
             self.waiting.remove(seq)
         self._finish(seq, None)
         return seq
+
+    # -- mixed ------------------------------------------------------------------------------
+
+    def _schedule_mixed(
+        self, preempted: list[Sequence], finished: list[Sequence]
+    ) -> list[ScheduledSeq]:
+        # urgent online work takes its slots before anything is scheduled (nothing is busy yet)
+        victims = self._make_room_for_urgent([])
+        decodes = sum(1 for s in self.running if not s.is_prefilling)
+        budget = max(self.config.max_prefill_tokens - decodes, 0)  # left for prompt tokens
+        out: list[ScheduledSeq] = []
+        pending: set[int] = set()  # see _schedule_prefill
+        # admission order, so a victim (the tail) is never one already scheduled this step
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if not seq.is_prefilling:
+                if seq.num_uncomputed_tokens != 1:
+                    raise RuntimeError(f"{seq.seq_id} is not decoding: prefill should have run")
+                if self._reserve(seq, 1, preempted, finished):
+                    out.append(self._scheduled(seq, 1, decode=True))
+                continue
+            if budget == 0:
+                continue
+            n = min(seq.prefill_end - seq.num_computed_tokens, budget)
+            n = self._reserve(seq, n, preempted, finished)
+            if n == 0:
+                continue
+            out.append(self._scheduled(seq, n))
+            budget -= n
+            pending.update(self._inflight_hashes(seq))
+        if budget > 0 and not preempted:  # memory is short: do not admit what was just evicted
+            self._admit_waiting(out, budget, pending, finished)
+        preempted[:0] = victims
+        return out
 
     # -- prefill ----------------------------------------------------------------------------
 
@@ -354,7 +404,7 @@ class Scheduler:
             if seq.num_uncomputed_tokens != 1:
                 raise RuntimeError(f"{seq.seq_id} is not decoding: prefill should have run")
             if self._reserve(seq, 1, preempted, finished):
-                out.append(self._scheduled(seq, 1))
+                out.append(self._scheduled(seq, 1, decode=True))
         return out
 
     # -- growth and eviction ---------------------------------------------------------------
@@ -416,19 +466,30 @@ class Scheduler:
         first, end = seq.num_computed_tokens // bs, seq.prefill_end // bs
         return self.kv.hashes(seq, end)[first:end] if end > first else []
 
-    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+    def _scheduled(self, seq: Sequence, n: int, *, decode: bool = False) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        return ScheduledSeq(seq, start, n, samples=start + n == seq.num_tokens)
+        return ScheduledSeq(seq, start, n, samples=start + n == seq.num_tokens, decode=decode)
 
     def _count_step(self, kind: StepKind, seqs: list[ScheduledSeq]) -> None:
         stats = self.stats
         stats.steps += 1
-        fed = sum(s.num_new_tokens for s in seqs)
         if kind is StepKind.PREFILL:
             stats.prefill_steps += 1
-            stats.prefill_tokens_computed += fed
-        else:
+        elif kind is StepKind.DECODE:
             stats.decode_steps += 1
-            stats.decode_tokens += fed
+        else:
+            stats.mixed_steps += 1
+        for s in seqs:
+            if s.decode:
+                stats.decode_tokens += s.num_new_tokens
+            else:
+                stats.prefill_tokens_computed += s.num_new_tokens
         stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, self.pool.num_used)
         stats.peak_running = max(stats.peak_running, len(self.running))
+
+
+def _kind(seqs: list[ScheduledSeq]) -> StepKind:
+    decodes = sum(s.decode for s in seqs)
+    if decodes == len(seqs):  # a step of decodes only (or of nothing but scheduler finishes)
+        return StepKind.DECODE
+    return StepKind.PREFILL if decodes == 0 else StepKind.MIXED

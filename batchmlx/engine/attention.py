@@ -1,9 +1,10 @@
 """Attention for paged steps, passed to the model for the duration of a forward step.
 
 mlx-lm model modules bind `scaled_dot_product_attention` at import and call it with the layer's
-cache: that call is the only seam. `routed_attention` points it, for one step, at an attention
-that runs `cascade_attention` for a PagedLayerCache holding a shared prefix and the original
-otherwise, and puts the original back afterwards, so nothing outside a paged step (another
+cache: that call is the only seam. `AttentionRoute` points it, for one step, at an attention
+that, for a PagedLayerCache, runs a packed step segment by segment (`packed_attention`), a
+padded step holding a shared prefix through `cascade_attention`, and anything else through the
+original; it puts the original back afterwards, so nothing outside a paged step (another
 engine, plain mlx-lm generation in the same process) ever sees a changed module.
 """
 
@@ -16,12 +17,51 @@ from typing import Any
 
 import mlx.core as mx
 
-from batchmlx.engine.kv_cache import PagedLayerCache
+from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache
 
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
 PrefixAttention = Callable[
     [mx.array, mx.array, mx.array, tuple[mx.array, mx.array], float, mx.array], mx.array
 ]
+# queries [B, Hq, Q, D], keys/values [B, H, K, D], scale, mask [B, 1, Q, K] bool -> [B, Hq, Q, D]
+SegmentAttention = Callable[[mx.array, mx.array, mx.array, float, mx.array], mx.array]
+
+
+def segment_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array
+) -> mx.array:
+    """The attention of one segment of a packed step (a batch of decodes, or one prompt
+    chunk against its keys with a causal mask): the one place a faster kernel plugs in."""
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def packed_attention(
+    queries: mx.array,
+    cache: PagedLayerCache,
+    scale: float,
+    attend: SegmentAttention,
+    prefix_attention: PrefixAttention,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """queries [T, Hq, 1, D] of a PackedLayout, regrouped by segment, answered in row order.
+
+    One-token rows attend as a batch [B, Hq, 1, D] (with the cascade when they share a
+    prefix); a prompt chunk's rows become one sequence [1, Hq, L, D] with a causal mask."""
+    layout = cache.layout
+    assert isinstance(layout, PackedLayout)
+    if sinks is not None:  # (models with sinks also slide windows, which are not paged yet)
+        raise NotImplementedError("attention sinks in packed steps: use mixed_steps=False")
+    outs = []
+    for seg, (keys, values, prefix) in zip(layout.segments, cache.segment_kv, strict=True):
+        q = queries[seg.first : seg.first + seg.length]
+        if seg.chunk:
+            q = q.transpose(2, 1, 0, 3)  # [L, Hq, 1, D] -> [1, Hq, L, D]
+        if prefix is not None:
+            o = prefix_attention(q, keys, values, prefix, scale, seg.mask)
+        else:
+            o = attend(q, keys, values, scale, seg.mask)
+        outs.append(o.transpose(2, 1, 0, 3) if seg.chunk else o)
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
 def cascade_attention(
@@ -67,10 +107,17 @@ def cascade_attention(
     return out.reshape(b, hq, ql, d)
 
 
-def paged_attention(original: Attention, prefix_attention: PrefixAttention) -> Attention:
-    """mlx-lm's attention with steps that share a prefix sent to `prefix_attention`."""
+def paged_attention(
+    original: Attention,
+    prefix_attention: PrefixAttention,
+    attend: SegmentAttention = segment_attention,
+) -> Attention:
+    """mlx-lm's attention with packed steps run by segment and padded steps that share a
+    prefix sent to `prefix_attention`."""
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kw):
+        if isinstance(cache, PagedLayerCache) and isinstance(cache.layout, PackedLayout):
+            return packed_attention(queries, cache, scale, attend, prefix_attention, sinks)
         if isinstance(cache, PagedLayerCache) and cache.prefix is not None and sinks is None:
             return prefix_attention(queries, keys, values, cache.prefix, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
@@ -82,11 +129,18 @@ def paged_attention(original: Attention, prefix_attention: PrefixAttention) -> A
 class AttentionRoute:
     """Where a model's attention is looked up, and what a paged step puts there."""
 
-    def __init__(self, model: Any, prefix_attention: PrefixAttention = cascade_attention) -> None:
+    def __init__(
+        self,
+        model: Any,
+        prefix_attention: PrefixAttention = cascade_attention,
+        attend: SegmentAttention = segment_attention,
+    ) -> None:
         self.module = sys.modules.get(type(model).__module__)
         self.original: Attention | None = getattr(self.module, "scaled_dot_product_attention", None)
         self.paged = (
-            None if self.original is None else paged_attention(self.original, prefix_attention)
+            None
+            if self.original is None
+            else paged_attention(self.original, prefix_attention, attend)
         )
 
     @contextmanager

@@ -136,8 +136,6 @@ class BatchLayout:
         lens = np.array([len(c) for c in token_chunks], dtype=np.int64)
         st = np.array(starts, dtype=np.int64)
         q = int(lens.max())
-        ends = st + lens  # keys each sequence sees after this step's writes
-        k = int(ends.max())
 
         tokens = np.zeros((b, q), dtype=np.int32)
         for i, chunk in enumerate(token_chunks):
@@ -156,43 +154,160 @@ class BatchLayout:
         rows = (blk[:, None, :] * h + heads) * block_size + (qpos % block_size)[:, None, :]
         write = np.where(qvalid[:, None, :], rows, SCRATCH_ROW)  # [B, H, Q]
 
-        # keys are gathered whole blocks at a time (16x fewer indices than per token); the
-        # tail of the last block is masked out
-        nkb = -(-k // block_size)
-        k = nkb * block_size
-        gather = table[:, :nkb]  # entries past a sequence's own blocks are 0: scratch, masked
-        if gather.shape[1] < nkb:
-            gather = np.pad(gather, ((0, 0), (0, nkb - gather.shape[1])))
-        shared = _shared_prefix_blocks(gather, lens, int(st.min()) // block_size)
-        if not share_prefix:
-            shared = 0
-        prefix_runs = None
-        if shared:
-            # the shared blocks are read once for the whole batch, not copied per sequence
-            prefix_runs = mx.array((gather[0, :shared][None, :] * h + heads[0]).astype(np.int32))
-            gather = gather[:, shared:]
-        runs = gather[:, None, :] * h + heads  # [B, H, K / block_size]
-        first = shared * block_size
-        kpos = np.broadcast_to(np.arange(first, k)[None, :], (b, k - first))
-        kvalid = kpos < ends[:, None]
-
-        # causal over absolute positions; padded query rows see key 0 so softmax stays finite
-        mask = (kpos[:, None, :] <= qpos[:, :, None]) & kvalid[:, None, :]
-        mask[:, :, 0] |= ~qvalid
-        # a padded query row stands at the first key's position, so it keeps that one key
-        # under any window (a row with no key would make its softmax NaN)
-        qwin = np.where(qvalid, qpos, first)
+        gather_runs, mask, prefix_runs, qwin, kpos = _key_view(
+            block_size, h, table, st, lens, qpos, qvalid, share_prefix
+        )
         return BatchLayout(
             tokens=mx.array(tokens),
             offsets=mx.array(st.astype(np.int32)),
             write_rows=mx.array(write.reshape(-1).astype(np.int32)),
-            gather_runs=mx.array(runs.astype(np.int32)),
-            mask=mx.array(mask[:, None, :, :]),
+            gather_runs=gather_runs,
+            mask=mask,
             last_index=mx.array((lens - 1).astype(np.int32)),
             prefix_runs=prefix_runs,
             query_pos=qwin,
-            key_pos=np.arange(first, k),
+            key_pos=kpos,
         )
+
+
+@dataclass(slots=True)
+class Segment:
+    """Packed tokens [first, first + length) that attend as one batch: either `length`
+    one-token sequences (decodes) as [length, Hq, 1, D], or one sequence's prompt chunk as
+    [1, Hq, length, D]."""
+
+    first: int
+    length: int
+    chunk: bool  # one sequence's multi-token chunk (else one-token rows)
+    gather_runs: mx.array  # [B, H, K / block_size], B = length (rows) or 1 (chunk)
+    mask: mx.array  # [B, 1, Q, K] bool, Q = 1 (rows) or length (chunk)
+    prefix_runs: mx.array | None  # shared prefix of the rows (cascade attention), or None
+
+
+@dataclass(slots=True)
+class PackedLayout:
+    """A ragged step without padding: its T tokens side by side as a batch of T rows of one
+    token ([T, 1]), so every projection and MLP computes exactly T rows however the step mixes
+    decodes and prompt chunks. Each token carries its own RoPE position; attention regroups the
+    rows by `segments` (engine/attention.py). Tokens are ordered one-token sequences first, then
+    each chunk; `last_index` maps each input sequence to the row of its last token."""
+
+    tokens: mx.array  # [T, 1] int32
+    offsets: mx.array  # [T] absolute position of each token
+    write_rows: mx.array  # [T*H] storage row of each token's KV per head, token-major
+    segments: list[Segment]
+    last_index: mx.array  # [S] row of each sequence's last token, in input order
+
+    @staticmethod
+    def build(
+        *,
+        block_size: int,
+        n_kv_heads: int,
+        token_chunks: list[list[int]],
+        starts: list[int],
+        block_tables: list[list[int]],
+        share_prefix: bool = True,
+    ) -> PackedLayout:
+        """Lay out a step like BatchLayout.build, without padding."""
+        h = n_kv_heads
+        singles = [i for i, c in enumerate(token_chunks) if len(c) == 1]
+        chunks = [i for i, c in enumerate(token_chunks) if len(c) > 1]
+        tokens: list[int] = []
+        positions: list[np.ndarray] = []
+        rows: list[np.ndarray] = []
+        last = np.zeros(len(token_chunks), dtype=np.int32)
+        segments: list[Segment] = []
+
+        def place(i: int) -> None:
+            pos = starts[i] + np.arange(len(token_chunks[i]))
+            table = np.asarray(block_tables[i], dtype=np.int64)
+            blk = table[pos // block_size]
+            offset = (pos % block_size)[:, None]
+            rows.append((blk[:, None] * h + np.arange(h)) * block_size + offset)  # [L, H]
+            positions.append(pos)
+            last[i] = len(tokens) + len(pos) - 1
+            tokens.extend(token_chunks[i])
+
+        def segment(members: list[int], chunk: bool) -> None:
+            first = len(tokens)
+            for i in members:
+                place(i)
+            lens = np.array([len(token_chunks[i]) for i in members], dtype=np.int64)
+            st = np.array([starts[i] for i in members], dtype=np.int64)
+            q = int(lens.max())
+            nblk = max(max(len(block_tables[i]) for i in members), 1)
+            table = np.zeros((len(members), nblk), dtype=np.int64)
+            for r, i in enumerate(members):
+                table[r, : len(block_tables[i])] = block_tables[i]
+            qpos = st[:, None] + np.arange(q)[None, :]
+            qvalid = np.ones_like(qpos, dtype=bool)  # no padding: every query is real
+            runs, mask, prefix, _, _ = _key_view(
+                block_size, h, table, st, lens, qpos, qvalid, share_prefix
+            )
+            segments.append(Segment(first, len(tokens) - first, chunk, runs, mask, prefix))
+
+        if singles:
+            segment(singles, chunk=False)
+        for i in chunks:
+            segment([i], chunk=True)
+        return PackedLayout(
+            tokens=mx.array(np.asarray(tokens, dtype=np.int32)[:, None]),
+            offsets=mx.array(np.concatenate(positions).astype(np.int32)),
+            write_rows=mx.array(np.concatenate(rows).reshape(-1).astype(np.int32)),
+            segments=segments,
+            last_index=mx.array(last),
+        )
+
+
+def _key_view(
+    block_size: int,
+    h: int,
+    table: np.ndarray,
+    st: np.ndarray,
+    lens: np.ndarray,
+    qpos: np.ndarray,
+    qvalid: np.ndarray,
+    share_prefix: bool = True,
+) -> tuple[mx.array, mx.array, mx.array | None, np.ndarray, np.ndarray]:
+    """The keys a batch of sequences attends to: (gather runs [B, H, K / block_size], mask
+    [B, 1, Q, K], shared prefix runs or None, query positions [B, Q] and key positions [K] for
+    window masks). table [B, blocks]: each sequence's block ids; st, lens [B]: first position
+    and count of its new tokens; qpos, qvalid [B, Q]. share_prefix False: no cascade attention
+    (its prefix part has no mask, so a model with sliding-window layers must not use it)."""
+    b = table.shape[0]
+    ends = st + lens  # keys each sequence sees after this step's writes
+    k = int(ends.max())
+    # keys are gathered whole blocks at a time (16x fewer indices than per token); the
+    # tail of the last block is masked out
+    nkb = -(-k // block_size)
+    k = nkb * block_size
+    gather = table[:, :nkb]  # entries past a sequence's own blocks are 0: scratch, masked
+    if gather.shape[1] < nkb:
+        gather = np.pad(gather, ((0, 0), (0, nkb - gather.shape[1])))
+    heads = np.arange(h)[None, :, None]
+    shared = _shared_prefix_blocks(gather, lens, int(st.min()) // block_size)
+    if not share_prefix:
+        shared = 0
+    prefix_runs = None
+    if shared:
+        # the shared blocks are read once for the whole batch, not copied per sequence
+        prefix_runs = mx.array((gather[0, :shared][None, :] * h + heads[0]).astype(np.int32))
+        gather = gather[:, shared:]
+    runs = gather[:, None, :] * h + heads  # [B, H, K / block_size]
+    first = shared * block_size
+    kpos = np.broadcast_to(np.arange(first, k)[None, :], (b, k - first))
+    kvalid = kpos < ends[:, None]
+
+    # causal over absolute positions; padded query rows see key 0 so softmax stays finite
+    mask = (kpos[:, None, :] <= qpos[:, :, None]) & kvalid[:, None, :]
+    mask[:, :, 0] |= ~qvalid
+    # a padded query row stands at the first key's position, so it keeps that one key under
+    # any window (a row with no key would make its softmax NaN)
+    qwin = np.where(qvalid, qpos, first)
+    return (
+        mx.array(runs.astype(np.int32)), mx.array(mask[:, None, :, :]), prefix_runs, qwin,
+        np.arange(first, k),
+    )  # fmt: skip
 
 
 def _shared_prefix_blocks(table: np.ndarray, lens: np.ndarray, computed: int) -> int:
@@ -208,12 +323,16 @@ def _shared_prefix_blocks(table: np.ndarray, lens: np.ndarray, computed: int) ->
 class PagedLayerCache:
     """One layer's view of the paged storage for one step (mlx-lm's cache protocol)."""
 
-    def __init__(self, storage: PagedKVStorage, layer: int, layout: BatchLayout) -> None:
+    def __init__(
+        self, storage: PagedKVStorage, layer: int, layout: BatchLayout | PackedLayout
+    ) -> None:
         self.storage = storage
         self.layer = layer
         self.layout = layout
-        self.offset = layout.offsets  # per-sequence RoPE offsets
+        self.offset = layout.offsets  # per-sequence (padded) or per-token (packed) RoPE offsets
         self.prefix: tuple[mx.array, mx.array] | None = None  # shared prefix keys, values
+        # packed: each segment's (keys, values, shared prefix or None), read by the attention
+        self.segment_kv: list[tuple[mx.array, mx.array, tuple[mx.array, mx.array] | None]] = []
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b, h, q, d = keys.shape  # [B, H, Q, D], after RoPE
@@ -225,6 +344,13 @@ class PagedLayerCache:
         vpool[lay.write_rows] = values.reshape(b * h * q, d).astype(s.dtype)
         run = s.block_size * d
         kruns, vruns = kpool.reshape(-1, run), vpool.reshape(-1, run)
+        if isinstance(lay, PackedLayout):
+            # the attention regroups the rows by segment; it needs no batch-shaped keys here
+            self.segment_kv = [
+                _fetch(kruns, vruns, seg.gather_runs, seg.prefix_runs, h, d, keys.dtype)
+                for seg in lay.segments
+            ]
+            return keys, values
         if lay.prefix_runs is not None:
             self.prefix = (
                 kruns[lay.prefix_runs].reshape(h, -1, d).astype(keys.dtype),
@@ -236,7 +362,11 @@ class PagedLayerCache:
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
+            if isinstance(self.layout, PackedLayout):  # the engine never packs these
+                raise NotImplementedError("sliding-window layers run padded steps")
             return self.layout.window_mask(window_size)
+        if isinstance(self.layout, PackedLayout):
+            return None  # each segment carries its own mask
         return self.layout.mask
 
     # mlx-lm checks these on some paths
@@ -246,3 +376,24 @@ class PagedLayerCache:
 
     def is_trimmable(self) -> bool:  # pragma: no cover
         return False
+
+
+def _fetch(
+    kruns: mx.array,
+    vruns: mx.array,
+    gather_runs: mx.array,
+    prefix_runs: mx.array | None,
+    h: int,
+    d: int,
+    dtype: mx.Dtype,
+) -> tuple[mx.array, mx.array, tuple[mx.array, mx.array] | None]:
+    b = gather_runs.shape[0]
+    prefix = None
+    if prefix_runs is not None:
+        prefix = (
+            kruns[prefix_runs].reshape(h, -1, d).astype(dtype),
+            vruns[prefix_runs].reshape(h, -1, d).astype(dtype),
+        )
+    gk = kruns[gather_runs].reshape(b, h, -1, d).astype(dtype)
+    gv = vruns[gather_runs].reshape(b, h, -1, d).astype(dtype)
+    return gk, gv, prefix

@@ -25,12 +25,12 @@ from batchmlx.core.request import (
     GenerationRequest,
     TokenLogprob,
 )
-from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep
+from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep, StepKind
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import StepReport, WidthController, WidthPolicy
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
-from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
+from batchmlx.engine.kv_cache import BatchLayout, PackedLayout, PagedKVStorage
 from batchmlx.engine.runner import ModelRunner, model_dims
 from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.faults import crash_point
@@ -83,6 +83,7 @@ class EngineStats:
     steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    mixed_steps: int = 0  # running decodes and prompt chunks in one step
     generated_tokens: int = 0
     peak_kv_bytes: int = 0  # largest KV storage actually allocated
     kv_bound_bytes: int = 0
@@ -134,6 +135,11 @@ class Engine:
         self.stats = EngineStats(kv_bound_bytes=num_blocks * per_block)
         self.pool = BlockPool(num_blocks, cfg.block_size)
         self.pool.backed_blocks = self.storage.capacity_blocks  # reuse before growing
+        self.runner = ModelRunner(model, self.storage)
+        # mixed steps need the packed layout: padded, one prompt chunk would cost every decode
+        # row its length (a model without the attention seam, or with sliding-window layers,
+        # whose masks the packed segments do not carry, keeps prefill-or-decode steps)
+        self.mixed_steps = cfg.mixed_steps and self.runner.packs and sliding_window is None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batch_size=cfg.running_bound,
@@ -142,6 +148,7 @@ class Engine:
                 max_prefill_tokens=cfg.max_prefill_tokens,
                 enable_prefix_cache=cfg.use_paged_cache,
                 prefix_grouping=cfg.prefix_grouping,
+                mixed_steps=self.mixed_steps,
             ),
             self.pool,
         )
@@ -151,7 +158,6 @@ class Engine:
             self.width = WidthController(WidthPolicy(cap=cfg.running_bound))
             self.scheduler.running_limit = self.width.limit
         self._memory_preemptions = 0
-        self.runner = ModelRunner(model, self.storage)
         vocab = getattr(getattr(model, "args", None), "vocab_size", None)
         self.grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
         self._embedder: Embedder | None = None
@@ -271,10 +277,12 @@ class Engine:
     def _run(self, step: SchedulerStep) -> tuple[dict[str, int], set[str]]:
         st = self.stats
         st.steps += 1
-        if step.kind.name == "PREFILL":
+        if step.kind is StepKind.PREFILL:
             st.prefill_steps += 1
-        else:
+        elif step.kind is StepKind.DECODE:
             st.decode_steps += 1
+        else:
+            st.mixed_steps += 1
         if not step.seqs:
             return {}, set()
         chunks, starts, tables = [], [], []
@@ -288,7 +296,8 @@ class Engine:
                 max_block = max(max_block, max(seq.block_table))
         self.storage.ensure_capacity(max_block + 1)
         self.pool.backed_blocks = self.storage.capacity_blocks
-        layout = BatchLayout.build(
+        # mixed steps run packed: a step costs its real tokens, not B x its longest chunk
+        layout = (PackedLayout if self.mixed_steps else BatchLayout).build(
             block_size=self.cfg.block_size,
             n_kv_heads=self.storage.n_kv_heads,
             token_chunks=chunks,

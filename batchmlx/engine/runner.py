@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from batchmlx.engine.attention import AttentionRoute, PrefixAttention, cascade_attention
-from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage, PagedLayerCache
+from batchmlx.engine.kv_cache import BatchLayout, PackedLayout, PagedKVStorage, PagedLayerCache
 
 
 def model_dims(model: nn.Module) -> tuple[int, int, int]:
@@ -42,7 +42,13 @@ class ModelRunner:
         self.body, self.head = _split(model)
         self.attention = AttentionRoute(model, prefix_attention)
 
-    def forward(self, layout: BatchLayout, rows: list[int] | None) -> mx.array:
+    @property
+    def packs(self) -> bool:
+        """Whether this model can run PackedLayout steps: its attention has the seam the
+        packed attention needs (else steps use the padded BatchLayout, unmixed)."""
+        return self.attention.paged is not None
+
+    def forward(self, layout: BatchLayout | PackedLayout, rows: list[int] | None) -> mx.array:
         """Hidden states of each sequence's last new token → logits [len(rows), V].
 
         rows: which sequences of the layout need logits (None = all)."""
@@ -50,9 +56,12 @@ class ModelRunner:
             PagedLayerCache(self.storage, i, layout) for i in range(self.storage.num_layers)
         ]
         with self.attention.active():  # the graph is built here; evaluation comes later
-            hidden = self.body(layout.tokens, caches)  # [B, Q, H]
-        last = mx.take_along_axis(hidden, layout.last_index[:, None, None], axis=1)[:, 0, :]
-        if rows is not None and len(rows) != hidden.shape[0]:
+            hidden = self.body(layout.tokens, caches)  # [B, Q, H], packed: [T, 1, H]
+        if isinstance(layout, PackedLayout):
+            last = hidden[layout.last_index, 0, :]
+        else:
+            last = mx.take_along_axis(hidden, layout.last_index[:, None, None], axis=1)[:, 0, :]
+        if rows is not None and len(rows) != last.shape[0]:
             last = last[mx.array(rows, dtype=mx.int32)]
         return self.head(last)
 

@@ -74,6 +74,7 @@ def test_paged_attention_is_in_place_only_during_a_step(monkeypatch) -> None:
     shared.prefix = (mx.zeros(1), mx.zeros(1))
     alone = PagedLayerCache.__new__(PagedLayerCache)
     alone.prefix = None
+    shared.layout = alone.layout = None  # padded steps (not packed)
     with route.active():
         sdpa = module.scaled_dot_product_attention
         assert sdpa is not original

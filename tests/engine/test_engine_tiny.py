@@ -248,3 +248,143 @@ def test_the_adaptive_width_shrinks_under_memory_pressure(model):
     assert shrinks and all(c.new < c.old for c in shrinks)
     # narrowing after the first preemptions spares the pool most of the fixed width's
     assert 0 < e.scheduler.stats.preemptions < fixed.scheduler.stats.preemptions
+
+# -- mixed steps, packed: decodes never wait for a prefill ----------------------------------
+
+
+def staggered(e: Engine, arrivals: list[tuple[int, GenerationRequest]]) -> dict[str, object]:
+    """Add each request at its step number, run to the end; outputs by id. Records every
+    streamed token through on_token."""
+    streamed: dict[str, list[int]] = {}
+    e.on_token = lambda rid, tok: streamed.setdefault(rid, []).append(tok)
+    outs: dict[str, object] = {}
+    pending = sorted(arrivals, key=lambda a: a[0])
+    n = 0
+    while pending or e.has_unfinished():
+        while pending and pending[0][0] <= n:
+            e.add(pending.pop(0)[1])
+        for o in e.step():
+            outs[o.request_id] = o
+        n += 1
+    for rid, o in outs.items():
+        assert streamed.get(rid, []) == o.token_ids  # streaming unchanged
+    return outs
+
+
+def mixed_workload(params=GREEDY) -> list[tuple[int, GenerationRequest]]:
+    rng = np.random.default_rng(7)
+    ps = prompts()
+    long = [rng.integers(1, 97, size=n).tolist() for n in (70, 45)]
+    return [
+        (0, GenerationRequest("s0", ps[0], params)),
+        (0, GenerationRequest("s1", ps[2], params)),
+        (1, GenerationRequest("s2", ps[1], params)),
+        (3, GenerationRequest("long0", long[0], params)),  # arrives while s0..s2 decode
+        (4, GenerationRequest("s3", ps[4], params)),
+        (6, GenerationRequest("long1", ps[0] + long[1], params)),  # a prefix hit, then chunks
+        (8, GenerationRequest("s4", ps[5], params)),
+    ]
+
+
+def test_mixed_packed_steps_match_mlx_lm_and_unmixed_steps(model):
+    work = mixed_workload()
+    mixed = engine(model, max_batch_size=8, max_prefill_tokens=24)
+    assert mixed.runner.packs  # llama has the attention seam: steps run packed
+    outs = staggered(mixed, work)
+    # the long prompts were chunked in steps that also decoded the running sequences
+    assert mixed.stats.mixed_steps >= 4
+    assert mixed.scheduler.stats.mixed_steps == mixed.stats.mixed_steps
+    unmixed = engine(model, max_batch_size=8, max_prefill_tokens=24, mixed_steps=False)
+    old = staggered(unmixed, work)
+    assert unmixed.stats.mixed_steps == 0
+    for _, r in work:
+        ref = reference_greedy(model, r.prompt_tokens, 12)
+        assert outs[r.request_id].token_ids == ref, r.request_id
+        assert old[r.request_id].token_ids == ref, r.request_id
+
+
+def test_mixed_steps_keep_logprobs_and_seeded_sampling(model):
+    lp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=3)
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234)
+    work = mixed_workload(lp)
+    work[3] = (3, GenerationRequest("long0", work[3][1].prompt_tokens, seeded))
+    outs = staggered(engine(model, max_batch_size=8, max_prefill_tokens=24), work)
+    for _, r in work:
+        (single,) = engine(model, simple=True).generate([r])
+        got = outs[r.request_id]
+        assert got.token_ids == single.token_ids, r.request_id
+        if r.params.logprobs:
+            assert [t.token_id for t in got.logprobs] == [t.token_id for t in single.logprobs]
+            np.testing.assert_allclose(
+                [t.logprob for t in got.logprobs], [t.logprob for t in single.logprobs],
+                atol=1e-4,
+            )  # fmt: skip
+
+
+def test_packed_layout_feeds_each_token_once_at_its_position():
+    from batchmlx.engine.kv_cache import BatchLayout, PackedLayout
+
+    kw = dict(
+        block_size=4, n_kv_heads=2, token_chunks=[[5, 6, 7, 8, 9], [3], [4, 2], [1]],
+        starts=[2, 9, 0, 4], block_tables=[[1, 2], [3, 4, 5], [6], [1, 7]],
+    )  # fmt: skip
+    packed, padded = PackedLayout.build(**kw), BatchLayout.build(**kw)
+    # one-token rows first, then each chunk; no padding anywhere
+    assert packed.tokens[:, 0].tolist() == [3, 1, 5, 6, 7, 8, 9, 4, 2]
+    assert packed.offsets.tolist() == [9, 4, 2, 3, 4, 5, 6, 0, 1]
+    assert packed.last_index.tolist() == [6, 0, 8, 1]
+    assert [(s.first, s.length, s.chunk) for s in packed.segments] == [
+        (0, 2, False), (2, 5, True), (7, 2, True)
+    ]  # fmt: skip
+    # the same KV rows as the padded layout writes, token for token
+    pad = np.array(padded.write_rows.tolist()).reshape(4, 2, 2 + 3)  # [B, H, Q]
+    rows = np.array(packed.write_rows.tolist()).reshape(9, 2)  # [T, H]
+    order = [(1, 0), (3, 0)] + [(0, q) for q in range(5)] + [(2, 0), (2, 1)]
+    for t, (b, q) in enumerate(order):
+        assert rows[t].tolist() == pad[b, :, q].tolist()
+
+
+def test_packed_decodes_sharing_a_prefix_keep_the_cascade():
+    from batchmlx.engine.kv_cache import PackedLayout
+
+    layout = PackedLayout.build(
+        block_size=4, n_kv_heads=2, token_chunks=[[1], [2], [3, 4, 5]], starts=[9, 10, 0],
+        block_tables=[[1, 2, 3], [1, 2, 4], [5]],
+    )  # fmt: skip
+    rows, chunk = layout.segments
+    assert rows.prefix_runs is not None and rows.prefix_runs.shape == (2, 2)  # blocks 1, 2
+    assert chunk.prefix_runs is None  # one sequence: nothing to share
+
+
+def test_a_mixed_step_attends_by_segment_without_padding(model):
+    from batchmlx.engine.attention import AttentionRoute, segment_attention
+
+    shapes: list[tuple[int, int, int]] = []  # (batch, queries, keys) of each segment call
+
+    def attend(queries, keys, values, scale, mask):
+        shapes.append((queries.shape[0], queries.shape[2], keys.shape[2]))
+        return segment_attention(queries, keys, values, scale, mask)
+
+    e = engine(model, max_batch_size=8, max_prefill_tokens=24, use_paged_cache=False)
+    e.runner.attention = AttentionRoute(model, attend=attend)
+    e.add(GenerationRequest("a", prompts()[2], GREEDY))  # 7 tokens
+    e.add(GenerationRequest("b", prompts()[5], GREEDY))  # 3 tokens
+    e.step()  # both prompts: two chunks
+    assert sorted(shapes) == [(1, 3, 4), (1, 3, 4), (1, 7, 8), (1, 7, 8)]  # 2 layers each
+    shapes.clear()
+    e.add(GenerationRequest("long", list(range(1, 41)), GREEDY))
+    e.step()  # a mixed step: a and b decode beside the first 22 tokens of the long prompt
+    assert e.stats.mixed_steps == 1
+    assert sorted(shapes) == [(1, 22, 24), (1, 22, 24), (2, 1, 8), (2, 1, 8)]
+
+
+def test_a_model_without_the_attention_seam_keeps_unmixed_padded_steps(model, monkeypatch):
+    from batchmlx.engine.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "packs", property(lambda self: False))
+    e = engine(model, max_batch_size=8, max_prefill_tokens=24)
+    assert not e.mixed_steps and not e.scheduler.config.mixed_steps
+    outs = staggered(e, mixed_workload())
+    assert e.stats.mixed_steps == 0
+    for _, r in mixed_workload():
+        assert outs[r.request_id].token_ids == reference_greedy(model, r.prompt_tokens, 12)

@@ -117,8 +117,14 @@ def ids(step: SchedulerStep) -> list[tuple[str, int, int, bool]]:
     return [(s.seq.seq_id, s.start, s.num_new_tokens, s.samples) for s in step.seqs]
 
 
+def prompt_ids(step: SchedulerStep) -> list[tuple[str, int, int, bool]]:
+    """ids() of the prompt work only (a mixed step also carries the running decodes)."""
+    return [(s.seq.seq_id, s.start, s.num_new_tokens, s.samples) for s in step.seqs if not s.decode]
+
+
 def test_continuous_batching_refills_a_finished_slot_at_the_next_step():
-    sched = Scheduler(SchedulerConfig(max_batch_size=2, block_size=16, num_blocks=11))
+    cfg = SchedulerConfig(max_batch_size=2, block_size=16, num_blocks=11, mixed_steps=False)
+    sched = Scheduler(cfg)
     sched.add(request("a", [1, 2, 3, 4, 5], max_tokens=2))
     sched.add(request("b", [6, 7, 8, 9, 10], max_tokens=4))
     sched.add(request("c", [11, 12, 13], max_tokens=2))
@@ -175,7 +181,8 @@ def test_long_prompt_is_chunked_under_the_prefill_budget():
 
 
 def test_the_prefill_budget_is_shared_and_a_cut_prompt_continues_first():
-    sched = Scheduler(SchedulerConfig(block_size=16, num_blocks=64, max_prefill_tokens=32))
+    cfg = SchedulerConfig(block_size=16, num_blocks=64, max_prefill_tokens=32, mixed_steps=False)
+    sched = Scheduler(cfg)
     sched.add(request("a", list(range(20)), max_tokens=2))
     sched.add(request("b", list(range(100, 130)), max_tokens=2))
     sched.add(request("c", list(range(200, 210)), max_tokens=2))
@@ -263,7 +270,7 @@ def test_prefix_grouping_computes_a_shared_prefix_once():
     seqs = {rid: sched.add(request(rid, p, max_tokens=3)) for rid, p in prompts.items()}
     outputs, steps = drive(sched)
     assert ids(steps[0]) == [("a", 0, 120, True), ("c", 0, 50, True)]  # b, d wait one step
-    assert ids(steps[1]) == [("b", 96, 34, True), ("d", 96, 9, True)]
+    assert prompt_ids(steps[1]) == [("b", 96, 34, True), ("d", 96, 9, True)]
     assert sched.stats.prefill_tokens_computed == bound
     assert sched.stats.prefill_tokens_reused == 2 * 96
     assert seqs["b"].cache_outcome is CacheOutcome.PREFIX_HIT
@@ -286,7 +293,7 @@ def test_a_prompt_ending_on_a_block_boundary_feeds_a_longer_one():
     seq_q = sched.add(request("q", q, max_tokens=2))
     _, steps = drive(sched)
     assert ids(steps[0]) == [("p", 0, 32, True)]  # q waits for p's blocks 0 and 1
-    assert ids(steps[1]) == [("q", 32, 8, True)]
+    assert prompt_ids(steps[1]) == [("q", 32, 8, True)]
     assert seq_q.cache_outcome is CacheOutcome.HIT
     assert sched.stats.prefill_tokens_computed == block_prefix_lower_bound([p, q], 16) == 40
 
@@ -409,8 +416,9 @@ def test_duplicate_ids_and_empty_prompts_are_bugs():
         Scheduler(SchedulerConfig(block_size=16), BlockPool(11, 8))
 
 
+@pytest.mark.parametrize("mixed", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workloads_match_isolated_runs(seed: int):
+def test_random_workloads_match_isolated_runs(seed: int, mixed: bool):
     rng = random.Random(seed)
     systems = [[rng.randrange(1, 100) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
     cfg = SchedulerConfig(
@@ -419,6 +427,7 @@ def test_random_workloads_match_isolated_runs(seed: int):
         max_batch_size=rng.choice([1, 2, 4, 8]),
         max_prefill_tokens=rng.choice([5, 16, 64]),
         prefix_grouping=rng.random() < 0.7,
+        mixed_steps=mixed,
     )
     sched = Scheduler(cfg)
     jobs = {}
@@ -430,7 +439,12 @@ def test_random_workloads_match_isolated_runs(seed: int):
             prompt = [1]
         jobs[f"r{i}"] = (prompt, rng.randrange(1, 8))
         sched.add(request(f"r{i}", prompt, jobs[f"r{i}"][1]))
-    outputs, _ = drive(sched)
+    outputs, steps = drive(sched)
+    for step in steps:  # the budget holds; only decodes (never starved) may go past it
+        decodes = sum(s.decode for s in step.seqs)
+        prompt = sum(s.num_new_tokens for s in step.seqs if not s.decode)
+        assert prompt == 0 or prompt + decodes <= cfg.max_prefill_tokens
+        assert decodes == 0 or mixed or prompt == 0
     usable = cfg.num_blocks - 1
     for rid, (prompt, max_tokens) in jobs.items():
         seq_tokens = outputs[rid]
@@ -441,3 +455,83 @@ def test_random_workloads_match_isolated_runs(seed: int):
             assert seq_tokens == full[: len(seq_tokens)]
     assert sched.stats.peak_blocks_in_use <= usable
     assert_all_free(sched)
+
+
+# -- mixed steps: decodes never wait for a prefill ---------------------------------------------
+
+
+def test_mixed_steps_refill_a_slot_while_the_others_decode():
+    sched = Scheduler(SchedulerConfig(max_batch_size=2, block_size=16, num_blocks=11))
+    sched.add(request("a", [1, 2, 3, 4, 5], max_tokens=2))
+    sched.add(request("b", [6, 7, 8, 9, 10], max_tokens=4))
+    sched.add(request("c", [11, 12, 13], max_tokens=2))
+    runner = runner_for(sched)
+    trace = []
+    while (step := sched.schedule()) is not None:
+        trace.append((step.kind, ids(step)))
+        sampled, finished = runner.run(step)
+        trace.append([s.seq_id for s in sched.update(step, sampled, finished)])
+    P, D, M = StepKind.PREFILL, StepKind.DECODE, StepKind.MIXED
+    assert trace == [
+        (P, [("a", 0, 5, True), ("b", 0, 5, True)]),
+        [],
+        (D, [("a", 5, 1, True), ("b", 5, 1, True)]),
+        ["a"],
+        (M, [("b", 6, 1, True), ("c", 0, 3, True)]),  # b decodes while c's prompt runs
+        [],
+        (D, [("b", 7, 1, True), ("c", 3, 1, True)]),
+        ["b", "c"],
+    ]
+    stats = sched.stats
+    assert (stats.prefill_steps, stats.decode_steps, stats.mixed_steps) == (1, 2, 1)
+    assert (stats.prefill_tokens_computed, stats.decode_tokens) == (13, 5)
+    assert_all_free(sched)
+
+
+def decode_gaps(mixed: bool) -> tuple[dict[str, int], list[SchedulerStep], dict[str, list[int]]]:
+    """Eight sequences decode, then a 300-token prompt arrives under a 64-token budget.
+    Returns the longest run of steps each decoding sequence went without a token."""
+    cfg = SchedulerConfig(block_size=16, num_blocks=128, max_prefill_tokens=64, mixed_steps=mixed)
+    sched = Scheduler(cfg)
+    for i in range(8):
+        sched.add(request(f"d{i}", [i + 1] * (5 + i), max_tokens=30))
+    runner = runner_for(sched)
+    outputs: dict[str, list[int]] = {}
+    steps: list[SchedulerStep] = []
+    gaps = {f"d{i}": 0 for i in range(8)}
+    since = dict.fromkeys(gaps, 0)
+    for n in range(200):
+        if n == 3:  # all eight are decoding by now
+            sched.add(request("long", list(range(100, 400)), max_tokens=3))
+        step = sched.schedule()
+        if step is None:
+            break
+        steps.append(step)
+        fed = {s.seq.seq_id for s in step.seqs}
+        for rid in since:
+            if sched.get(rid) is not None and rid not in outputs:
+                since[rid] = 0 if rid in fed else since[rid] + 1
+                gaps[rid] = max(gaps[rid], since[rid])
+        sampled, finished = runner.run(step)
+        for seq in sched.update(step, sampled, finished):
+            outputs[seq.seq_id] = seq.generated_token_ids
+    assert not sched.has_unfinished()
+    return gaps, steps, outputs
+
+
+def test_a_long_prompt_arriving_while_eight_decode_never_stalls_them():
+    gaps, steps, outputs = decode_gaps(mixed=True)
+    assert all(gap == 0 for gap in gaps.values())  # a token every step
+    chunks = [s for step in steps for s in step.seqs if s.seq.seq_id == "long"]
+    assert [c.num_new_tokens for c in chunks[:-2]] == [56, 56, 56, 56, 56, 20]  # 64 - 8 decodes
+    for step in steps:
+        assert sum(s.num_new_tokens for s in step.seqs) <= 64
+    assert any(step.kind is StepKind.MIXED for step in steps)
+    # the same tokens as unmixed steps, which do stall the decodes for the prompt's 5 chunks
+    old_gaps, _, old_outputs = decode_gaps(mixed=False)
+    assert max(old_gaps.values()) == 5
+    assert outputs == old_outputs
+    isolated = Scheduler(SchedulerConfig(block_size=16, num_blocks=128))
+    isolated.add(request("long", list(range(100, 400)), max_tokens=3))
+    assert outputs["long"] == drive(isolated)[0]["long"]
+    assert outputs["d7"] == alone([8] * 12, 30)

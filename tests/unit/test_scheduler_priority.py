@@ -26,7 +26,8 @@ def test_an_online_request_takes_a_full_batch_slot_at_once():
     step = sched.schedule()
     # the most recently admitted batch request gave its slot; the online one runs this step
     assert [s.seq_id for s in step.preempted] == ["b1"]
-    assert [s.seq.seq_id for s in step.seqs] == ["o0"]
+    assert [s.seq.seq_id for s in step.seqs if not s.decode] == ["o0"]
+    assert [s.seq.seq_id for s in step.seqs if s.decode] == ["b0"]  # b0 goes on decoding
     sched.update(step, *runner.run(step))
 
     outputs, _ = drive(sched)

@@ -104,6 +104,10 @@ class BatchLayout:
     # [H, P / block_size] runs of a prefix every sequence shares (same blocks), or None; when
     # set, gather_runs and mask cover only the keys after it (cascade attention)
     prefix_runs: mx.array | None = None
+    # the mask as 0 / -inf to add to scores (one pass per step rather than a `where` per layer)
+    bias: mx.array | None = None
+    # query i of every sequence attends to no gathered key past causal_offset + i
+    causal_offset: int | None = None
 
     @staticmethod
     def build(
@@ -161,14 +165,17 @@ class BatchLayout:
         # causal over absolute positions; padded query rows see key 0 so softmax stays finite
         mask = (kpos[:, None, :] <= qpos[:, :, None]) & kvalid[:, None, :]
         mask[:, :, 0] |= ~qvalid
+        mask_mx = mx.array(mask[:, None, :, :])
         return BatchLayout(
             tokens=mx.array(tokens),
             offsets=mx.array(st.astype(np.int32)),
             write_rows=mx.array(write.reshape(-1).astype(np.int32)),
             gather_runs=mx.array(runs.astype(np.int32)),
-            mask=mx.array(mask[:, None, :, :]),
+            mask=mask_mx,
             last_index=mx.array((lens - 1).astype(np.int32)),
             prefix_runs=prefix_runs,
+            bias=mx.where(mask_mx, mx.array(0.0), mx.array(-mx.inf)),
+            causal_offset=int(st.max()) - first,
         )
 
 

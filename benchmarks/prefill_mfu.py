@@ -8,7 +8,8 @@
   2 x 2 x heads x head_dim per causal query-key pair, the upper triangle not counted). A fresh
   engine prefills one prompt of `prompt_tokens` random tokens (max_tokens 1); rate = tokens
   over the time of its prefill steps. Both attentions are measured in this one run:
-  `attention.FAST_ATTENTION` False (mlx-lm's, the engine before) and True (`chunked_attention`).
+  `attention.FAST_ATTENTION` and `FAST_SWIGLU` False (mlx-lm's attention and activation, the
+  engine before) and True (`chunked_attention`, `kernels.fast_swiglu`).
 - **Decode MFU** at widths 32/64/128: that many requests with distinct random prompts, greedy,
   each generating `decode_tokens`; MFU = FLOPs of the decode steps (body and head per token,
   attention over each token's context) / decode-step time / peak.
@@ -36,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 OUT = Path(__file__).with_name("RESULTS-prefill.md")
+# wall time; --cpu-time swaps in this process's CPU time (steadier on a shared machine, but it
+# counts a second BLAS thread's work as more time, so run those with OPENBLAS_NUM_THREADS=1)
+CLOCK: Callable[[], float] = time.perf_counter
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +121,9 @@ class Timers:
         def wrapper(*args, **kw):
             if self.depth:
                 return fn(*args, **kw)
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             mx.eval(_arrays([args, kw]))  # what was pending is other model work
-            t1 = time.perf_counter()
+            t1 = CLOCK()
             self.depth += 1
             try:
                 out = fn(*args, **kw)
@@ -127,7 +131,7 @@ class Timers:
             finally:
                 self.depth -= 1
             self.seconds["other model ops"] += t1 - t0
-            self.seconds[bucket] += time.perf_counter() - t1
+            self.seconds[bucket] += CLOCK() - t1
             return out
 
         return wrapper
@@ -212,10 +216,10 @@ def run_engine(loaded: Any, prompts: list[list[int]], max_tokens: int, width: in
     mx.synchronize()
     while eng.has_unfinished():
         decodes = eng.stats.decode_steps
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         for o in eng.step():
             outs[o.request_id] = o
-        dt = time.perf_counter() - t0
+        dt = CLOCK() - t0
         if eng.stats.decode_steps > decodes:
             ph.decode_s += dt
         else:
@@ -290,12 +294,12 @@ def section(loaded: Any, s: Settings) -> list[str]:
     tokens: dict[bool, list[int]] = {}
     for _ in range(s.prefill_repeats):
         for fast in (False, True):
-            attention.FAST_ATTENTION = fast
-            log(f"prefill {n} tokens, fast attention {fast}")
+            attention.FAST_ATTENTION = attention.FAST_SWIGLU = fast
+            log(f"prefill {n} tokens, fast kernels {fast}")
             ph = run_engine(loaded, prompt, 1, 1)
             prefill[fast] = min(prefill.get(fast, float("inf")), ph.prefill_s)
             tokens[fast] = ph.tokens[0]
-    attention.FAST_ATTENTION = True
+    attention.FAST_ATTENTION = attention.FAST_SWIGLU = True
 
     decode: dict[int, tuple[float, float, bool]] = {}
     for w in s.widths:
@@ -325,13 +329,16 @@ def section(loaded: Any, s: Settings) -> list[str]:
         "",
     ]
     rows = []
-    for fast, label in ((False, "mlx-lm attention (before)"), (True, "chunked_attention")):
+    for fast, label in (
+        (False, "mlx-lm's attention and swiglu (before)"),
+        (True, "chunked_attention, fast_swiglu"),
+    ):
         t = prefill[fast]
         rows.append([label, f"{t:.2f}", f"{n / t:.0f}", f"{t / floor_s:.1f}x",
                      f"{pf_flops / t / peak:.0%}"])  # fmt: skip
-    lines += _table(rows, ["attention", "prefill s", "tok/s", "vs floor", "of peak"])
+    lines += _table(rows, ["kernels", "prefill s", "tok/s", "vs floor", "of peak"])
     same = "identical" if tokens[False] == tokens[True] else "DIFFERENT"
-    lines += ["", f"Greedy first token with either attention: {same}.", ""]
+    lines += ["", f"Greedy first token with either: {same}.", ""]
 
     lines += [f"**Decode** ({s.decode_prompt_tokens}-token prompts, {s.decode_tokens} new "
               "tokens each, greedy; decode steps only):", ""]  # fmt: skip
@@ -367,7 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--cpu-time", action="store_true", help="time with process CPU time")
     args = p.parse_args(argv)
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.process_time
     if argv is None:
         from batchmlx.accel import ensure_fast_blas
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from batchmlx.engine.kernels import exp_nonpositive, exp_shifted, fast_swiglu, is_mlx_lm_swiglu
 from batchmlx.engine.kv_cache import PagedLayerCache
 
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
@@ -35,29 +36,8 @@ CHUNK_QUERIES = 64
 # The route's choice for paged steps without a shared prefix: True = chunked_attention, False =
 # mlx-lm's own (the engine before this attention; benchmarks flip it to measure both in one run).
 FAST_ATTENTION = True
-
-_LOG2E = 1.4426950408889634
-_ROUND = 12582912.0  # 1.5 * 2**23: x + _ROUND rounds x to an integer in the low mantissa bits
-_ROUND_BITS = 0x4B400000  # the float32 bits of _ROUND
-# 2**f on [-0.5, 0.5] (Taylor coefficients of ln2**k / k!): relative error ~2.5e-7, ~2 ulp
-_POLY = (
-    0.00015403530393381609, 0.0013333558146428443, 0.009618129107628477,
-    0.05550410866482158, 0.2402265069591007, 0.6931471805599453, 1.0,
-)  # fmt: skip
-
-
-def exp_nonpositive(x: mx.array) -> mx.array:
-    """exp(x) for float32 x <= 0 (-inf included, which gives ~2e-38, not 0) in ~20 elementwise
-    ops, each vectorised: exp(x) = 2**n * 2**f with n = round(x * log2 e), |f| <= 1/2."""
-    y = mx.maximum(x * _LOG2E, -125.0)  # keeps 2**n a normal float
-    shifted = y + _ROUND
-    f = y - (shifted - _ROUND)
-    p = mx.array(_POLY[0], mx.float32)
-    for c in _POLY[1:]:
-        p = p * f + c
-    scale = mx.left_shift(shifted.view(mx.int32) + (127 - _ROUND_BITS), 23).view(mx.float32)
-    return p * scale
-
+# mlx-lm's swiglu (MLP activation) swapped for kernels.fast_swiglu during a step; False: as is
+FAST_SWIGLU = True
 
 def additive_mask(mask: mx.array | None, dtype: mx.Dtype = mx.float32) -> mx.array | None:
     """A boolean mask (True = attend) as 0 / -inf to add to scores; float masks pass through."""
@@ -85,7 +65,7 @@ def softmax_parts(
     if bias is not None:
         s = s + bias
     m = s.max(axis=-1, keepdims=True)
-    p = exp_nonpositive(s - m)
+    p = exp_shifted(s, m)
     if ones:
         ov = p @ v
         return ov[..., :-1], ov[..., -1:], m
@@ -240,7 +220,7 @@ def paged_attention(original: Attention, prefix_attention: PrefixAttention) -> A
 
 
 class AttentionRoute:
-    """Where a model's attention is looked up, and what a paged step puts there."""
+    """Where a model's attention (and activation) is looked up, and what a paged step puts there."""
 
     def __init__(self, model: Any, prefix_attention: PrefixAttention = cascade_attention) -> None:
         self.module = sys.modules.get(type(model).__module__)
@@ -248,15 +228,22 @@ class AttentionRoute:
         self.paged = (
             None if self.original is None else paged_attention(self.original, prefix_attention)
         )
+        self.swiglu = getattr(self.module, "swiglu", None)
+        if not is_mlx_lm_swiglu(self.swiglu):
+            self.swiglu = None  # only mlx-lm's own is stood in for
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        """The paged attention in place for the body of the with-statement."""
-        if self.paged is None:  # an architecture without the seam: attention as it is
-            yield
-            return
-        self.module.scaled_dot_product_attention = self.paged
+        """The paged attention (and fast swiglu) in place for the body of the with-statement."""
+        swaps = []
+        if self.paged is not None:  # else an architecture without the seam: attention as it is
+            swaps.append(("scaled_dot_product_attention", self.paged, self.original))
+        if self.swiglu is not None and FAST_SWIGLU:
+            swaps.append(("swiglu", fast_swiglu, self.swiglu))
+        for name, new, _ in swaps:
+            setattr(self.module, name, new)
         try:
             yield
         finally:
-            self.module.scaled_dot_product_attention = self.original
+            for name, _, old in swaps:
+                setattr(self.module, name, old)

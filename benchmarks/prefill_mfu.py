@@ -10,9 +10,9 @@
   over the time of its prefill steps. Both attentions are measured in this one run:
   `attention.FAST_ATTENTION` and `FAST_SWIGLU` False (mlx-lm's attention and activation, the
   engine before) and True (`chunked_attention`, `kernels.fast_swiglu`).
-- **Decode MFU** at widths 32/64/128: that many requests with distinct random prompts, greedy,
-  each generating `decode_tokens`; MFU = FLOPs of the decode steps (body and head per token,
-  attention over each token's context) / decode-step time / peak.
+- **Decode MFU** at widths 32/64/128, with both kernel sets: that many requests with distinct
+  random prompts, greedy, each generating `decode_tokens`; MFU = FLOPs of the decode steps
+  (body and head per token, attention over each token's context) / decode-step time / peak.
 - **Where the time goes**: one instrumented prefill and one instrumented decode run with an
   `mx.eval` barrier around each piece (which costs some speed itself, so the totals are a bit
   above the timed runs): model matmuls (every Linear and the head), attention, KV writes and
@@ -301,13 +301,17 @@ def section(loaded: Any, s: Settings) -> list[str]:
             tokens[fast] = ph.tokens[0]
     attention.FAST_ATTENTION = attention.FAST_SWIGLU = True
 
-    decode: dict[int, tuple[float, float, bool]] = {}
+    decode: dict[tuple[int, bool], tuple[float, float, float]] = {}
     for w in s.widths:
-        log(f"decode at width {w}")
         prompts = random_prompts(w, s.decode_prompt_tokens, 100 + w)
-        ph = run_engine(loaded, prompts, s.decode_tokens, w)
-        flops = decode_flops(mf, prompts, ph.tokens)
-        decode[w] = (flops, ph.decode_s, sum(len(t) - 1 for t in ph.tokens) / ph.decode_s)
+        for fast in (False, True):
+            attention.FAST_ATTENTION = attention.FAST_SWIGLU = fast
+            log(f"decode at width {w}, fast kernels {fast}")
+            ph = run_engine(loaded, prompts, s.decode_tokens, w)
+            flops = decode_flops(mf, prompts, ph.tokens)
+            fed = sum(len(t) - 1 for t in ph.tokens)
+            decode[w, fast] = (flops, ph.decode_s, fed / ph.decode_s)
+    attention.FAST_ATTENTION = attention.FAST_SWIGLU = True
 
     log("profiles")
     pf_timers, pf_ph = profile_engine(loaded, prompt, 1, 1)
@@ -343,10 +347,11 @@ def section(loaded: Any, s: Settings) -> list[str]:
     lines += [f"**Decode** ({s.decode_prompt_tokens}-token prompts, {s.decode_tokens} new "
               "tokens each, greedy; decode steps only):", ""]  # fmt: skip
     rows = [
-        [str(w), f"{tok_s:.0f}", f"{flops / t / 1e9:.0f}", f"{flops / t / peak:.0%}"]
-        for w, (flops, t, tok_s) in decode.items()
-    ]
-    lines += _table(rows, ["width", "decode tok/s", "GFLOP/s", "MFU"])
+        [str(w), "fast" if fast else "mlx-lm's (before)", f"{tok_s:.0f}",
+         f"{flops / t / 1e9:.0f}", f"{flops / t / peak:.0%}"]
+        for (w, fast), (flops, t, tok_s) in decode.items()
+    ]  # fmt: skip
+    lines += _table(rows, ["width", "kernels", "decode tok/s", "GFLOP/s", "MFU"])
 
     lines += ["", "**Where the time goes** (eval barriers around each piece; seconds and share "
               f"of the instrumented steps): prefill of {n} tokens, and decode at width "

@@ -118,7 +118,7 @@ def chunked_attention(
     outs = []
     for q0 in range(0, ql, tile):
         q1 = min(ql, q0 + tile)
-        kc = kl if causal_offset is None else max(1, min(kl, causal_offset + q1))
+        kc = _keys_seen(kl, causal_offset, q1, tile)
         qc = (q if q1 - q0 == ql else q[:, :, :, q0:q1]).reshape(b, h, rep * (q1 - q0), d)
         bc = None if bias is None else _tile_bias(bias, q0, q1, kc, rep)
         kt, vt = (k, v) if kc == kl else (k[:, :, :kc], v[:, :, :kc])
@@ -126,6 +126,15 @@ def chunked_attention(
         outs.append((o / total).reshape(b, h, rep, q1 - q0, d))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(b, hq, ql, d).astype(out_dtype)
+
+
+def _keys_seen(kl: int, causal_offset: int | None, q1: int, tile: int) -> int:
+    """Keys a tile ending at query q1 reads: all, unless skipping saves at least a tile's worth
+    (a slice of the keys is a copy for the matmul; a decode step would pay it to skip a few)."""
+    if causal_offset is None:
+        return kl
+    kc = max(1, causal_offset + q1)
+    return kc if kc <= kl - tile else kl
 
 
 def _f32(x: mx.array) -> mx.array:
@@ -140,7 +149,7 @@ def _causal_bias(ql: int, kl: int, offset: int) -> mx.array:
 def _tile_bias(bias: mx.array, q0: int, q1: int, kc: int, rep: int) -> mx.array:
     """The bias of queries q0:q1 and keys :kc, shaped to add to scores [B, H, rep*(q1-q0), kc]."""
     tb = bias[..., q0:q1, :kc]  # [B, 1, 1, T, kc]
-    if rep == 1:
+    if rep == 1 or q1 - q0 == 1:  # broadcasts as it is (a decode step: no copy)
         return tb[:, :, 0]
     tb = mx.broadcast_to(tb, (tb.shape[0], 1, rep, q1 - q0, kc))
     return tb.reshape(tb.shape[0], 1, rep * (q1 - q0), kc)
@@ -178,7 +187,7 @@ def cascade_attention(
     for q0 in range(0, ql, tile):
         q1 = min(ql, q0 + tile)
         t = q1 - q0
-        kc = ks if causal_offset is None else max(1, min(ks, causal_offset + q1))
+        kc = _keys_seen(ks, causal_offset, q1, tile)
         qc = (q if t == ql else q[:, :, :, q0:q1]).reshape(b, h, rep * t, d)
 
         qp = qc.transpose(1, 0, 2, 3).reshape(h, b * rep * t, d)  # every sequence, one prefix

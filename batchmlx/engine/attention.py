@@ -3,9 +3,16 @@
 mlx-lm model modules bind `scaled_dot_product_attention` at import and call it with the layer's
 cache: that call is the only seam. `AttentionRoute` points it, for one step, at an attention
 that, for a PagedLayerCache, runs a packed step segment by segment (`packed_attention`), a
-padded step holding a shared prefix through `cascade_attention`, and anything else through the
-original; it puts the original back afterwards, so nothing outside a paged step (another
-engine, plain mlx-lm generation in the same process) ever sees a changed module.
+padded step holding a shared prefix through `cascade_attention`, any other paged step through
+`chunked_attention`, and anything else through the original; it puts the original back
+afterwards, so nothing outside a paged step (another engine, plain mlx-lm generation in the same
+process) ever sees a changed module.
+
+Why not MLX's own attention on CPU: its exp costs ~10-13 ns per score element (scalar libm on
+x86), its boolean mask is a `where` pass at ~3 ns, and it scores the whole upper triangle of a
+prompt. `chunked_attention` computes exp with a polynomial in plain elementwise ops (~1-2 ns),
+adds a float mask built once per step, and walks the queries in tiles whose score block stays
+in L2, skipping the keys every query of a tile is masked from (half the work of a prompt).
 """
 
 from __future__ import annotations
@@ -17,21 +24,208 @@ from typing import Any
 
 import mlx.core as mx
 
+from batchmlx.engine.kernels import exp_nonpositive, exp_shifted, fast_swiglu, is_mlx_lm_swiglu
 from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache
 
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
-PrefixAttention = Callable[
-    [mx.array, mx.array, mx.array, tuple[mx.array, mx.array], float, mx.array], mx.array
-]
-# queries [B, Hq, Q, D], keys/values [B, H, K, D], scale, mask [B, 1, Q, K] bool -> [B, Hq, Q, D]
-SegmentAttention = Callable[[mx.array, mx.array, mx.array, float, mx.array], mx.array]
+# (queries, keys, values, prefix, scale, mask, *, causal_offset) -> output
+PrefixAttention = Callable[..., mx.array]
+
+# Query rows per tile: with 9 query heads a tile of 1,000 keys is 9 * 64 * 1000 * 4 B ~ 2.3 MB,
+# about the L2 of this class of machine; smaller tiles pay more per-op overhead.
+CHUNK_QUERIES = 64
+# The route's choice for paged steps without a shared prefix: True = chunked_attention, False =
+# mlx-lm's own (the engine before this attention; benchmarks flip it to measure both in one run).
+FAST_ATTENTION = True
+# mlx-lm's swiglu (MLP activation) swapped for kernels.fast_swiglu during a step; False: as is
+FAST_SWIGLU = True
+
+def additive_mask(mask: mx.array | None, dtype: mx.Dtype = mx.float32) -> mx.array | None:
+    """A boolean mask (True = attend) as 0 / -inf to add to scores; float masks pass through."""
+    if mask is None or mask.dtype != mx.bool_:
+        return mask
+    return mx.where(mask, mx.array(0.0, dtype), mx.array(-mx.inf, dtype))
+
+
+def with_ones(values: mx.array) -> mx.array:
+    """values [..., K, D] -> [..., K, D + 1] with a column of ones: p @ that gives p @ values
+    and p's row sums from one matmul. Worth its copy of the values when the queries per kv head
+    outnumber D (a prompt); a decode step sums its few score rows instead."""
+    values = _f32(values)
+    return mx.concatenate([values, mx.ones((*values.shape[:-1], 1), mx.float32)], axis=-1)
+
+
+def softmax_parts(
+    q: mx.array, k: mx.array, v: mx.array, bias: mx.array | None, *, ones: bool = False
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Unnormalised attention of scaled queries: (exp(s - m) @ v, row sums, row maxima m).
+
+    q [..., R, D], k [..., K, D], v [..., K, Dv] (or [..., K, Dv + 1] from `with_ones` when
+    `ones`), bias broadcastable to the scores [..., R, K]."""
+    s = q @ k.swapaxes(-1, -2)
+    if bias is not None:
+        s = s + bias
+    m = s.max(axis=-1, keepdims=True)
+    p = exp_shifted(s, m)
+    if ones:
+        ov = p @ v
+        return ov[..., :-1], ov[..., -1:], m
+    return p @ v, p.sum(axis=-1, keepdims=True), m
+
+
+def _values(values: mx.array, rows: int) -> tuple[mx.array, bool]:
+    """The values as softmax_parts reads them for `rows` score rows per kv head and key."""
+    if rows > values.shape[-1]:
+        return with_ones(values), True
+    return _f32(values), False
+
+
+def chunked_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: mx.array | str | None,
+    *,
+    causal_offset: int | None = None,
+    chunk: int | None = None,
+) -> mx.array:
+    """softmax(q k^T * scale + mask) v, tile by tile over the queries (mlx-lm's sdpa, numerically).
+
+    queries [B, Hq, Q, D]; keys, values [B, H, K, D] with Hq = rep * H (query head h*rep + r
+    reads kv head h); mask [B or 1, 1, Q, K] bool (True = attend) or additive float, "causal"
+    (the last Q of K positions, each seeing itself and before), or None.
+    causal_offset: query i attends to no key index past causal_offset + i (a prompt starting at
+    position p over keys from position 0: p); tiles then skip the keys no query of theirs sees.
+    Every query must attend to at least one key. Returns [B, Hq, Q, D] in the queries' dtype.
+    """
+    b, hq, ql, d = queries.shape
+    h, kl = keys.shape[1], keys.shape[2]
+    rep = hq // h
+    out_dtype = queries.dtype
+    if mask is not None and isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        causal_offset = kl - ql if causal_offset is None else causal_offset
+        bias = _causal_bias(ql, kl, kl - ql)
+    else:
+        bias = additive_mask(mask)
+    # float32 throughout: the polynomial exp is exact to float32 only
+    q = (_f32(queries) * scale).reshape(b, h, rep, ql, d)
+    tile = chunk or CHUNK_QUERIES
+    k, (v, ones) = _f32(keys), _values(values, rep * min(tile, ql))
+    if bias is not None:
+        bias = bias.astype(mx.float32)[:, :, None]  # [B, 1, 1, Q, K]: broadcast over rep
+    outs = []
+    for q0 in range(0, ql, tile):
+        q1 = min(ql, q0 + tile)
+        kc = _keys_seen(kl, causal_offset, q1, tile)
+        qc = (q if q1 - q0 == ql else q[:, :, :, q0:q1]).reshape(b, h, rep * (q1 - q0), d)
+        bc = None if bias is None else _tile_bias(bias, q0, q1, kc, rep)
+        kt, vt = (k, v) if kc == kl else (k[:, :, :kc], v[:, :, :kc])
+        o, total, _ = softmax_parts(qc, kt, vt, bc, ones=ones)
+        outs.append((o / total).reshape(b, h, rep, q1 - q0, d))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(b, hq, ql, d).astype(out_dtype)
+
+
+def _keys_seen(kl: int, causal_offset: int | None, q1: int, tile: int) -> int:
+    """Keys a tile ending at query q1 reads: all, unless skipping saves at least a tile's worth
+    (a slice of the keys is a copy for the matmul; a decode step would pay it to skip a few)."""
+    if causal_offset is None:
+        return kl
+    kc = max(1, causal_offset + q1)
+    return kc if kc <= kl - tile else kl
+
+
+def _f32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
+def _causal_bias(ql: int, kl: int, offset: int) -> mx.array:
+    allowed = mx.arange(kl)[None, :] <= (mx.arange(ql) + offset)[:, None]
+    return additive_mask(allowed[None, None])
+
+
+def _tile_bias(bias: mx.array, q0: int, q1: int, kc: int, rep: int) -> mx.array:
+    """The bias of queries q0:q1 and keys :kc, shaped to add to scores [B, H, rep*(q1-q0), kc]."""
+    tb = bias[..., q0:q1, :kc]  # [B, 1, 1, T, kc]
+    if rep == 1 or q1 - q0 == 1:  # broadcasts as it is (a decode step: no copy)
+        return tb[:, :, 0]
+    tb = mx.broadcast_to(tb, (tb.shape[0], 1, rep, q1 - q0, kc))
+    return tb.reshape(tb.shape[0], 1, rep * (q1 - q0), kc)
+
+
+def cascade_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    prefix: tuple[mx.array, mx.array],
+    scale: float,
+    mask: mx.array,
+    *,
+    causal_offset: int | None = None,
+) -> mx.array:
+    """Attention over [a prefix every sequence shares] + [each sequence's own keys].
+
+    The prefix part runs all sequences' queries against one copy of the shared keys; the two
+    partial softmaxes are merged by their maxima and sums (the log-sum-exp merge), which equals
+    attention over the concatenated keys. Queries go in tiles as in `chunked_attention`.
+    queries [B, Hq, Q, D]; keys, values [B, H, Ks, D]; prefix [H, Kp, D] each; mask [B, 1, Q, Ks]
+    bool (True = attend) or additive float; causal_offset as in `chunked_attention`, counted in
+    the sequences' own keys.
+    """
+    b, hq, ql, d = queries.shape
+    kp = _f32(prefix[0])
+    h, ks = kp.shape[0], keys.shape[2]
+    rep = hq // h
+    q = (_f32(queries) * scale).reshape(b, h, rep, ql, d)  # query heads h*rep + r share head h
+    tile = min(CHUNK_QUERIES, ql)
+    k, (v, ones) = _f32(keys), _values(values, rep * tile)
+    vp, ones_p = _values(prefix[1], b * rep * tile)
+    bias = _f32(additive_mask(mask))[:, :, None]  # [B, 1, 1, Q, Ks]
+    outs = []
+    for q0 in range(0, ql, tile):
+        q1 = min(ql, q0 + tile)
+        t = q1 - q0
+        kc = _keys_seen(ks, causal_offset, q1, tile)
+        qc = (q if t == ql else q[:, :, :, q0:q1]).reshape(b, h, rep * t, d)
+
+        qp = qc.transpose(1, 0, 2, 3).reshape(h, b * rep * t, d)  # every sequence, one prefix
+        o1, l1, m1 = (
+            x.reshape(h, b, rep * t, x.shape[-1]).transpose(1, 0, 2, 3)
+            for x in softmax_parts(qp, kp, vp, None, ones=ones_p)
+        )
+        bc = _tile_bias(bias, q0, q1, kc, rep)
+        kt, vt = (k, v) if kc == ks else (k[:, :, :kc], v[:, :, :kc])
+        o2, l2, m2 = softmax_parts(qc, kt, vt, bc, ones=ones)
+
+        m = mx.maximum(m1, m2)
+        a1, a2 = exp_nonpositive(m1 - m), exp_nonpositive(m2 - m)
+        out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
+        outs.append(out.reshape(b, h, rep, t, d))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(b, hq, ql, d).astype(queries.dtype)
+
+
+# (queries [B, Hq, Q, D], keys/values [B, H, K, D], scale, mask [B, 1, Q, K] bool or additive,
+# *, causal_offset) -> [B, Hq, Q, D]
+SegmentAttention = Callable[..., mx.array]
 
 
 def segment_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: mx.array,
+    *,
+    causal_offset: int | None = None,
 ) -> mx.array:
     """The attention of one segment of a packed step (a batch of decodes, or one prompt
     chunk against its keys with a causal mask): the one place a faster kernel plugs in."""
+    if FAST_ATTENTION:
+        return chunked_attention(queries, keys, values, scale, mask, causal_offset=causal_offset)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -49,62 +243,21 @@ def packed_attention(
     prefix); a prompt chunk's rows become one sequence [1, Hq, L, D] with a causal mask."""
     layout = cache.layout
     assert isinstance(layout, PackedLayout)
-    if sinks is not None:  # (models with sinks also slide windows, which are not paged yet)
+    if sinks is not None:  # (models with sinks also slide windows, which run padded steps)
         raise NotImplementedError("attention sinks in packed steps: use mixed_steps=False")
     outs = []
     for seg, (keys, values, prefix) in zip(layout.segments, cache.segment_kv, strict=True):
         q = queries[seg.first : seg.first + seg.length]
         if seg.chunk:
             q = q.transpose(2, 1, 0, 3)  # [L, Hq, 1, D] -> [1, Hq, L, D]
+        mask = seg.bias if FAST_ATTENTION else seg.mask
         if prefix is not None:
-            o = prefix_attention(q, keys, values, prefix, scale, seg.mask)
+            o = prefix_attention(q, keys, values, prefix, scale, seg.bias,
+                                 causal_offset=seg.causal_offset)  # fmt: skip
         else:
-            o = attend(q, keys, values, scale, seg.mask)
+            o = attend(q, keys, values, scale, mask, causal_offset=seg.causal_offset)
         outs.append(o.transpose(2, 1, 0, 3) if seg.chunk else o)
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-
-
-def cascade_attention(
-    queries: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    prefix: tuple[mx.array, mx.array],
-    scale: float,
-    mask: mx.array,
-) -> mx.array:
-    """Attention over [a prefix every sequence shares] + [each sequence's own keys].
-
-    The prefix part runs all sequences' queries against one copy of the shared keys; the two
-    partial softmaxes are merged by their maxima and sums (the log-sum-exp merge), which equals
-    attention over the concatenated keys.
-    queries [B, Hq, Q, D]; keys, values [B, H, Ks, D]; prefix [H, Kp, D] each; mask [B, 1, Q, Ks].
-    """
-    b, hq, ql, d = queries.shape
-    kp, vp = prefix
-    h = kp.shape[0]
-    rep = hq // h
-    q = (queries * scale).reshape(b, h, rep * ql, d)  # query heads h*rep + r share kv head h
-
-    qp = q.transpose(1, 0, 2, 3).reshape(h, b * rep * ql, d)
-    s1 = qp @ kp.swapaxes(-1, -2)
-    m1 = s1.max(axis=-1, keepdims=True)
-    p1 = mx.exp(s1 - m1)
-
-    def per_seq(x: mx.array) -> mx.array:  # [H, B*rep*Q, X] -> [B, H, rep*Q, X]
-        return x.reshape(h, b, rep * ql, x.shape[-1]).transpose(1, 0, 2, 3)
-
-    o1, l1, m1 = per_seq(p1 @ vp), per_seq(p1.sum(axis=-1, keepdims=True)), per_seq(m1)
-
-    s2 = (q @ keys.swapaxes(-1, -2)).reshape(b, h, rep, ql, -1)
-    s2 = mx.where(mask[:, :, None], s2, mx.array(-mx.inf, s2.dtype)).reshape(b, h, rep * ql, -1)
-    m2 = s2.max(axis=-1, keepdims=True)
-    p2 = mx.exp(s2 - m2)
-    o2, l2 = p2 @ values, p2.sum(axis=-1, keepdims=True)
-
-    m = mx.maximum(m1, m2)
-    a1, a2 = mx.exp(m1 - m), mx.exp(m2 - m)
-    out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
-    return out.reshape(b, hq, ql, d)
 
 
 def paged_attention(
@@ -112,14 +265,24 @@ def paged_attention(
     prefix_attention: PrefixAttention,
     attend: SegmentAttention = segment_attention,
 ) -> Attention:
-    """mlx-lm's attention with packed steps run by segment and padded steps that share a
-    prefix sent to `prefix_attention`."""
+    """mlx-lm's attention with packed steps run by segment, and padded paged steps sent to
+    `prefix_attention` (a shared prefix) or `chunked_attention` (none), with the step's additive
+    mask and causal offset."""
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kw):
         if isinstance(cache, PagedLayerCache) and isinstance(cache.layout, PackedLayout):
             return packed_attention(queries, cache, scale, attend, prefix_attention, sinks)
-        if isinstance(cache, PagedLayerCache) and cache.prefix is not None and sinks is None:
-            return prefix_attention(queries, keys, values, cache.prefix, scale, mask)
+        if isinstance(cache, PagedLayerCache) and sinks is None:
+            lay = cache.layout
+            # the step's mask as 0/-inf, built once for every layer (a window layer's own mask
+            # is another array: it goes as it is)
+            bias = lay.bias if mask is lay.mask and lay.bias is not None else mask
+            if cache.prefix is not None:
+                return prefix_attention(queries, keys, values, cache.prefix, scale, bias,
+                                        causal_offset=lay.causal_offset)  # fmt: skip
+            if FAST_ATTENTION:
+                return chunked_attention(queries, keys, values, scale, bias,
+                                         causal_offset=lay.causal_offset)  # fmt: skip
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                         sinks=sinks, **kw)  # fmt: skip
 
@@ -127,7 +290,7 @@ def paged_attention(
 
 
 class AttentionRoute:
-    """Where a model's attention is looked up, and what a paged step puts there."""
+    """Where a model's attention (and activation) is looked up, and what a paged step puts there."""
 
     def __init__(
         self,
@@ -142,15 +305,22 @@ class AttentionRoute:
             if self.original is None
             else paged_attention(self.original, prefix_attention, attend)
         )
+        self.swiglu = getattr(self.module, "swiglu", None)
+        if not is_mlx_lm_swiglu(self.swiglu):
+            self.swiglu = None  # only mlx-lm's own is stood in for
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        """The paged attention in place for the body of the with-statement."""
-        if self.paged is None:  # an architecture without the seam: attention as it is
-            yield
-            return
-        self.module.scaled_dot_product_attention = self.paged
+        """The paged attention (and fast swiglu) in place for the body of the with-statement."""
+        swaps = []
+        if self.paged is not None:  # else an architecture without the seam: attention as it is
+            swaps.append(("scaled_dot_product_attention", self.paged, self.original))
+        if self.swiglu is not None and FAST_SWIGLU:
+            swaps.append(("swiglu", fast_swiglu, self.swiglu))
+        for name, new, _ in swaps:
+            setattr(self.module, name, new)
         try:
             yield
         finally:
-            self.module.scaled_dot_product_attention = self.original
+            for name, _, old in swaps:
+                setattr(self.module, name, old)

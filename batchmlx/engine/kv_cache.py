@@ -104,6 +104,10 @@ class BatchLayout:
     # [H, P / block_size] runs of a prefix every sequence shares (same blocks), or None; when
     # set, gather_runs and mask cover only the keys after it (cascade attention)
     prefix_runs: mx.array | None = None
+    # the mask as 0 / -inf to add to scores (one pass per step rather than a `where` per layer)
+    bias: mx.array | None = None
+    # query i of every sequence attends to no gathered key past causal_offset + i
+    causal_offset: int | None = None
     # [B, Q] position of each query and [K] of each key, host-side: only a model with
     # sliding-window layers reads them (window_mask)
     query_pos: np.ndarray | None = None
@@ -165,6 +169,8 @@ class BatchLayout:
             mask=mask,
             last_index=mx.array((lens - 1).astype(np.int32)),
             prefix_runs=prefix_runs,
+            bias=additive_bias(mask),
+            causal_offset=int(st.max()) - int(kpos[0]),
             query_pos=qwin,
             key_pos=kpos,
         )
@@ -182,6 +188,8 @@ class Segment:
     gather_runs: mx.array  # [B, H, K / block_size], B = length (rows) or 1 (chunk)
     mask: mx.array  # [B, 1, Q, K] bool, Q = 1 (rows) or length (chunk)
     prefix_runs: mx.array | None  # shared prefix of the rows (cascade attention), or None
+    bias: mx.array  # the mask as 0 / -inf
+    causal_offset: int  # query i attends to no gathered key past causal_offset + i
 
 
 @dataclass(slots=True)
@@ -241,10 +249,13 @@ class PackedLayout:
                 table[r, : len(block_tables[i])] = block_tables[i]
             qpos = st[:, None] + np.arange(q)[None, :]
             qvalid = np.ones_like(qpos, dtype=bool)  # no padding: every query is real
-            runs, mask, prefix, _, _ = _key_view(
+            runs, mask, prefix, _, kpos = _key_view(
                 block_size, h, table, st, lens, qpos, qvalid, share_prefix
             )
-            segments.append(Segment(first, len(tokens) - first, chunk, runs, mask, prefix))
+            segments.append(Segment(
+                first, len(tokens) - first, chunk, runs, mask, prefix, additive_bias(mask),
+                int(st.max()) - int(kpos[0]),
+            ))  # fmt: skip
 
         if singles:
             segment(singles, chunk=False)
@@ -308,6 +319,12 @@ def _key_view(
         mx.array(runs.astype(np.int32)), mx.array(mask[:, None, :, :]), prefix_runs, qwin,
         np.arange(first, k),
     )  # fmt: skip
+
+
+def additive_bias(mask: mx.array) -> mx.array:
+    """A boolean mask (True = attend) as 0 / -inf to add to scores: built once per step, read
+    by every layer."""
+    return mx.where(mask, mx.array(0.0), mx.array(-mx.inf))
 
 
 def _shared_prefix_blocks(table: np.ndarray, lens: np.ndarray, computed: int) -> int:

@@ -29,6 +29,11 @@ def test_cascade_equals_attention_over_concatenated_keys(q_len: int, rep: int) -
     want = mx.fast.scaled_dot_product_attention(q, full_k, full_v, scale=0.25, mask=full_mask)
     got = cascade_attention(q, suf_k, suf_v, (prefix_k, prefix_v), 0.25, mask)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+    # in query tiles, with the keys no query of a tile sees skipped (offset: last row's start)
+    tiled = cascade_attention(
+        q, suf_k, suf_v, (prefix_k, prefix_v), 0.25, mask, causal_offset=ks - q_len
+    )
+    np.testing.assert_allclose(np.array(tiled), np.array(want), atol=1e-5, rtol=1e-5)
 
 
 def test_layout_finds_the_prefix_every_sequence_shares() -> None:
@@ -51,6 +56,7 @@ def test_paged_attention_is_in_place_only_during_a_step(monkeypatch) -> None:
     import sys
     import types
 
+    from batchmlx.engine import attention
     from batchmlx.engine.attention import AttentionRoute
     from batchmlx.engine.kv_cache import PagedLayerCache
 
@@ -65,20 +71,29 @@ def test_paged_attention_is_in_place_only_during_a_step(monkeypatch) -> None:
     model_type = type("Model", (), {"__module__": module.__name__})
     monkeypatch.setitem(sys.modules, module.__name__, module)
 
-    def prefix_attention(queries, keys, values, prefix, scale, mask):
+    def prefix_attention(queries, keys, values, prefix, scale, mask, *, causal_offset=None):
         calls.append("prefix")
         return queries
 
+    def fast(queries, keys, values, scale, mask, *, causal_offset=None):
+        calls.append("chunked")
+        return queries
+
+    monkeypatch.setattr(attention, "chunked_attention", fast)
+    layout = BatchLayout.build(
+        block_size=4, n_kv_heads=1, token_chunks=[[1]], starts=[0], block_tables=[[1]]
+    )
     route = AttentionRoute(model_type(), prefix_attention)
     shared = PagedLayerCache.__new__(PagedLayerCache)
-    shared.prefix = (mx.zeros(1), mx.zeros(1))
+    shared.prefix, shared.layout = (mx.zeros(1), mx.zeros(1)), layout
     alone = PagedLayerCache.__new__(PagedLayerCache)
-    alone.prefix = None
-    shared.layout = alone.layout = None  # padded steps (not packed)
+    alone.prefix, alone.layout = None, layout
     with route.active():
         sdpa = module.scaled_dot_product_attention
         assert sdpa is not original
         for cache in (shared, alone, None):
-            sdpa(mx.zeros(1), None, None, cache=cache, scale=1.0, mask=None)
+            sdpa(mx.zeros(1), None, None, cache=cache, scale=1.0, mask=layout.mask)
+        monkeypatch.setattr(attention, "FAST_ATTENTION", False)  # the old route, for benchmarks
+        sdpa(mx.zeros(1), None, None, cache=alone, scale=1.0, mask=layout.mask)
     assert module.scaled_dot_product_attention is original  # put back after the step
-    assert calls == ["prefix", "original", "original"]
+    assert calls == ["prefix", "chunked", "original", "original"]

@@ -119,3 +119,26 @@ def test_prefix_cache_table_of_the_seed(default_model):
     assert c.cache_outcome in (CacheOutcome.MISS, CacheOutcome.PREFIX_HIT)
     assert d.cache_outcome is CacheOutcome.HIT
     assert a.token_ids == b.token_ids == d.token_ids
+
+
+def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts, monkeypatch):
+    """chunked_attention (query tiles past 64 tokens, skipped key tiles) and fast_swiglu give
+    the tokens mlx-lm's attention and activation give, alone and in a batch, with a shared
+    prefix (cascade) and without."""
+    from batchmlx.engine import attention
+
+    tok = default_model.tokenizer
+    story = " ".join(f"Line {i}: the library opens at nine and closes at five." for i in range(30))
+    long = [chat_ids(tok, story + " When does the library open?")]
+    assert len(long[0]) > 3 * attention.CHUNK_QUERIES
+    eos = [tok.eos_token_id]
+
+    def run(**cfg):
+        out = make_engine(default_model, **cfg).generate(greedy_reqs(long + prompts, eos, n=8))
+        return [o.token_ids for o in out]
+
+    fast = run(max_batch_size=8)
+    fast_simple = run(simple=True)
+    monkeypatch.setattr(attention, "FAST_ATTENTION", False)
+    monkeypatch.setattr(attention, "FAST_SWIGLU", False)
+    assert fast == run(max_batch_size=8) == fast_simple

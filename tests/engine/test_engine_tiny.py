@@ -361,9 +361,9 @@ def test_a_mixed_step_attends_by_segment_without_padding(model):
 
     shapes: list[tuple[int, int, int]] = []  # (batch, queries, keys) of each segment call
 
-    def attend(queries, keys, values, scale, mask):
+    def attend(queries, keys, values, scale, mask, *, causal_offset=None):
         shapes.append((queries.shape[0], queries.shape[2], keys.shape[2]))
-        return segment_attention(queries, keys, values, scale, mask)
+        return segment_attention(queries, keys, values, scale, mask, causal_offset=causal_offset)
 
     e = engine(model, max_batch_size=8, max_prefill_tokens=24, use_paged_cache=False)
     e.runner.attention = AttentionRoute(model, attend=attend)

@@ -1,0 +1,60 @@
+"""Fast elementwise kernels equal MLX's own; a step swaps mlx-lm's swiglu only while it runs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from batchmlx.engine.kernels import ShapeCompiled, exp_shifted, fast_swiglu, is_mlx_lm_swiglu
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_fast_swiglu_equals_mlx_lm_swiglu(dtype) -> None:
+    from mlx_lm.models.activations import swiglu
+
+    keys = mx.random.split(mx.random.key(5), 2)
+    gate = (mx.random.normal((3, 7, 96), key=keys[0]) * 6).astype(dtype)
+    x = mx.random.normal((3, 7, 96), key=keys[1]).astype(dtype)
+    extremes = mx.broadcast_to(mx.array([[[-200.0, 200.0, 0.0] * 32]], dtype), (3, 1, 96))
+    gate = mx.concatenate([gate, extremes], axis=1)
+    x = mx.concatenate([x, mx.ones((3, 1, 96), dtype)], axis=1)
+    got, want = fast_swiglu(gate, x), swiglu(gate, x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = 1e-6 if dtype == mx.float32 else 1e-2
+    np.testing.assert_allclose(
+        np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=tol, atol=tol
+    )
+    assert is_mlx_lm_swiglu(swiglu) and not is_mlx_lm_swiglu(fast_swiglu)
+
+
+def test_exp_shifted_is_softmax_numerators() -> None:
+    s = mx.random.normal((4, 33), key=mx.random.key(2)) * 10
+    m = s.max(axis=-1, keepdims=True)
+    np.testing.assert_allclose(np.array(exp_shifted(s, m)), np.exp(np.array(s - m)), rtol=2e-6)
+
+
+def test_shape_compiled_keeps_at_most_its_limit_of_shapes() -> None:
+    f = ShapeCompiled(lambda a: a * 2 + 1, limit=2)
+    for n in (1, 2, 3, 2, 4):
+        np.testing.assert_array_equal(np.array(f(mx.ones((n,)))), np.full(n, 3.0))
+        assert len(f._shapes) <= 2
+    assert f._shapes == {(((4,), mx.float32),)}  # restarted at shape 3, then at shape 4
+
+
+def test_the_step_swaps_swiglu_and_puts_it_back(tiny_model, monkeypatch) -> None:
+    import sys
+
+    from batchmlx.engine import attention
+    from batchmlx.engine.attention import AttentionRoute
+    from batchmlx.engine.kernels import fast_swiglu as fast
+
+    module = sys.modules[type(tiny_model).__module__]
+    original = module.swiglu
+    route = AttentionRoute(tiny_model)
+    with route.active():
+        assert module.swiglu is fast
+    assert module.swiglu is original
+    monkeypatch.setattr(attention, "FAST_SWIGLU", False)
+    with route.active():
+        assert module.swiglu is original

@@ -296,8 +296,10 @@ def _table(rows: list[list[str]], head: list[str]) -> list[str]:
     return out + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-def section(loaded: Any, s: Settings) -> list[str]:
-    """Markdown lines: prefill vs floor (both attentions), decode MFU per width, time breakdown."""
+def section(loaded: Any, s: Settings, found: dict[str, Any] | None = None) -> list[str]:
+    """Markdown lines: prefill vs floor (both attentions), decode MFU per width, time breakdown.
+    found, when given, receives the headline figures: prefill_vs_floor (fast kernels) and mfu
+    {width: fraction of the peak} (fast kernels), for the targets table."""
     from batchmlx.engine import attention
 
     mf = ModelFlops.of(loaded.model)
@@ -339,6 +341,9 @@ def section(loaded: Any, s: Settings) -> list[str]:
     peak = max(peaks) * 1e9
 
     floor_s = pf_flops / peak
+    if found is not None:
+        found["prefill_vs_floor"] = prefill[True] / floor_s
+        found["mfu"] = {w: f / t / peak for (w, fast), (f, t, _) in decode.items() if fast}
     lines = [
         "## Prefill against its compute floor, decode MFU, where the time goes",
         "",

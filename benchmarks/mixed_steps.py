@@ -183,7 +183,8 @@ def section(loaded: Any, quick: bool = False, workload: Workload | None = None) 
     on, off = runs[-2], runs[-1]
     lines += [
         "",
-        f"Round {w.rounds} (rounds alternate which mode runs first), on / off: throughput **{on.tok_s / off.tok_s:.2f}x** (CPU time "
+        f"Round {w.rounds} (rounds alternate which mode runs first), on / off: throughput "
+        f"**{on.tok_s / off.tok_s:.2f}x** (CPU time "
         f"{on.cpu_s / off.cpu_s:.2f}x), longest stall "
         f"**{on.stall_s / off.stall_s:.2f}x**, long-prompt TTFT p50 "
         f"{statistics.median(on.ttft_long) / statistics.median(off.ttft_long):.2f}x. "

@@ -176,6 +176,7 @@ def instrumented(engine: Any, timers: Timers) -> Iterator[None]:
     patch(engine.runner.attention, "paged", "attention")
     patch(kv_cache.PagedLayerCache, "update_and_fetch", "KV writes and gathers")
     patch(kv_cache.BatchLayout, "build", "layout")
+    patch(kv_cache.PackedLayout, "build", "layout")  # mixed steps run packed
     patch(llm_engine, "sample", "sampling")
     patch(engine.grammars, "mask", "sampling")
     try:

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from batchmlx.engine.kernels import exp_nonpositive, exp_shifted, fast_swiglu, is_mlx_lm_swiglu
-from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache
+from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache, SegmentKind
 
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
 # (queries, keys, values, prefix, scale, mask, *, causal_offset) -> output
@@ -239,24 +239,32 @@ def packed_attention(
 ) -> mx.array:
     """queries [T, Hq, 1, D] of a PackedLayout, regrouped by segment, answered in row order.
 
-    One-token rows attend as a batch [B, Hq, 1, D] (with the cascade when they share a
-    prefix); a prompt chunk's rows become one sequence [1, Hq, L, D] with a causal mask."""
+    One-token rows attend as a batch [B, Hq, 1, D]; a prompt chunk's rows become one sequence
+    [1, Hq, L, D] with a causal mask; similar chunks become a padded batch [B, Hq, Q, D]; a
+    segment whose sequences share leading blocks runs the cascade."""
     layout = cache.layout
     assert isinstance(layout, PackedLayout)
     if sinks is not None:  # (models with sinks also slide windows, which run padded steps)
         raise NotImplementedError("attention sinks in packed steps: use mixed_steps=False")
     outs = []
     for seg, (keys, values, prefix) in zip(layout.segments, cache.segment_kv, strict=True):
-        q = queries[seg.first : seg.first + seg.length]
-        if seg.chunk:
-            q = q.transpose(2, 1, 0, 3)  # [L, Hq, 1, D] -> [1, Hq, L, D]
+        q = queries[seg.first : seg.first + seg.length]  # [n, Hq, 1, D]
+        hq, d = q.shape[1], q.shape[3]
+        if seg.kind is SegmentKind.CHUNK:
+            q = q.transpose(2, 1, 0, 3)  # [1, Hq, L, D]
+        elif seg.kind is SegmentKind.CHUNKS:
+            q = q[seg.pad_rows].reshape(seg.batch, seg.queries, hq, d).transpose(0, 2, 1, 3)
         mask = seg.bias if FAST_ATTENTION else seg.mask
         if prefix is not None:
             o = prefix_attention(q, keys, values, prefix, scale, seg.bias,
                                  causal_offset=seg.causal_offset)  # fmt: skip
         else:
             o = attend(q, keys, values, scale, mask, causal_offset=seg.causal_offset)
-        outs.append(o.transpose(2, 1, 0, 3) if seg.chunk else o)
+        if seg.kind is SegmentKind.CHUNK:
+            o = o.transpose(2, 1, 0, 3)
+        elif seg.kind is SegmentKind.CHUNKS:
+            o = o.transpose(0, 2, 1, 3).reshape(-1, hq, 1, d)[seg.real_rows]
+        outs.append(o)
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 

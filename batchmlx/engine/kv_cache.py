@@ -15,6 +15,7 @@ lets any mlx-lm architecture with the standard cache protocol run paged.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -176,20 +177,38 @@ class BatchLayout:
         )
 
 
+class SegmentKind(enum.Enum):
+    ROWS = "rows"  # one-token sequences (decodes) as [B, Hq, 1, D]
+    CHUNK = "chunk"  # one sequence's prompt chunk as [1, Hq, L, D]
+    CHUNKS = "chunks"  # chunks of similar length, padded to the longest: [B, Hq, Q, D]
+
+
+# chunks share a segment while the padded queries stay within this factor of the real ones:
+# one attention call for many short chunks (a batch of prompts behind a cached system prompt)
+# without paying much padding, while a long chunk keeps a segment of its own
+CHUNK_PADDING_BOUND = 1.5
+
+
 @dataclass(slots=True)
 class Segment:
-    """Packed tokens [first, first + length) that attend as one batch: either `length`
-    one-token sequences (decodes) as [length, Hq, 1, D], or one sequence's prompt chunk as
-    [1, Hq, length, D]."""
+    """Packed tokens [first, first + length) that attend as one batch of B sequences of up to
+    Q queries each (see SegmentKind)."""
 
     first: int
     length: int
-    chunk: bool  # one sequence's multi-token chunk (else one-token rows)
-    gather_runs: mx.array  # [B, H, K / block_size], B = length (rows) or 1 (chunk)
-    mask: mx.array  # [B, 1, Q, K] bool, Q = 1 (rows) or length (chunk)
-    prefix_runs: mx.array | None  # shared prefix of the rows (cascade attention), or None
+    kind: SegmentKind
+    batch: int  # B
+    queries: int  # Q
+    gather_runs: mx.array  # [B, H, K / block_size]
+    mask: mx.array  # [B, 1, Q, K] bool
+    prefix_runs: mx.array | None  # shared prefix of the B sequences (cascade attention), or None
     bias: mx.array  # the mask as 0 / -inf
     causal_offset: int  # query i attends to no gathered key past causal_offset + i
+    # CHUNKS only: row (from `first`) of each of the B*Q padded queries (padding repeats a real
+    # row; the mask keeps it finite and its output is dropped), and the padded index of each
+    # of the `length` real rows
+    pad_rows: mx.array | None = None
+    real_rows: mx.array | None = None
 
 
 @dataclass(slots=True)
@@ -198,7 +217,8 @@ class PackedLayout:
     token ([T, 1]), so every projection and MLP computes exactly T rows however the step mixes
     decodes and prompt chunks. Each token carries its own RoPE position; attention regroups the
     rows by `segments` (engine/attention.py). Tokens are ordered one-token sequences first, then
-    each chunk; `last_index` maps each input sequence to the row of its last token."""
+    the chunks, longest first, each chunk's tokens together; `last_index` maps each input
+    sequence to the row of its last token."""
 
     tokens: mx.array  # [T, 1] int32
     offsets: mx.array  # [T] absolute position of each token
@@ -236,31 +256,39 @@ class PackedLayout:
             last[i] = len(tokens) + len(pos) - 1
             tokens.extend(token_chunks[i])
 
-        def segment(members: list[int], chunk: bool) -> None:
+        def segment(members: list[int], kind: SegmentKind) -> None:
             first = len(tokens)
             for i in members:
                 place(i)
             lens = np.array([len(token_chunks[i]) for i in members], dtype=np.int64)
             st = np.array([starts[i] for i in members], dtype=np.int64)
-            q = int(lens.max())
+            b, q = len(members), int(lens.max())
             nblk = max(max(len(block_tables[i]) for i in members), 1)
-            table = np.zeros((len(members), nblk), dtype=np.int64)
+            table = np.zeros((b, nblk), dtype=np.int64)
             for r, i in enumerate(members):
                 table[r, : len(block_tables[i])] = block_tables[i]
             qpos = st[:, None] + np.arange(q)[None, :]
-            qvalid = np.ones_like(qpos, dtype=bool)  # no padding: every query is real
+            qvalid = np.arange(q)[None, :] < lens[:, None]
             runs, mask, prefix, _, kpos = _key_view(
                 block_size, h, table, st, lens, qpos, qvalid, share_prefix
             )
-            segments.append(Segment(
-                first, len(tokens) - first, chunk, runs, mask, prefix, additive_bias(mask),
+            seg = Segment(
+                first, len(tokens) - first, kind, b, q, runs, mask, prefix, additive_bias(mask),
                 int(st.max()) - int(kpos[0]),
-            ))  # fmt: skip
+            )
+            if kind is SegmentKind.CHUNKS:
+                member_first = np.concatenate([[0], np.cumsum(lens)[:-1]])
+                pad = member_first[:, None] + np.arange(q)[None, :]
+                seg.pad_rows = mx.array(np.where(qvalid, pad, 0).reshape(-1).astype(np.int32))
+                real = (np.arange(b)[:, None] * q + np.arange(q)[None, :])[qvalid]
+                seg.real_rows = mx.array(real.astype(np.int32))
+            segments.append(seg)
 
         if singles:
-            segment(singles, chunk=False)
-        for i in chunks:
-            segment([i], chunk=True)
+            segment(singles, SegmentKind.ROWS)
+        for group in _chunk_groups([len(token_chunks[i]) for i in chunks]):
+            members = [chunks[j] for j in group]
+            segment(members, SegmentKind.CHUNK if len(members) == 1 else SegmentKind.CHUNKS)
         return PackedLayout(
             tokens=mx.array(np.asarray(tokens, dtype=np.int32)[:, None]),
             offsets=mx.array(np.concatenate(positions).astype(np.int32)),
@@ -268,6 +296,23 @@ class PackedLayout:
             segments=segments,
             last_index=mx.array(last),
         )
+
+
+def _chunk_groups(lens: list[int]) -> list[list[int]]:
+    """Indices into lens, grouped: longest first, a chunk joins the current group while the
+    group padded to its longest stays within CHUNK_PADDING_BOUND of its real tokens."""
+    groups: list[list[int]] = []
+    real = 0
+    for j in sorted(range(len(lens)), key=lambda j: -lens[j]):
+        if groups:
+            g = groups[-1]
+            if (len(g) + 1) * lens[g[0]] <= CHUNK_PADDING_BOUND * (real + lens[j]):
+                g.append(j)
+                real += lens[j]
+                continue
+        groups.append([j])
+        real = lens[j]
+    return groups
 
 
 def _key_view(

@@ -322,7 +322,7 @@ def test_mixed_steps_keep_logprobs_and_seeded_sampling(model):
 
 
 def test_packed_layout_feeds_each_token_once_at_its_position():
-    from batchmlx.engine.kv_cache import BatchLayout, PackedLayout
+    from batchmlx.engine.kv_cache import BatchLayout, PackedLayout, SegmentKind
 
     kw = dict(
         block_size=4, n_kv_heads=2, token_chunks=[[5, 6, 7, 8, 9], [3], [4, 2], [1]],
@@ -333,9 +333,12 @@ def test_packed_layout_feeds_each_token_once_at_its_position():
     assert packed.tokens[:, 0].tolist() == [3, 1, 5, 6, 7, 8, 9, 4, 2]
     assert packed.offsets.tolist() == [9, 4, 2, 3, 4, 5, 6, 0, 1]
     assert packed.last_index.tolist() == [6, 0, 8, 1]
-    assert [(s.first, s.length, s.chunk) for s in packed.segments] == [
-        (0, 2, False), (2, 5, True), (7, 2, True)
+    # the two chunks (5 and 2 tokens) pad to 10 queries for 7 real ones: one segment
+    assert [(s.first, s.length, s.kind, s.batch, s.queries) for s in packed.segments] == [
+        (0, 2, SegmentKind.ROWS, 2, 1), (2, 7, SegmentKind.CHUNKS, 2, 5)
     ]  # fmt: skip
+    assert packed.segments[1].pad_rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 0, 0]
+    assert packed.segments[1].real_rows.tolist() == [0, 1, 2, 3, 4, 5, 6]
     # the same KV rows as the padded layout writes, token for token
     pad = np.array(padded.write_rows.tolist()).reshape(4, 2, 2 + 3)  # [B, H, Q]
     rows = np.array(packed.write_rows.tolist()).reshape(9, 2)  # [T, H]
@@ -345,18 +348,19 @@ def test_packed_layout_feeds_each_token_once_at_its_position():
 
 
 def test_packed_decodes_sharing_a_prefix_keep_the_cascade():
-    from batchmlx.engine.kv_cache import PackedLayout
+    from batchmlx.engine.kv_cache import PackedLayout, SegmentKind
 
     layout = PackedLayout.build(
         block_size=4, n_kv_heads=2, token_chunks=[[1], [2], [3, 4, 5]], starts=[9, 10, 0],
         block_tables=[[1, 2, 3], [1, 2, 4], [5]],
     )  # fmt: skip
     rows, chunk = layout.segments
+    assert chunk.kind is SegmentKind.CHUNK
     assert rows.prefix_runs is not None and rows.prefix_runs.shape == (2, 2)  # blocks 1, 2
     assert chunk.prefix_runs is None  # one sequence: nothing to share
 
 
-def test_a_mixed_step_attends_by_segment_without_padding(model):
+def test_a_mixed_step_attends_by_segment(model):
     from batchmlx.engine.attention import AttentionRoute, segment_attention
 
     shapes: list[tuple[int, int, int]] = []  # (batch, queries, keys) of each segment call
@@ -369,8 +373,8 @@ def test_a_mixed_step_attends_by_segment_without_padding(model):
     e.runner.attention = AttentionRoute(model, attend=attend)
     e.add(GenerationRequest("a", prompts()[2], GREEDY))  # 7 tokens
     e.add(GenerationRequest("b", prompts()[5], GREEDY))  # 3 tokens
-    e.step()  # both prompts: two chunks
-    assert sorted(shapes) == [(1, 3, 4), (1, 3, 4), (1, 7, 8), (1, 7, 8)]  # 2 layers each
+    e.step()  # both prompts: chunks of 7 and 3 tokens, close enough to share one segment
+    assert shapes == [(2, 7, 8), (2, 7, 8)]  # one call per layer (2 layers)
     shapes.clear()
     e.add(GenerationRequest("long", list(range(1, 41)), GREEDY))
     e.step()  # a mixed step: a and b decode beside the first 22 tokens of the long prompt
@@ -388,3 +392,34 @@ def test_a_model_without_the_attention_seam_keeps_unmixed_padded_steps(model, mo
     assert e.stats.mixed_steps == 0
     for _, r in mixed_workload():
         assert outs[r.request_id].token_ids == reference_greedy(model, r.prompt_tokens, 12)
+
+
+def test_chunks_of_similar_length_share_a_segment_and_a_long_one_stays_alone():
+    from batchmlx.engine.kv_cache import _chunk_groups
+
+    assert _chunk_groups([20, 480, 18, 22, 15]) == [[1], [3, 0, 2, 4]]  # 4*22 <= 1.5*75
+    assert _chunk_groups([30, 9]) == [[0], [1]]  # 2*30 > 1.5*39
+
+
+def test_prompt_chunks_behind_a_cached_prefix_run_as_one_cascade_segment(model):
+    from batchmlx.engine.attention import AttentionRoute, cascade_attention
+
+    calls: list[tuple[int, int]] = []  # (batch, queries) of each cascade call
+
+    def counting(queries, keys, values, prefix, scale, mask, *, causal_offset=None):
+        calls.append((queries.shape[0], queries.shape[2]))
+        return cascade_attention(queries, keys, values, prefix, scale, mask,
+                                 causal_offset=causal_offset)  # fmt: skip
+
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, 97, size=16).tolist()  # 4 full blocks
+    tails = [rng.integers(1, 97, size=n).tolist() for n in (6, 5, 7)]
+    e = engine(model, max_batch_size=8)
+    e.runner.attention = AttentionRoute(model, prefix_attention=counting)
+    e.generate([GenerationRequest("warm", system + [5], GREEDY)])  # caches the 4 blocks
+    calls.clear()
+    outs = e.generate(reqs([system + t for t in tails]))
+    assert calls[:2] == [(3, 7), (3, 7)]  # the three chunks, padded to 7 queries, per layer
+    for o, t in zip(outs, tails, strict=True):
+        assert o.cached_tokens == 16
+        assert o.token_ids == reference_greedy(model, system + t, 12)

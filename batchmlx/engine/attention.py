@@ -34,11 +34,19 @@ PrefixAttention = Callable[..., mx.array]
 # Query rows per tile: with 9 query heads a tile of 1,000 keys is 9 * 64 * 1000 * 4 B ~ 2.3 MB,
 # about the L2 of this class of machine; smaller tiles pay more per-op overhead.
 CHUNK_QUERIES = 64
+
+
+def cpu_kernels(device: mx.Device | None = None) -> bool:
+    """Whether the CPU kernels below pay: they stand in for MLX's scalar CPU exp; on a GPU
+    (Metal, CUDA) MLX's own fused attention and activations are the fast ones."""
+    return (device or mx.default_device()).type == mx.DeviceType.cpu
+
+
 # The route's choice for paged steps without a shared prefix: True = chunked_attention, False =
 # mlx-lm's own (the engine before this attention; benchmarks flip it to measure both in one run).
-FAST_ATTENTION = True
+FAST_ATTENTION = cpu_kernels()
 # mlx-lm's swiglu (MLP activation) swapped for kernels.fast_swiglu during a step; False: as is
-FAST_SWIGLU = True
+FAST_SWIGLU = cpu_kernels()
 
 def additive_mask(mask: mx.array | None, dtype: mx.Dtype = mx.float32) -> mx.array | None:
     """A boolean mask (True = attend) as 0 / -inf to add to scores; float masks pass through."""

@@ -58,3 +58,11 @@ def test_the_step_swaps_swiglu_and_puts_it_back(tiny_model, monkeypatch) -> None
     monkeypatch.setattr(attention, "FAST_SWIGLU", False)
     with route.active():
         assert module.swiglu is original
+
+
+def test_the_cpu_kernels_are_chosen_on_the_cpu_only() -> None:
+    from batchmlx.engine import attention
+
+    assert attention.cpu_kernels(mx.Device(mx.DeviceType.cpu))
+    assert not attention.cpu_kernels(mx.Device(mx.DeviceType.gpu))
+    assert attention.FAST_ATTENTION == (mx.default_device().type == mx.DeviceType.cpu)

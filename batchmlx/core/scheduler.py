@@ -229,15 +229,8 @@ class Scheduler:
                 if self._reserve(seq, 1, preempted, finished):
                     out.append(self._scheduled(seq, 1, decode=True))
                 continue
-            if budget == 0:
-                continue
-            n = min(seq.prefill_end - seq.num_computed_tokens, budget)
-            n = self._reserve(seq, n, preempted, finished)
-            if n == 0:
-                continue
-            out.append(self._scheduled(seq, n))
-            budget -= n
-            pending.update(self._inflight_hashes(seq))
+            if budget > 0:
+                budget -= self._continue_prompt(seq, budget, out, pending, preempted, finished)
         if budget > 0 and not preempted:  # memory is short: do not admit what was just evicted
             self._admit_waiting(out, budget, pending, finished)
         preempted[:0] = victims
@@ -258,17 +251,29 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
-            n = min(seq.prefill_end - seq.num_computed_tokens, budget)
-            n = self._reserve(seq, n, preempted, finished)
-            if n == 0:
-                continue
-            out.append(self._scheduled(seq, n))
-            budget -= n
-            pending.update(self._inflight_hashes(seq))
+            budget -= self._continue_prompt(seq, budget, out, pending, preempted, finished)
         if budget > 0 and not preempted:  # memory is short: do not admit what was just evicted
             preempted.extend(self._make_room_for_urgent(out))
             self._admit_waiting(out, budget, pending, finished)
         return out
+
+    def _continue_prompt(
+        self,
+        seq: Sequence,
+        budget: int,
+        out: list[ScheduledSeq],
+        pending: set[int],
+        preempted: list[Sequence],
+        finished: list[Sequence],
+    ) -> int:
+        """Schedule the next chunk (at most `budget` tokens) of a running sequence's prompt;
+        the tokens scheduled (0 when the pool cannot hold any)."""
+        n = min(seq.prefill_end - seq.num_computed_tokens, budget)
+        n = self._reserve(seq, n, preempted, finished)
+        if n:
+            out.append(self._scheduled(seq, n))
+            pending.update(self._inflight_hashes(seq))
+        return n
 
     def _make_room_for_urgent(self, scheduled: list[ScheduledSeq]) -> list[Sequence]:
         """Online work outranks batch work: with the running batch full, each waiting urgent

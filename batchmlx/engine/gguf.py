@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -77,20 +77,37 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Convert `gguf_path` into `out_dir` once; later calls reuse the folder if the source is
     unchanged (same size and mtime). The folder appears atomically, fully written or not at all."""
     gguf_path = Path(gguf_path).resolve()
-    out_dir = Path(out_dir)
-    stamp = _source_stamp(gguf_path)
-    if _is_converted(out_dir, stamp):
+    st = gguf_path.stat()
+    stamp = {
+        "source": str(gguf_path),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "converter_version": CONVERTER_VERSION,
+    }
+    keys = ("size", "mtime_ns", "converter_version")
+    return build_folder_once(
+        Path(out_dir), stamp, keys, lambda tmp: _write_model_folder(gguf_path, tmp)
+    )
+
+
+def build_folder_once(
+    out_dir: Path, stamp: dict[str, Any], keys: tuple[str, ...], write: Callable[[Path], None]
+) -> Path:
+    """`out_dir`, written by `write(tmp)` unless its marker already holds `stamp`'s `keys`.
+    Written under a file lock (another process may be building it), into a temp folder that
+    replaces any stale one atomically: readers see the old folder or the complete new one."""
+    if _is_built(out_dir, stamp, keys):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(out_dir.parent / f".{out_dir.name}.lock"):
-        if _is_converted(out_dir, stamp):
+        if _is_built(out_dir, stamp, keys):
             return out_dir
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
-            _write_model_folder(gguf_path, tmp)
+            write(tmp)
             (tmp / MARKER_NAME).write_text(json.dumps(stamp, indent=2))
             tmp.chmod(0o755)  # mkdtemp makes it owner-only
-            if out_dir.exists():  # a stale conversion of an older source file
+            if out_dir.exists():  # a stale build of an older source
                 shutil.rmtree(out_dir)
             os.replace(tmp, out_dir)
         except BaseException:
@@ -99,23 +116,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def _source_stamp(gguf_path: Path) -> dict[str, Any]:
-    st = gguf_path.stat()
-    return {
-        "source": str(gguf_path),
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
-        "converter_version": CONVERTER_VERSION,
-    }
-
-
-def _is_converted(out_dir: Path, stamp: dict[str, Any]) -> bool:
+def read_marker(folder: Path) -> dict[str, Any] | None:
+    """The stamp a folder built by `build_folder_once` was written with, or None."""
     try:
-        saved = json.loads((out_dir / MARKER_NAME).read_text())
+        saved = json.loads((Path(folder) / MARKER_NAME).read_text())
     except (OSError, ValueError):
-        return False
-    keys = ("size", "mtime_ns", "converter_version")
-    return all(saved.get(k) == stamp[k] for k in keys)
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def _is_built(out_dir: Path, stamp: dict[str, Any], keys: tuple[str, ...]) -> bool:
+    saved = read_marker(out_dir)
+    return saved is not None and all(saved.get(k) == stamp[k] for k in keys)
 
 
 def _write_model_folder(gguf_path: Path, dest: Path) -> None:

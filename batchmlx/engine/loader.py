@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from mlx.utils import tree_unflatten
 
 from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec
 from batchmlx.engine.default_model import ensure_default_gguf
+from batchmlx.engine.dense import cached_dense, save_dense
 from batchmlx.engine.gguf import convert_gguf
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -49,7 +51,8 @@ def model_folder(spec: ModelSpec, *, cache_dir: Path) -> Path | str:
 
 def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> LoadedModel:
     """Load `spec` with mlx-lm. dtype "auto" keeps weights as stored (quantized stays
-    quantized); "float32"/"float16"/"bfloat16" dequantize every layer to that dtype."""
+    quantized); "float32"/"float16"/"bfloat16" dequantize every layer to that dtype. A folder
+    batchmlx converted is dequantized once: later loads read the saved copy (dense.py)."""
     if dtype not in ("auto", "stored") and dtype not in _DTYPES:
         raise ValueError(
             f"dtype must be 'auto', 'stored' or one of {sorted(_DTYPES)}, got {dtype!r}"
@@ -57,15 +60,21 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
     import mlx_lm  # heavy import (transformers); keep it off module import
 
     folder = model_folder(spec, cache_dir=cache_dir)
-    model, tokenizer, config = mlx_lm.load(str(folder), return_config=True)
-    dtype = effective_dtype(dtype, quantized="quantization" in config)
-    log.info("model %s: weights as %s on %s", spec.name, dtype, mx.default_device())
+    ours = spec.kind in ("default", "gguf")  # a folder batchmlx converted: dense.py caches it
+    dense = _dense_copy(Path(folder), dtype) if ours else None
+    model, tokenizer, config = mlx_lm.load(str(dense or folder), return_config=True)
+    quantized = "quantization" in config
+    dtype = effective_dtype(dtype, quantized=quantized)
+    log.info("model %s: weights as %s on %s, from %s", spec.name, dtype, mx.default_device(),
+             Path(dense or folder).name)  # fmt: skip
     if dtype in _DTYPES:
         dequantize_model(model, _DTYPES[dtype])
         config = {
             k: v for k, v in config.items() if k not in ("quantization", "quantization_config")
         }
-    path = Path(folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
+        if ours and quantized:
+            save_dense(Path(folder), dtype, model)
+    path = Path(dense or folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
     context = config.get("max_position_embeddings") or _FALLBACK_CONTEXT
     return LoadedModel(
         spec=spec,
@@ -76,6 +85,13 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
         context_length=int(context),
         eos_token_ids=frozenset(int(i) for i in tokenizer.eos_token_ids),
     )
+
+
+def _dense_copy(folder: Path, dtype: str) -> Path | None:
+    """The saved dense copy of `folder` that `dtype` would dequantize it to, if there is one."""
+    quantized = "quantization" in json.loads((folder / "config.json").read_text())
+    want = effective_dtype(dtype, quantized=quantized)
+    return cached_dense(folder, want) if quantized and want in _DTYPES else None
 
 
 def effective_dtype(dtype: str, *, quantized: bool, on_cpu: bool | None = None) -> str:

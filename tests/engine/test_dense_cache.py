@@ -1,0 +1,129 @@
+"""The dense (dequantized) copy of a converted model: written by the first load, read by the
+next, rewritten when the source changes, never made for folders batchmlx did not convert."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from batchmlx.core.models import resolve_model
+from batchmlx.engine import default_model as dm
+from batchmlx.engine import dense
+from batchmlx.engine.gguf import read_marker
+from batchmlx.engine.loader import load_model
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture
+def gguf_copy(engine_cache_dir: Path, default_model_dir: Path, tmp_path: Path) -> Path:
+    """The default GGUF copied, so its mtime can change without touching the shared cache."""
+    src = tmp_path / "src" / "small.gguf"
+    src.parent.mkdir()
+    shutil.copyfile(dm.default_gguf_path(engine_cache_dir), src)
+    return src
+
+
+def _weights(loaded) -> dict[str, mx.array]:
+    return dict(tree_flatten(loaded.model.parameters()))
+
+
+def _same_weights(a, b) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(
+        wa[k].dtype == wb[k].dtype and mx.array_equal(wa[k], wb[k]).item() for k in wa
+    )
+
+
+def _greedy(loaded, n: int = 12) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    prompt = mx.array(loaded.tokenizer.encode("The capital of France is"))
+    return [int(t) for t, _ in generate_step(prompt, loaded.model, max_tokens=n)]
+
+
+def test_first_load_writes_the_copy_the_next_load_reads(gguf_copy: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    spec = resolve_model(str(gguf_copy), cache_dir=cache)
+    first = load_model(spec, cache_dir=cache, dtype="float32")
+    converted = first.path
+    copy = dense.dense_folder(converted, "float32")
+    assert read_marker(copy)["source_stamp"] == read_marker(converted)
+    assert "quantization" not in (copy / "config.json").read_text()
+    assert (copy / "tokenizer.json").is_file()
+
+    again = load_model(spec, cache_dir=cache, dtype="float32")
+    assert again.path == copy  # read from the copy, not dequantized again
+    assert not {type(m) for _, m in again.model.named_modules()} & {
+        nn.QuantizedLinear, nn.QuantizedEmbedding,
+    }  # fmt: skip
+    assert _same_weights(first, again)  # bit for bit: greedy outputs cannot change
+    assert _greedy(first) == _greedy(again)
+    assert again.config == first.config
+    assert again.eos_token_ids == first.eos_token_ids
+    assert again.context_length == first.context_length
+
+
+def test_auto_on_the_cpu_reads_the_float32_copy(gguf_copy: Path, tmp_path: Path) -> None:
+    if mx.default_device().type != mx.DeviceType.cpu:
+        pytest.skip("auto keeps quantized weights off the CPU")
+    cache = tmp_path / "cache"
+    spec = resolve_model(str(gguf_copy), cache_dir=cache)
+    first = load_model(spec, cache_dir=cache)
+    assert load_model(spec, cache_dir=cache).path == dense.dense_folder(first.path, "float32")
+    stored = load_model(spec, cache_dir=cache, dtype="stored")  # quantized, as converted
+    assert stored.path == first.path and "quantization" in stored.config
+
+
+def test_a_changed_source_rewrites_the_copy(gguf_copy: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    spec = resolve_model(str(gguf_copy), cache_dir=cache)
+    first = load_model(spec, cache_dir=cache, dtype="float32")
+    copy = dense.dense_folder(first.path, "float32")
+    old = read_marker(copy)
+    os.utime(gguf_copy, ns=(1, 1))  # the source "changed": converted again, copy stale
+    assert dense.cached_dense(first.path, "float32") == copy  # not yet re-converted
+    again = load_model(spec, cache_dir=cache, dtype="float32")
+    assert again.path == first.path  # dequantized from the new conversion ...
+    new = read_marker(copy)
+    assert new["source_stamp"] != old["source_stamp"]  # ... and the copy rewritten
+    assert new["source_stamp"]["mtime_ns"] == 1
+    assert load_model(spec, cache_dir=cache, dtype="float32").path == copy
+    assert not [p for p in copy.parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_local_mlx_folders_get_no_copy(default_model_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "mine"
+    shutil.copytree(default_model_dir, folder)
+    spec = resolve_model(str(folder), cache_dir=tmp_path / "cache")
+    assert spec.kind == "mlx_dir"
+    loaded = load_model(spec, cache_dir=tmp_path / "cache", dtype="float32")
+    assert loaded.path == folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_no_copy_over_the_size_bound_or_when_it_cannot_be_written(
+    gguf_copy: Path, tmp_path: Path, monkeypatch
+) -> None:
+    cache = tmp_path / "cache"
+    spec = resolve_model(str(gguf_copy), cache_dir=cache)
+    monkeypatch.setattr(dense, "MAX_DENSE_BYTES", 1 << 20)
+    loaded = load_model(spec, cache_dir=cache, dtype="float32")
+    copy = dense.dense_folder(loaded.path, "float32")
+    assert not copy.exists()
+    monkeypatch.setattr(dense, "MAX_DENSE_BYTES", 1 << 40)
+
+    def full_disk(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dense.mx, "save_safetensors", full_disk)
+    again = load_model(spec, cache_dir=cache, dtype="float32")  # still loads
+    assert _same_weights(loaded, again)
+    assert not copy.exists()
+    assert not [p for p in copy.parent.iterdir() if ".tmp-" in p.name]

@@ -183,6 +183,36 @@ def test_greedy_tokens_equal_mlx_lm(family):
     assert all(o.finish_reason is FinishReason.LENGTH for o in outs)
 
 
+def test_llama_with_plain_caches_skips_the_probe(monkeypatch):
+    """mlx-lm's llama code is tested paged (above, and the real default model): no probe at
+    each start. Its sliding-window variant and every other family are still probed."""
+    from batchmlx.engine import arch
+
+    llama_fam, window_fam = FAMILIES[0], FAMILIES[1]
+    moe_fam = next(f for f in FAMILIES if f.name.startswith("mixture of experts (qwen3"))
+    probed = []
+
+    def broken(model, window):
+        probed.append(type(model).__module__)
+        return "broken on purpose"
+
+    monkeypatch.setattr(arch, "_probe", broken)
+    plan = plan_architecture(build(llama_fam))
+    assert plan.path is EnginePath.PAGED and "not probed" in plan.reason
+    assert probed == []
+    for fam in (window_fam, moe_fam):
+        plan = plan_architecture(build(fam))
+        assert plan.path is EnginePath.UNPAGED
+        assert "paged probe: broken on purpose" in plan.reason
+    assert probed == ["mlx_lm.models.llama", "mlx_lm.models.qwen3_moe"]
+
+
+def test_the_probe_passes_the_llama_it_skips():
+    from batchmlx.engine.arch import _probe
+
+    assert _probe(build(FAMILIES[0]), None) is None
+
+
 # -- the unpaged engine's request semantics, against the paged engine on the same llama ----------
 
 

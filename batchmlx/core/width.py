@@ -5,7 +5,11 @@ waiting, KV blocks free, preemptions) and answers the running limit the schedule
 work up to. It starts at `initial` and doubles while the throughput measured over a window of
 steps at full width still rises by `gain`, the KV pool is projected to hold the wider batch with
 room to grow, and the hard cap (`--max-batch-size`) allows. The first window that does not gain
-settles it on the best width seen. A step that preempted shrinks it (memory pressure) and
+settles it on the best width seen. While it grows, queued work that all fits (within the cap
+and the KV pool at its longest) is admitted at once rather than through a measurement window at
+each width: measuring can only pick among widths the work fills, and on every machine measured
+throughput rose with the width that far; a tail of requests that waited through the ramp at
+low width is what it would cost. A step that preempted shrinks it (memory pressure) and
 remembers that width as a ceiling, so it never grows back into the same wall (no preemption
 storm, no oscillation). An idle engine (nothing running or waiting) forgets the measurements,
 so the next workload is measured afresh from the width reached.
@@ -65,6 +69,8 @@ class StepReport:
     blocks_used: int  # KV blocks held by running sequences
     blocks_total: int  # usable KV blocks in the pool
     preempted: int = 0  # sequences the step preempted for memory
+    queued: int = 0  # batch sequences waiting for admission (0 where not counted)
+    queued_blocks: int = 0  # KV blocks the queued ones would hold at their longest
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +78,7 @@ class WidthChange:
     step: int
     old: int
     new: int
-    reason: str  # "faster", "plateau", "memory", "memory-bound"
+    reason: str  # "faster", "plateau", "memory", "memory-bound", "fits"
     tok_s: float | None = None  # throughput measured at `old`, when a window ended
 
 
@@ -103,6 +109,8 @@ class WidthController:
             self._memory_shrink(r)
             return self.limit
         if self.phase is WidthPhase.SETTLED:
+            return self.limit
+        if self._admit_all(r):
             return self.limit
         if not self._filled:
             # measure only a full batch: the ramp (admissions, prefills) is not the width's rate
@@ -156,6 +164,17 @@ class WidthController:
             return True
         per_seq = r.blocks_used / r.running
         return per_seq * self.policy.growth_room * width <= r.blocks_total
+
+    def _admit_all(self, r: StepReport) -> bool:
+        """Widen to running + queued when all of it fits: the cap, a memory ceiling, and the
+        pool (the running grown by growth_room, the queued at their longest)."""
+        wanted = r.running + r.queued
+        if not r.queued or wanted <= self.limit or wanted > min(self.policy.cap, self.ceiling):
+            return False
+        if r.blocks_used * self.policy.growth_room + r.queued_blocks > r.blocks_total:
+            return False
+        self._set(wanted, "fits", None)
+        return True
 
     def _memory_shrink(self, r: StepReport) -> None:
         p = self.policy

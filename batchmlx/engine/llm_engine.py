@@ -18,6 +18,7 @@ import mlx.core as mx
 from batchmlx.core.blocks import BlockPool
 from batchmlx.core.engine_api import EngineSettings, StepError
 from batchmlx.core.finish import FinishRules, fits_context, grammar_finish, max_new_tokens
+from batchmlx.core.kv_manager import blocks_for
 from batchmlx.core.request import (
     CacheOutcome,
     FinishReason,
@@ -27,7 +28,7 @@ from batchmlx.core.request import (
 )
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep, StepKind
 from batchmlx.core.telemetry import EngineCounters
-from batchmlx.core.width import StepReport, WidthController, WidthPolicy
+from batchmlx.core.width import StepReport, WidthController, WidthPhase, WidthPolicy
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
 from batchmlx.engine.kv_cache import BatchLayout, PackedLayout, PagedKVStorage
@@ -267,10 +268,18 @@ class Engine:
         memory = sched.stats.preemptions - sched.stats.urgent_preemptions
         preempted, self._memory_preemptions = memory - self._memory_preemptions, memory
         assert self.width is not None
+        queued = queued_blocks = 0
+        if sched.waiting and self.width.phase is WidthPhase.GROWING:  # it may admit them all
+            bs = self.cfg.block_size
+            for seq in sched.waiting:
+                longest = seq.num_prompt_tokens + self._live[seq.seq_id].rules.max_tokens
+                queued += 1
+                queued_blocks += blocks_for(longest, bs)
         self.width.observe(StepReport(
             generated=generated, seconds=seconds, running=len(sched.running),
             waiting=bool(sched.waiting), blocks_used=self.pool.num_used,
-            blocks_total=self.pool.num_usable, preempted=preempted,
+            blocks_total=self.pool.num_usable, preempted=preempted, queued=queued,
+            queued_blocks=queued_blocks,
         ))  # fmt: skip
         sched.running_limit = self.width.admission_limit(sched.online_running())
 

@@ -231,6 +231,31 @@ def test_the_adaptive_width_grows_and_keeps_greedy_tokens(model):
     assert e.scheduler.stats.preemptions == 0
 
 
+def test_queued_work_that_fits_is_admitted_at_once_and_keeps_greedy_tokens(model):
+    from batchmlx.core.width import WidthController, WidthPolicy
+
+    ps = many_prompts(24)
+    simple = engine(model, simple=True).generate(reqs(ps))
+
+    def run(blocks: int) -> Engine:
+        cfg = EngineSettings(block_size=4, memory_aware=False, cache_max_blocks=blocks,
+                             max_batch_size=32)  # fmt: skip
+        e = Engine(model, None, context_length=256, seed=0, clock=StepClock(), config=cfg)
+        e.width = WidthController(WidthPolicy(cap=32, initial=4, window_steps=2))
+        e.scheduler.running_limit = 4
+        outs = e.generate(reqs(ps))
+        assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
+        return e
+
+    e = run(blocks=1000)
+    first = e.width.changes[0]
+    assert (first.step, first.old, first.new, first.reason) == (1, 4, 24, "fits")
+    assert e.scheduler.stats.peak_running == 24
+    # a pool that cannot hold all 24 at their longest (3+ blocks each): measured, as before
+    small = run(blocks=60)
+    assert "fits" not in {c.reason for c in small.width.changes}
+
+
 def test_the_adaptive_width_shrinks_under_memory_pressure(model):
     ps = many_prompts(24)
     simple = engine(model, simple=True).generate(reqs(ps))

@@ -19,6 +19,7 @@ class FakeMachine:
     blocks_total: int = 100_000
     blocks_per_seq: float = 4.0
     preempt_above: int | None = None  # running past this preempts (memory pressure)
+    longest_blocks: float = 8.0  # blocks a queued sequence would hold at its longest
     widths: list[int] = field(default_factory=list)  # the limit after every step
 
     def run(self, ctl: WidthController, steps: int, noise: float = 0.0) -> None:
@@ -34,6 +35,8 @@ class FakeMachine:
                 generated=running, seconds=running / rate, running=running,
                 waiting=self.demand > running, blocks_used=int(running * self.blocks_per_seq),
                 blocks_total=self.blocks_total, preempted=preempted,
+                queued=self.demand - running,
+                queued_blocks=int((self.demand - running) * self.longest_blocks),
             ))  # fmt: skip
             self.widths.append(ctl.limit)
 
@@ -154,3 +157,35 @@ def test_steps_held_below_the_width_do_not_count_toward_its_measurement():
     for _ in range(50):
         ctl.observe(held)
     assert ctl.limit == 128 and 128 not in ctl.measured  # no plateau from the narrow steps
+
+
+def test_queued_work_that_fits_is_admitted_at_once():
+    ctl = WidthController(WidthPolicy(cap=256, initial=32))
+    m = FakeMachine(saturating(knee=10_000), demand=64)
+    m.run(ctl, 100)
+    assert m.widths[0] == 64  # after the first step, not after a window at 32
+    assert (ctl.changes[0].old, ctl.changes[0].new, ctl.changes[0].reason) == (32, 64, "fits")
+    assert ctl.measured == {64: pytest.approx(640.0)}  # still measured at the width it runs
+
+
+def test_queued_work_over_the_cap_or_the_pool_ramps_by_measurement():
+    over_cap = WidthController(WidthPolicy(cap=256, initial=32))
+    FakeMachine(saturating(knee=10_000), demand=300).run(over_cap, 100)
+    # 15 blocks each at their longest: the 32 queued (480) and the 32 running (64, grown
+    # by half) do not fit 500 blocks
+    over_pool = WidthController(WidthPolicy(cap=256, initial=32))
+    m = FakeMachine(saturating(knee=10_000), demand=64, blocks_total=500, blocks_per_seq=2,
+                    longest_blocks=15)  # fmt: skip
+    m.run(over_pool, 100)
+    for ctl in (over_cap, over_pool):
+        assert ctl.changes[0].reason == "faster" and ctl.changes[0].step == 13  # fill + window
+    assert visited(m.widths)[:2] == [32, 64]
+
+
+def test_admitting_at_once_keeps_the_memory_ceiling():
+    # the pool holds 80 at once though the estimate said 100 fit: shrink, and stay under it
+    ctl = WidthController(WidthPolicy(cap=256, initial=32))
+    m = FakeMachine(saturating(knee=10_000), demand=100, preempt_above=80)
+    m.run(ctl, 200)
+    assert visited(m.widths) == [100, 60]  # 80 running * 0.75, then no jump back to 100
+    assert ctl.ceiling == 60 and ctl.phase is WidthPhase.SETTLED

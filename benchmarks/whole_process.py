@@ -187,7 +187,8 @@ QUICK = {
 
 
 def measure(
-    *, quick: bool = False, baseline: str | None = None, peer_shared: bool = False
+    *, quick: bool = False, baseline: str | None = None, peer_shared: bool = False,
+    only: tuple[str, ...] = (), peer: bool = True,
 ) -> dict[Workload, list[ProcessRun]]:
     from batchmlx.core.models import resolve_model
     from batchmlx.engine.loader import model_folder
@@ -199,6 +200,8 @@ def measure(
     base_src = export_rev(baseline) if baseline else None
     runs: dict[Workload, list[ProcessRun]] = {}
     for name, wl in (QUICK if quick else WORKLOADS).items():
+        if only and name not in only:
+            continue
         data = wl.batch_file(tok)
         rows = []
         log(f"{name}: batchmlx ({wl.requests} x {wl.max_tokens})")
@@ -206,7 +209,7 @@ def measure(
         if base_src is not None:
             log(f"{name}: batchmlx at {baseline}")
             rows.append(run_batchmlx(data, f"batchmlx at {baseline} (defaults)", base_src))
-        if name == "unique" or peer_shared:
+        if peer and (name == "unique" or peer_shared):
             log(f"{name}: mlx_lm.batch_generate float32")
             rows.append(run_peer(data))
         runs[wl] = rows
@@ -246,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", help="also run batchmlx from this git revision")
     p.add_argument("--peer-shared", action="store_true",
                    help="also run batch_generate on the shared workload (about 10 minutes)")
+    p.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=[],
+                   help="run only this workload (repeatable; default: all)")
+    p.add_argument("--no-peer", action="store_true", help="batchmlx rows only")
     p.add_argument("--out", default="benchmarks/RESULTS-process.md")
     p.add_argument("--peer", help=argparse.SUPPRESS)
     p.add_argument("--peer-out", help=argparse.SUPPRESS)
@@ -253,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer:
         peer_main(args.peer, args.peer_out)
         return 0
-    runs = measure(quick=args.quick, baseline=args.baseline, peer_shared=args.peer_shared)
+    runs = measure(quick=args.quick, baseline=args.baseline, peer_shared=args.peer_shared,
+                   only=tuple(args.workload), peer=not args.no_peer)  # fmt: skip
     lines = ["# Whole-process throughput", "",
              f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
              *section(runs)]  # fmt: skip

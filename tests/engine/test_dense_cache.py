@@ -22,12 +22,16 @@ pytestmark = pytest.mark.real_model
 
 
 @pytest.fixture
-def gguf_copy(engine_cache_dir: Path, default_model_dir: Path, tmp_path: Path) -> Path:
-    """The default GGUF copied, so its mtime can change without touching the shared cache."""
+def gguf_copy(engine_cache_dir: Path, default_model_dir: Path, tmp_path: Path):
+    """The default GGUF copied, so its mtime can change without touching the shared cache.
+    Its conversions (a 540 MB float32 copy each) are removed after the test, not kept with
+    pytest's last temp folders."""
     src = tmp_path / "src" / "small.gguf"
     src.parent.mkdir()
     shutil.copyfile(dm.default_gguf_path(engine_cache_dir), src)
-    return src
+    yield src
+    shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+    shutil.rmtree(tmp_path / "src", ignore_errors=True)
 
 
 def _weights(loaded) -> dict[str, mx.array]:
@@ -106,6 +110,7 @@ def test_local_mlx_folders_get_no_copy(default_model_dir: Path, tmp_path: Path) 
     loaded = load_model(spec, cache_dir=tmp_path / "cache", dtype="float32")
     assert loaded.path == folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    shutil.rmtree(folder)
 
 
 def test_no_copy_over_the_size_bound_or_when_it_cannot_be_written(

@@ -614,8 +614,11 @@ def _exit(code: int | str | None) -> None:  # pragma: no cover - ends the proces
     if threading.active_count() > 1:
         sys.exit(code)
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said on it
+            pass
     os._exit(code or 0)
 
 

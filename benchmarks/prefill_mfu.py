@@ -7,10 +7,12 @@
   the vocabulary projection of the one sampled row, and the attention scores (q.k and p.v,
   2 x 2 x heads x head_dim per causal query-key pair, the upper triangle not counted). A fresh
   engine prefills one prompt of `prompt_tokens` random tokens (max_tokens 1); rate = tokens
-  over the time of its prefill steps. Both attentions are measured in this one run:
-  `attention.FAST_ATTENTION` and `FAST_SWIGLU` False (mlx-lm's attention and activation, the
-  engine before) and True (`chunked_attention`, `kernels.fast_swiglu`).
-- **Decode MFU** at widths 32/64/128, with both kernel sets: that many requests with distinct
+  over the time of its prefill steps. Three kernel settings are measured in this one run
+  (`KERNELS`): mlx-lm's attention and activation (the first engine), `chunked_attention` as MLX
+  ops with `kernels.fast_swiglu` (the previous one), and the default: numpy attention on the
+  host where a call has enough scores (`engine/host_attention.py`).
+- **Decode MFU** at widths 32/64/128/256 (256: where the adaptive width settles on the unique
+  workload), with the first and the default kernels: that many requests with distinct
   random prompts, greedy, each generating `decode_tokens`; MFU = FLOPs of the decode steps
   (body and head per token, attention over each token's context) / decode-step time / peak.
 - **Where the time goes**: one instrumented prefill and one instrumented decode run with an
@@ -46,7 +48,7 @@ CLOCK: Callable[[], float] = time.perf_counter
 class Settings:
     prompt_tokens: int = 1000
     prefill_repeats: int = 2  # best of
-    widths: tuple[int, ...] = (32, 64, 128)
+    widths: tuple[int, ...] = (32, 64, 128, 256)  # 256: where the adaptive width settles
     decode_prompt_tokens: int = 64
     decode_tokens: int = 32
     profile_width: int = 32
@@ -54,6 +56,30 @@ class Settings:
 
 QUICK = Settings(
     prompt_tokens=200, prefill_repeats=1, widths=(8, 16), decode_tokens=6, profile_width=8
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """One setting of the CPU kernel switches in engine/attention.py."""
+
+    label: str
+    fast: bool  # FAST_ATTENTION and FAST_SWIGLU
+    host: bool  # HOST_ATTENTION (numpy attention where it pays)
+
+    def use(self) -> None:
+        from batchmlx.engine import attention
+
+        attention.FAST_ATTENTION = attention.FAST_SWIGLU = self.fast
+        attention.HOST_ATTENTION = self.host
+
+
+BEFORE = Kernels("mlx-lm's attention and swiglu (first)", fast=False, host=False)
+DEFAULT = Kernels("host attention where it pays, fast_swiglu (default)", fast=True, host=True)
+KERNELS = (
+    BEFORE,
+    Kernels("chunked_attention in MLX, fast_swiglu (previous)", fast=True, host=False),
+    DEFAULT,
 )
 
 
@@ -301,7 +327,6 @@ def section(loaded: Any, s: Settings, found: dict[str, Any] | None = None) -> li
     """Markdown lines: prefill vs floor (both attentions), decode MFU per width, time breakdown.
     found, when given, receives the headline figures: prefill_vs_floor (fast kernels) and mfu
     {width: fraction of the peak} (fast kernels), for the targets table."""
-    from batchmlx.engine import attention
 
     mf = ModelFlops.of(loaded.model)
     log("warm-up")
@@ -311,28 +336,28 @@ def section(loaded: Any, s: Settings, found: dict[str, Any] | None = None) -> li
     n = s.prompt_tokens
     prompt = random_prompts(1, n, 1)
     pf_flops = mf.tokens(n, 1) + mf.attention(n * (n + 1) // 2)
-    prefill: dict[bool, float] = {}
-    tokens: dict[bool, list[int]] = {}
+    prefill: dict[Kernels, float] = {}
+    tokens: dict[Kernels, list[int]] = {}
     for _ in range(s.prefill_repeats):
-        for fast in (False, True):
-            attention.FAST_ATTENTION = attention.FAST_SWIGLU = fast
-            log(f"prefill {n} tokens, fast kernels {fast}")
+        for kernels in KERNELS:
+            kernels.use()
+            log(f"prefill {n} tokens, {kernels.label}")
             ph = run_engine(loaded, prompt, 1, 1)
-            prefill[fast] = min(prefill.get(fast, float("inf")), ph.prefill_s)
-            tokens[fast] = ph.tokens[0]
-    attention.FAST_ATTENTION = attention.FAST_SWIGLU = True
+            prefill[kernels] = min(prefill.get(kernels, float("inf")), ph.prefill_s)
+            tokens[kernels] = ph.tokens[0]
+    DEFAULT.use()
 
     decode: dict[tuple[int, bool], tuple[float, float, float]] = {}
     for w in s.widths:
         prompts = random_prompts(w, s.decode_prompt_tokens, 100 + w)
-        for fast in (False, True):
-            attention.FAST_ATTENTION = attention.FAST_SWIGLU = fast
-            log(f"decode at width {w}, fast kernels {fast}")
+        for kernels in (BEFORE, DEFAULT):
+            kernels.use()
+            log(f"decode at width {w}, {kernels.label}")
             ph = run_engine(loaded, prompts, s.decode_tokens, w)
             flops = decode_flops(mf, prompts, ph.tokens)
             fed = sum(len(t) - 1 for t in ph.tokens)
-            decode[w, fast] = (flops, ph.decode_s, fed / ph.decode_s)
-    attention.FAST_ATTENTION = attention.FAST_SWIGLU = True
+            decode[w, kernels is DEFAULT] = (flops, ph.decode_s, fed / ph.decode_s)
+    DEFAULT.use()
 
     log("profiles")
     pf_timers, pf_ph = profile_engine(loaded, prompt, 1, 1)
@@ -343,7 +368,7 @@ def section(loaded: Any, s: Settings, found: dict[str, Any] | None = None) -> li
 
     floor_s = pf_flops / peak
     if found is not None:
-        found["prefill_vs_floor"] = prefill[True] / floor_s
+        found["prefill_vs_floor"] = prefill[DEFAULT] / floor_s
         found["mfu"] = {w: f / t / peak for (w, fast), (f, t, _) in decode.items() if fast}
     lines = [
         "## Prefill against its compute floor, decode MFU, where the time goes",
@@ -357,21 +382,18 @@ def section(loaded: Any, s: Settings, found: dict[str, Any] | None = None) -> li
         "",
     ]
     rows = []
-    for fast, label in (
-        (False, "mlx-lm's attention and swiglu (before)"),
-        (True, "chunked_attention, fast_swiglu"),
-    ):
-        t = prefill[fast]
-        rows.append([label, f"{t:.2f}", f"{n / t:.0f}", f"{t / floor_s:.1f}x",
+    for kernels in KERNELS:
+        t = prefill[kernels]
+        rows.append([kernels.label, f"{t:.3f}", f"{n / t:.0f}", f"{t / floor_s:.2f}x",
                      f"{pf_flops / t / peak:.0%}"])  # fmt: skip
     lines += _table(rows, ["kernels", "prefill s", "tok/s", "vs floor", "of peak"])
-    same = "identical" if tokens[False] == tokens[True] else "DIFFERENT"
-    lines += ["", f"Greedy first token with either: {same}.", ""]
+    same = "identical" if len({tuple(t) for t in tokens.values()}) == 1 else "DIFFERENT"
+    lines += ["", f"Greedy first token with each: {same}.", ""]
 
     lines += [f"**Decode** ({s.decode_prompt_tokens}-token prompts, {s.decode_tokens} new "
               "tokens each, greedy; decode steps only):", ""]  # fmt: skip
     rows = [
-        [str(w), "fast" if fast else "mlx-lm's (before)", f"{tok_s:.0f}",
+        [str(w), "default" if fast else "mlx-lm's (first)", f"{tok_s:.0f}",
          f"{flops / t / 1e9:.0f}", f"{flops / t / peak:.0%}"]
         for (w, fast), (flops, t, tok_s) in decode.items()
     ]  # fmt: skip

@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from batchmlx.engine.host_attention import host_attention, host_cascade_attention, pays
 from batchmlx.engine.kernels import exp_nonpositive, exp_shifted, fast_swiglu, is_mlx_lm_swiglu
 from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache, SegmentKind
 
@@ -47,6 +48,10 @@ def cpu_kernels(device: mx.Device | None = None) -> bool:
 FAST_ATTENTION = cpu_kernels()
 # mlx-lm's swiglu (MLP activation) swapped for kernels.fast_swiglu during a step; False: as is
 FAST_SWIGLU = cpu_kernels()
+# Where the fast attention runs: True = on the host in numpy (host_attention.py, 3-4x faster on
+# the CPU backend) when the call has enough scores to pay for leaving MLX, False = always the
+# same tiles as MLX ops (chunked_attention, cascade_attention)
+HOST_ATTENTION = cpu_kernels()
 
 def additive_mask(mask: mx.array | None, dtype: mx.Dtype = mx.float32) -> mx.array | None:
     """A boolean mask (True = attend) as 0 / -inf to add to scores; float masks pass through."""
@@ -216,6 +221,37 @@ def cascade_attention(
     return out.reshape(b, hq, ql, d).astype(queries.dtype)
 
 
+def tiled_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: mx.array | str | None,
+    *,
+    causal_offset: int | None = None,
+) -> mx.array:
+    """The fast attention without a shared prefix: on the host where it pays, else MLX tiles."""
+    host = HOST_ATTENTION and pays(queries, keys.shape[2])
+    kernel = host_attention if host else chunked_attention
+    return kernel(queries, keys, values, scale, mask, causal_offset=causal_offset)
+
+
+def shared_prefix_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    prefix: tuple[mx.array, mx.array],
+    scale: float,
+    mask: mx.array,
+    *,
+    causal_offset: int | None = None,
+) -> mx.array:
+    """The cascade over a shared prefix: on the host where it pays, else as MLX tiles."""
+    host = HOST_ATTENTION and pays(queries, prefix[0].shape[1] + keys.shape[2])
+    kernel = host_cascade_attention if host else cascade_attention
+    return kernel(queries, keys, values, prefix, scale, mask, causal_offset=causal_offset)
+
+
 # (queries [B, Hq, Q, D], keys/values [B, H, K, D], scale, mask [B, 1, Q, K] bool or additive,
 # *, causal_offset) -> [B, Hq, Q, D]
 SegmentAttention = Callable[..., mx.array]
@@ -233,7 +269,7 @@ def segment_attention(
     """The attention of one segment of a packed step (a batch of decodes, or one prompt
     chunk against its keys with a causal mask): the one place a faster kernel plugs in."""
     if FAST_ATTENTION:
-        return chunked_attention(queries, keys, values, scale, mask, causal_offset=causal_offset)
+        return tiled_attention(queries, keys, values, scale, mask, causal_offset=causal_offset)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -297,8 +333,8 @@ def paged_attention(
                 return prefix_attention(queries, keys, values, cache.prefix, scale, bias,
                                         causal_offset=lay.causal_offset)  # fmt: skip
             if FAST_ATTENTION:
-                return chunked_attention(queries, keys, values, scale, bias,
-                                         causal_offset=lay.causal_offset)  # fmt: skip
+                return tiled_attention(queries, keys, values, scale, bias,
+                                       causal_offset=lay.causal_offset)  # fmt: skip
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                         sinks=sinks, **kw)  # fmt: skip
 
@@ -311,7 +347,7 @@ class AttentionRoute:
     def __init__(
         self,
         model: Any,
-        prefix_attention: PrefixAttention = cascade_attention,
+        prefix_attention: PrefixAttention = shared_prefix_attention,
         attend: SegmentAttention = segment_attention,
     ) -> None:
         self.module = sys.modules.get(type(model).__module__)

@@ -7,7 +7,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from batchmlx.engine.attention import AttentionRoute, PrefixAttention, cascade_attention
+from batchmlx.engine.attention import AttentionRoute, PrefixAttention, shared_prefix_attention
 from batchmlx.engine.kv_cache import BatchLayout, PackedLayout, PagedKVStorage, PagedLayerCache
 
 
@@ -35,7 +35,7 @@ class ModelRunner:
         self,
         model: nn.Module,
         storage: PagedKVStorage,
-        prefix_attention: PrefixAttention = cascade_attention,
+        prefix_attention: PrefixAttention = shared_prefix_attention,
     ) -> None:
         self.model = model
         self.storage = storage

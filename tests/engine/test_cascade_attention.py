@@ -79,7 +79,7 @@ def test_paged_attention_is_in_place_only_during_a_step(monkeypatch) -> None:
         calls.append("chunked")
         return queries
 
-    monkeypatch.setattr(attention, "chunked_attention", fast)
+    monkeypatch.setattr(attention, "tiled_attention", fast)
     layout = BatchLayout.build(
         block_size=4, n_kv_heads=1, token_chunks=[[1]], starts=[0], block_tables=[[1]]
     )

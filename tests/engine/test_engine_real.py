@@ -125,7 +125,7 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts
     """chunked_attention (query tiles past 64 tokens, skipped key tiles) and fast_swiglu give
     the tokens mlx-lm's attention and activation give, alone and in a batch, with a shared
     prefix (cascade) and without."""
-    from batchmlx.engine import attention
+    from batchmlx.engine import attention, host_attention
 
     tok = default_model.tokenizer
     story = " ".join(f"Line {i}: the library opens at nine and closes at five." for i in range(30))
@@ -139,6 +139,8 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts
 
     fast = run(max_batch_size=8)
     fast_simple = run(simple=True)
+    monkeypatch.setattr(host_attention, "MIN_HOST_SCORES", 0)  # decodes on the host too
+    all_host = run(max_batch_size=8)
     monkeypatch.setattr(attention, "FAST_ATTENTION", False)
     monkeypatch.setattr(attention, "FAST_SWIGLU", False)
-    assert fast == run(max_batch_size=8) == fast_simple
+    assert fast == all_host == run(max_batch_size=8) == fast_simple

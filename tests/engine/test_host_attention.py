@@ -1,0 +1,140 @@
+"""Host attention (numpy tiles on the CPU, split over threads) equals plain attention, is chosen
+only where it pays, and leaves the engine's tokens and log-probs as they were."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from batchmlx.engine import attention, host_attention
+from batchmlx.engine.host_attention import host_attention as host
+from batchmlx.engine.host_attention import host_cascade_attention
+from batchmlx.engine.kv_cache import BatchLayout
+
+
+def naive(q, k, v, scale, mask):
+    """Reference in float64 numpy: softmax over the keys each query may see."""
+    q, k, v, mask = (np.array(x).astype(np.float64) for x in (q, k, v, mask))
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = np.where(mask.astype(bool), q @ k.swapaxes(-1, -2) * scale, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def ragged(q_len: int, rep: int, b: int = 3):
+    """A ragged paged step: a prompt from 0, a chunk continuing at 20, a shorter one (padded)."""
+    lens = [q_len, q_len, max(1, q_len // 2)][:b]
+    lay = BatchLayout.build(
+        block_size=4, n_kv_heads=2, token_chunks=[[1] * n for n in lens], starts=[0, 20, 5][:b],
+        block_tables=[list(range(1 + 60 * i, 61 + 60 * i)) for i in range(b)],
+    )  # fmt: skip
+    keys = mx.random.split(mx.random.key(q_len * 10 + rep), 3)
+    kl = lay.mask.shape[-1]
+    q = mx.random.normal((b, 2 * rep, q_len, 16), key=keys[0])
+    k, v = (mx.random.normal((b, 2, kl, 16), key=kk) for kk in keys[1:])
+    return lay, q, k, v
+
+
+@pytest.mark.parametrize(
+    ("q_len", "rep", "chunk"), [(1, 3, 64), (37, 3, 8), (50, 1, 16), (9, 2, 64), (150, 3, None)]
+)
+def test_host_equals_naive_attention_on_a_ragged_paged_layout(q_len, rep, chunk) -> None:
+    # several tiles go to the threads tile by tile; one tile splits its sequences in two
+    lay, q, k, v = ragged(q_len, rep)
+    want = naive(q, k, v, 0.25, lay.mask)
+    for mask in (lay.mask, lay.bias):
+        got = host(q, k, v, 0.25, mask, causal_offset=lay.causal_offset, chunk=chunk)
+        np.testing.assert_allclose(np.array(got), want, atol=2e-6, rtol=1e-5)
+    whole = host(q, k, v, 0.25, lay.bias, chunk=chunk)  # no keys skipped: same
+    np.testing.assert_allclose(np.array(whole), want, atol=2e-6, rtol=1e-5)
+
+
+def test_causal_string_and_half_precision_inputs() -> None:
+    keys = mx.random.split(mx.random.key(3), 3)
+    q = mx.random.normal((1, 4, 70, 32), key=keys[0])
+    k, v = (mx.random.normal((1, 2, 90, 32), key=kk) for kk in keys[1:])
+    causal = (np.arange(90)[None, :] <= np.arange(70)[:, None] + 20)[None, None]
+    want = naive(q, k, v, 0.2, causal)
+    np.testing.assert_allclose(np.array(host(q, k, v, 0.2, "causal")), want, atol=2e-6, rtol=1e-5)
+    half = host(*(x.astype(mx.bfloat16) for x in (q, k, v)), 0.2, "causal")
+    assert half.dtype == mx.bfloat16
+    np.testing.assert_allclose(np.array(half.astype(mx.float32)), want, atol=3e-2)
+    with pytest.raises(ValueError, match="unknown attention mask"):
+        host(q, k, v, 0.2, "sliding")
+
+
+@pytest.mark.parametrize(("q_len", "rep", "b"), [(1, 3, 5), (4, 1, 4), (70, 3, 2), (1, 2, 1)])
+def test_host_cascade_equals_attention_over_concatenated_keys(q_len, rep, b) -> None:
+    mx.random.seed(q_len + b)
+    h, d, kp, ks = 2, 16, 32, q_len + 9
+    q = mx.random.normal((b, h * rep, q_len, d))
+    prefix = (mx.random.normal((h, kp, d)), mx.random.normal((h, kp, d)))
+    suf_k, suf_v = mx.random.normal((b, h, ks, d)), mx.random.normal((b, h, ks, d))
+    valid = np.arange(ks)[None, :] < (ks - np.arange(b))[:, None]
+    qpos = (ks - np.arange(b))[:, None] - q_len + np.arange(q_len)[None, :]
+    mask = (np.arange(ks)[None, None, :] <= qpos[:, :, None]) & valid[:, None, :]
+    full_k = np.concatenate([np.broadcast_to(np.array(prefix[0])[None], (b, h, kp, d)),
+                             np.array(suf_k)], axis=2)  # fmt: skip
+    full_v = np.concatenate([np.broadcast_to(np.array(prefix[1])[None], (b, h, kp, d)),
+                             np.array(suf_v)], axis=2)  # fmt: skip
+    full_mask = np.concatenate([np.ones((b, q_len, kp), bool), mask], axis=2)[:, None]
+    want = naive(q, full_k, full_v, 0.25, full_mask)
+    bias = mx.array(np.where(mask, 0.0, -np.inf).astype(np.float32)[:, None])
+    for offset in (None, ks - q_len):  # the last row's start: keys past it skipped per tile
+        got = host_cascade_attention(q, suf_k, suf_v, prefix, 0.25, bias, causal_offset=offset)
+        np.testing.assert_allclose(np.array(got), want, atol=2e-6, rtol=1e-5)
+
+
+def test_the_route_leaves_mlx_only_where_the_scores_pay(monkeypatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(attention, "HOST_ATTENTION", True)
+    monkeypatch.setattr(attention, "host_attention", lambda *a, **kw: calls.append("host"))
+    monkeypatch.setattr(attention, "chunked_attention", lambda *a, **kw: calls.append("mlx"))
+    limit = host_attention.MIN_HOST_SCORES
+    decode = mx.zeros((8, 4, 1, 16))  # 8 * 4 * 1 query rows ...
+    attention.tiled_attention(decode, mx.zeros((8, 2, limit // 32 - 1, 16)), None, 1.0, None)
+    attention.tiled_attention(decode, mx.zeros((8, 2, limit // 32, 16)), None, 1.0, None)
+    monkeypatch.setattr(attention, "HOST_ATTENTION", False)  # never, whatever the size
+    attention.tiled_attention(decode, mx.zeros((8, 2, limit // 32, 16)), None, 1.0, None)
+    assert calls == ["mlx", "host", "mlx"]
+
+
+def test_engine_tokens_and_logprobs_same_on_the_host(tiny_model, monkeypatch) -> None:
+    """Every attention of a run on the host (threshold 0) against every one in MLX: prompts
+    across several tiles, chunked prefill, decodes, a shared prefix, mixed steps."""
+    from batchmlx.core.engine_api import EngineSettings
+    from batchmlx.core.request import GenerationRequest, SamplingParams
+    from batchmlx.engine.llm_engine import Engine
+
+    class Tok:
+        def decode(self, ids):
+            return ""
+
+    system = [(5 * j) % 250 + 3 for j in range(48)]
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((150, 3, 40, 90))]
+    prompts += [system + [i + 3, i + 4] for i in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True)
+
+    def run():
+        eng = Engine(tiny_model, Tok(), context_length=512,
+                     config=EngineSettings(max_batch_size=8, max_prefill_tokens=128))  # fmt: skip
+        reqs = [GenerationRequest(request_id=f"r{i}", prompt_tokens=p, params=params)
+                for i, p in enumerate(prompts)]  # fmt: skip
+        return eng.generate(reqs)
+
+    used: list[int] = []
+    real = host_attention.host_cascade_attention
+    monkeypatch.setattr(attention, "host_cascade_attention",
+                        lambda *a, **kw: used.append(1) or real(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(attention, "HOST_ATTENTION", True)
+    monkeypatch.setattr(host_attention, "MIN_HOST_SCORES", 0)
+    on_host = run()
+    assert used  # the shared prefix went through the host cascade
+    monkeypatch.setattr(attention, "HOST_ATTENTION", False)
+    in_mlx = run()
+    assert [o.token_ids for o in on_host] == [o.token_ids for o in in_mlx]
+    for a, b in zip(on_host, in_mlx, strict=True):
+        np.testing.assert_allclose([x.logprob for x in a.logprobs],
+                                   [x.logprob for x in b.logprobs], atol=1e-4)  # fmt: skip

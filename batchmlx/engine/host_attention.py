@@ -27,11 +27,14 @@ import numpy as np
 
 # Query rows per tile: 9 query heads x 64 queries x 1,000 keys x 4 B ~ 2.3 MB of scores.
 TILE_QUERIES = 64
-# Below this many score elements per layer (batch x query heads x queries x keys) a step keeps
-# MLX's attention: leaving MLX costs an evaluation barrier per layer, and with it the overlap of
-# building the next layer's graph while this one runs (~1 ms a layer); a short-context decode
-# step has too few scores to win that back.
+# Below this many score elements per layer (batch x query heads x queries x keys) a call keeps
+# MLX's attention. Leaving MLX costs an evaluation barrier per layer, measured at ~1.4 ms a layer
+# in a width-64 decode step (136 -> 181 ms a step with nothing else changed). A prompt chunk wins
+# that back from this size on; one-query rows (decodes) only with 4x as many scores (a batch over
+# a long shared prefix: 64 rows x 9 heads x ~940 keys ran 7% faster on the host), since at widths
+# 128-256 over short contexts they measured slower on the host than in MLX.
 MIN_HOST_SCORES = 1 << 17
+MIN_HOST_DECODE_SCORES = 1 << 19
 # Threads the tiles (or a decode step's sequences) are split over: numpy releases the GIL in
 # its kernels, and the softmax passes are single-threaded otherwise.
 THREADS = max(1, min(2, os.cpu_count() or 1))
@@ -40,9 +43,11 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def pays(queries: mx.array, keys_per_query: int) -> bool:
-    """Whether host attention beats MLX's for this call (see MIN_HOST_SCORES)."""
+    """Whether host attention beats MLX's for this call (MIN_HOST_SCORES for prompt chunks,
+    MIN_HOST_DECODE_SCORES for one query per sequence)."""
     b, hq, ql, _ = queries.shape
-    return b * hq * ql * keys_per_query >= MIN_HOST_SCORES
+    least = MIN_HOST_SCORES if ql > 1 else MIN_HOST_DECODE_SCORES
+    return b * hq * ql * keys_per_query >= least
 
 
 def _workers() -> ThreadPoolExecutor:

@@ -139,7 +139,8 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts
 
     fast = run(max_batch_size=8)
     fast_simple = run(simple=True)
-    monkeypatch.setattr(host_attention, "MIN_HOST_SCORES", 0)  # decodes on the host too
+    monkeypatch.setattr(host_attention, "MIN_HOST_SCORES", 0)  # every attention on the host
+    monkeypatch.setattr(host_attention, "MIN_HOST_DECODE_SCORES", 0)
     all_host = run(max_batch_size=8)
     monkeypatch.setattr(attention, "FAST_ATTENTION", False)
     monkeypatch.setattr(attention, "FAST_SWIGLU", False)

@@ -93,12 +93,16 @@ def test_the_route_leaves_mlx_only_where_the_scores_pay(monkeypatch) -> None:
     monkeypatch.setattr(attention, "host_attention", lambda *a, **kw: calls.append("host"))
     monkeypatch.setattr(attention, "chunked_attention", lambda *a, **kw: calls.append("mlx"))
     limit = host_attention.MIN_HOST_SCORES
-    decode = mx.zeros((8, 4, 1, 16))  # 8 * 4 * 1 query rows ...
-    attention.tiled_attention(decode, mx.zeros((8, 2, limit // 32 - 1, 16)), None, 1.0, None)
-    attention.tiled_attention(decode, mx.zeros((8, 2, limit // 32, 16)), None, 1.0, None)
+    chunks = mx.zeros((8, 4, 2, 16))  # 8 sequences x 4 query heads x 2 queries ...
+    attention.tiled_attention(chunks, mx.zeros((8, 2, limit // 64 - 1, 16)), None, 1.0, None)
+    attention.tiled_attention(chunks, mx.zeros((8, 2, limit // 64, 16)), None, 1.0, None)
+    decode = mx.zeros((16, 4, 1, 16))  # as many scores, one query per sequence: stays in MLX
+    attention.tiled_attention(decode, mx.zeros((16, 2, limit // 64, 16)), None, 1.0, None)
+    rows = host_attention.MIN_HOST_DECODE_SCORES // 64  # ... until it has this many
+    attention.tiled_attention(decode, mx.zeros((16, 2, rows, 16)), None, 1.0, None)
     monkeypatch.setattr(attention, "HOST_ATTENTION", False)  # never, whatever the size
-    attention.tiled_attention(decode, mx.zeros((8, 2, limit // 32, 16)), None, 1.0, None)
-    assert calls == ["mlx", "host", "mlx"]
+    attention.tiled_attention(chunks, mx.zeros((8, 2, limit // 64, 16)), None, 1.0, None)
+    assert calls == ["mlx", "host", "mlx", "host", "mlx"]
 
 
 def test_engine_tokens_and_logprobs_same_on_the_host(tiny_model, monkeypatch) -> None:
@@ -130,6 +134,7 @@ def test_engine_tokens_and_logprobs_same_on_the_host(tiny_model, monkeypatch) ->
                         lambda *a, **kw: used.append(1) or real(*a, **kw))  # fmt: skip
     monkeypatch.setattr(attention, "HOST_ATTENTION", True)
     monkeypatch.setattr(host_attention, "MIN_HOST_SCORES", 0)
+    monkeypatch.setattr(host_attention, "MIN_HOST_DECODE_SCORES", 0)
     on_host = run()
     assert used  # the shared prefix went through the host cascade
     monkeypatch.setattr(attention, "HOST_ATTENTION", False)

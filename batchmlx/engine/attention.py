@@ -24,9 +24,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from batchmlx.engine.host_attention import host_attention, host_cascade_attention, pays
+from batchmlx.engine.host_attention import (
+    host_attention,
+    host_cascade_attention,
+    pays,
+    step_decodes,
+)
 from batchmlx.engine.kernels import exp_nonpositive, exp_shifted, fast_swiglu, is_mlx_lm_swiglu
-from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache, SegmentKind
+from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache, Segment, SegmentKind
 
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
 # (queries, keys, values, prefix, scale, mask, *, causal_offset) -> output
@@ -290,26 +295,42 @@ def packed_attention(
     assert isinstance(layout, PackedLayout)
     if sinks is not None:  # (models with sinks also slide windows, which run padded steps)
         raise NotImplementedError("attention sinks in packed steps: use mixed_steps=False")
-    outs = []
-    for seg, (keys, values, prefix) in zip(layout.segments, cache.segment_kv, strict=True):
-        q = queries[seg.first : seg.first + seg.length]  # [n, Hq, 1, D]
-        hq, d = q.shape[1], q.shape[3]
-        if seg.kind is SegmentKind.CHUNK:
-            q = q.transpose(2, 1, 0, 3)  # [1, Hq, L, D]
-        elif seg.kind is SegmentKind.CHUNKS:
-            q = q[seg.pad_rows].reshape(seg.batch, seg.queries, hq, d).transpose(0, 2, 1, 3)
-        mask = seg.bias if FAST_ATTENTION else seg.mask
-        if prefix is not None:
-            o = prefix_attention(q, keys, values, prefix, scale, seg.bias,
-                                 causal_offset=seg.causal_offset)  # fmt: skip
-        else:
-            o = attend(q, keys, values, scale, mask, causal_offset=seg.causal_offset)
-        if seg.kind is SegmentKind.CHUNK:
-            o = o.transpose(2, 1, 0, 3)
-        elif seg.kind is SegmentKind.CHUNKS:
-            o = o.transpose(0, 2, 1, 3).reshape(-1, hq, 1, d)[seg.real_rows]
-        outs.append(o)
+    decodes = sum(seg.length for seg in layout.segments if seg.kind is SegmentKind.ROWS)
+    with step_decodes(decodes):
+        outs = [
+            _segment(queries, seg, kv, scale, attend, prefix_attention)
+            for seg, kv in zip(layout.segments, cache.segment_kv, strict=True)
+        ]
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def _segment(
+    queries: mx.array,
+    seg: Segment,
+    kv: tuple[mx.array, mx.array, tuple[mx.array, mx.array] | None],
+    scale: float,
+    attend: SegmentAttention,
+    prefix_attention: PrefixAttention,
+) -> mx.array:
+    """One segment of a packed step: its rows regrouped, attended, back in row order."""
+    keys, values, prefix = kv
+    q = queries[seg.first : seg.first + seg.length]  # [n, Hq, 1, D]
+    hq, d = q.shape[1], q.shape[3]
+    if seg.kind is SegmentKind.CHUNK:
+        q = q.transpose(2, 1, 0, 3)  # [1, Hq, L, D]
+    elif seg.kind is SegmentKind.CHUNKS:
+        q = q[seg.pad_rows].reshape(seg.batch, seg.queries, hq, d).transpose(0, 2, 1, 3)
+    mask = seg.bias if FAST_ATTENTION else seg.mask
+    if prefix is not None:
+        o = prefix_attention(q, keys, values, prefix, scale, seg.bias,
+                             causal_offset=seg.causal_offset)  # fmt: skip
+    else:
+        o = attend(q, keys, values, scale, mask, causal_offset=seg.causal_offset)
+    if seg.kind is SegmentKind.CHUNK:
+        o = o.transpose(2, 1, 0, 3)
+    elif seg.kind is SegmentKind.CHUNKS:
+        o = o.transpose(0, 2, 1, 3).reshape(-1, hq, 1, d)[seg.real_rows]
+    return o
 
 
 def paged_attention(

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,6 +37,13 @@ TILE_QUERIES = 64
 # 128-256 over short contexts they measured slower on the host than in MLX.
 MIN_HOST_SCORES = 1 << 17
 MIN_HOST_DECODE_SCORES = 1 << 19
+# A packed step with more decode rows than this keeps all its attention in MLX: with two dozen
+# decodes beside a prompt chunk, the MLX work between the barriers slowed down far more than the
+# host saved (mixed steps 0.4-1.1 s -> 1.2-2.2 s; throughput 109 -> 78-92 tok/s; cause not yet
+# found). A step of prompt chunks beside a few decodes (a batch admitted behind a cached system
+# prompt) keeps the host's gain (8 s -> 2.3 s for 63 chunks).
+MAX_STEP_DECODES = 8
+_allowed = True
 # Threads the tiles (or a decode step's sequences) are split over: numpy releases the GIL in
 # its kernels, and the softmax passes are single-threaded otherwise.
 THREADS = max(1, min(2, os.cpu_count() or 1))
@@ -42,9 +51,23 @@ THREADS = max(1, min(2, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
 
 
+@contextmanager
+def step_decodes(n: int) -> Iterator[None]:
+    """Within: the attention calls of one packed step with n decode rows (see
+    MAX_STEP_DECODES). The engine builds a step's graph on one thread."""
+    global _allowed
+    before, _allowed = _allowed, n <= MAX_STEP_DECODES
+    try:
+        yield
+    finally:
+        _allowed = before
+
+
 def pays(queries: mx.array, keys_per_query: int) -> bool:
     """Whether host attention beats MLX's for this call (MIN_HOST_SCORES for prompt chunks,
-    MIN_HOST_DECODE_SCORES for one query per sequence)."""
+    MIN_HOST_DECODE_SCORES for one query per sequence; never in a step with many decodes)."""
+    if not _allowed:
+        return False
     b, hq, ql, _ = queries.shape
     least = MIN_HOST_SCORES if ql > 1 else MIN_HOST_DECODE_SCORES
     return b * hq * ql * keys_per_query >= least

@@ -32,9 +32,10 @@ TILE_QUERIES = 64
 # Below this many score elements per layer (batch x query heads x queries x keys) a call keeps
 # MLX's attention. Leaving MLX costs an evaluation barrier per layer, measured at ~1.4 ms a layer
 # in a width-64 decode step (136 -> 181 ms a step with nothing else changed). A prompt chunk wins
-# that back from this size on; one-query rows (decodes) only with 4x as many scores (a batch over
-# a long shared prefix: 64 rows x 9 heads x ~940 keys ran 7% faster on the host), since at widths
-# 128-256 over short contexts they measured slower on the host than in MLX.
+# that back from this size on; one-query rows (decodes) only with 4x as many scores, since at
+# widths 128-256 over short contexts they measured slower on the host than in MLX. (In packed
+# steps, the default, a decode step also meets MAX_STEP_DECODES below and stays in MLX; this
+# limit is what padded steps see.)
 MIN_HOST_SCORES = 1 << 17
 MIN_HOST_DECODE_SCORES = 1 << 19
 # A packed step with more decode rows than this keeps all its attention in MLX: with two dozen

@@ -27,6 +27,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from batchmlx.engine.kv_cache import additive_bias
+
 # Query rows per tile: 9 query heads x 64 queries x 1,000 keys x 4 B ~ 2.3 MB of scores.
 TILE_QUERIES = 64
 # Below this many score elements per layer (batch x query heads x queries x keys) a call keeps
@@ -115,9 +117,7 @@ def _bias(mask: mx.array | str | None, ql: int, kl: int) -> tuple[np.ndarray | N
             raise ValueError(f"unknown attention mask {mask!r}")
         allowed = np.arange(kl)[None, :] <= (np.arange(ql) + (kl - ql))[:, None]
         return np.where(allowed, np.float32(0), np.float32(-np.inf))[None, None], True
-    if mask.dtype == mx.bool_:
-        return np.where(np.asarray(mask), np.float32(0), np.float32(-np.inf)), False
-    return _host(mask), False
+    return _host(additive_bias(mask) if mask.dtype == mx.bool_ else mask), False
 
 
 def _keys_seen(kl: int, causal_offset: int | None, q1: int) -> int:

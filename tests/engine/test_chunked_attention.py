@@ -9,18 +9,9 @@ import pytest
 
 from batchmlx.engine import attention
 from batchmlx.engine.attention import chunked_attention, exp_nonpositive
+from batchmlx.engine.host_attention import host_attention
 from batchmlx.engine.kv_cache import BatchLayout
-
-
-def naive(q, k, v, scale, mask):
-    """Reference in float64 numpy: softmax over the keys each query may see."""
-    q, k, v, mask = (np.array(x).astype(np.float64) for x in (q, k, v, mask))
-    rep = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    s = q @ k.swapaxes(-1, -2) * scale
-    s = np.where(mask.astype(bool), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)) @ v
+from tests.engine.helpers import naive
 
 
 def test_exp_matches_exact_exp_to_float32_precision() -> None:
@@ -56,20 +47,22 @@ def test_chunked_equals_naive_attention_on_a_ragged_paged_layout(q_len, rep, chu
     np.testing.assert_allclose(np.array(whole), want, atol=2e-6, rtol=1e-5)
 
 
-def test_causal_string_and_half_precision_inputs() -> None:
+@pytest.mark.parametrize("kernel", [chunked_attention, host_attention])
+def test_causal_string_and_half_precision_inputs(kernel) -> None:
+    """Both tile kernels: MLX ops and numpy on the host."""
     keys = mx.random.split(mx.random.key(3), 3)
     q = mx.random.normal((1, 4, 70, 32), key=keys[0])
     k, v = (mx.random.normal((1, 2, 90, 32), key=kk) for kk in keys[1:])
     causal = (np.arange(90)[None, :] <= np.arange(70)[:, None] + 20)[None, None]
     want = naive(q, k, v, 0.2, causal)
     np.testing.assert_allclose(
-        np.array(chunked_attention(q, k, v, 0.2, "causal")), want, atol=2e-6, rtol=1e-5
+        np.array(kernel(q, k, v, 0.2, "causal")), want, atol=2e-6, rtol=1e-5
     )
-    half = chunked_attention(*(x.astype(mx.bfloat16) for x in (q, k, v)), 0.2, "causal")
+    half = kernel(*(x.astype(mx.bfloat16) for x in (q, k, v)), 0.2, "causal")
     assert half.dtype == mx.bfloat16
     np.testing.assert_allclose(np.array(half.astype(mx.float32)), want, atol=3e-2)
     with pytest.raises(ValueError, match="unknown attention mask"):
-        chunked_attention(q, k, v, 0.2, "sliding")
+        kernel(q, k, v, 0.2, "sliding")
 
 
 def test_engine_tokens_and_logprobs_same_with_either_attention(tiny_model, monkeypatch) -> None:

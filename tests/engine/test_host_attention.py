@@ -11,16 +11,7 @@ from batchmlx.engine import attention, host_attention
 from batchmlx.engine.host_attention import host_attention as host
 from batchmlx.engine.host_attention import host_cascade_attention
 from batchmlx.engine.kv_cache import BatchLayout
-
-
-def naive(q, k, v, scale, mask):
-    """Reference in float64 numpy: softmax over the keys each query may see."""
-    q, k, v, mask = (np.array(x).astype(np.float64) for x in (q, k, v, mask))
-    rep = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    s = np.where(mask.astype(bool), q @ k.swapaxes(-1, -2) * scale, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)) @ v
+from tests.engine.helpers import naive
 
 
 def ragged(q_len: int, rep: int, b: int = 3):
@@ -49,20 +40,6 @@ def test_host_equals_naive_attention_on_a_ragged_paged_layout(q_len, rep, chunk)
         np.testing.assert_allclose(np.array(got), want, atol=2e-6, rtol=1e-5)
     whole = host(q, k, v, 0.25, lay.bias, chunk=chunk)  # no keys skipped: same
     np.testing.assert_allclose(np.array(whole), want, atol=2e-6, rtol=1e-5)
-
-
-def test_causal_string_and_half_precision_inputs() -> None:
-    keys = mx.random.split(mx.random.key(3), 3)
-    q = mx.random.normal((1, 4, 70, 32), key=keys[0])
-    k, v = (mx.random.normal((1, 2, 90, 32), key=kk) for kk in keys[1:])
-    causal = (np.arange(90)[None, :] <= np.arange(70)[:, None] + 20)[None, None]
-    want = naive(q, k, v, 0.2, causal)
-    np.testing.assert_allclose(np.array(host(q, k, v, 0.2, "causal")), want, atol=2e-6, rtol=1e-5)
-    half = host(*(x.astype(mx.bfloat16) for x in (q, k, v)), 0.2, "causal")
-    assert half.dtype == mx.bfloat16
-    np.testing.assert_allclose(np.array(half.astype(mx.float32)), want, atol=3e-2)
-    with pytest.raises(ValueError, match="unknown attention mask"):
-        host(q, k, v, 0.2, "sliding")
 
 
 @pytest.mark.parametrize(("q_len", "rep", "b"), [(1, 3, 5), (4, 1, 4), (70, 3, 2), (1, 2, 1)])

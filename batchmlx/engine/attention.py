@@ -30,6 +30,8 @@ from batchmlx.engine.host_attention import (
     pays,
     step_decodes,
 )
+from batchmlx.engine.host_kernels import host_swiglu
+from batchmlx.engine.host_kernels import pays as host_swiglu_pays
 from batchmlx.engine.kernels import exp_nonpositive, exp_shifted, fast_swiglu, is_mlx_lm_swiglu
 from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache, Segment, SegmentKind
 
@@ -57,6 +59,9 @@ FAST_SWIGLU = cpu_kernels()
 # the CPU backend) when the call has enough scores to pay for leaving MLX, False = always the
 # same tiles as MLX ops (chunked_attention, cascade_attention)
 HOST_ATTENTION = cpu_kernels()
+# Where a large swiglu runs: True = on the host (host_kernels.py; 25 -> 2 ms a layer on 1,270
+# tokens, measured alone), False = always kernels.fast_swiglu
+HOST_SWIGLU = cpu_kernels()
 
 def additive_mask(mask: mx.array | None, dtype: mx.Dtype = mx.float32) -> mx.array | None:
     """A boolean mask (True = attend) as 0 / -inf to add to scores; float masks pass through."""
@@ -226,6 +231,13 @@ def cascade_attention(
     return out.reshape(b, hq, ql, d).astype(queries.dtype)
 
 
+def step_swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """The swiglu of a paged step on the CPU: a prompt-sized one on the host, else fused MLX."""
+    if HOST_SWIGLU and host_swiglu_pays(gate, x):
+        return host_swiglu(gate, x)
+    return fast_swiglu(gate, x)
+
+
 def tiled_attention(
     queries: mx.array,
     keys: mx.array,
@@ -389,7 +401,7 @@ class AttentionRoute:
         if self.paged is not None:  # else an architecture without the seam: attention as it is
             swaps.append(("scaled_dot_product_attention", self.paged, self.original))
         if self.swiglu is not None and FAST_SWIGLU:
-            swaps.append(("swiglu", fast_swiglu, self.swiglu))
+            swaps.append(("swiglu", step_swiglu, self.swiglu))
         for name, new, _ in swaps:
             setattr(self.module, name, new)
         try:

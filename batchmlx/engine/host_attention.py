@@ -51,6 +51,9 @@ _allowed = True
 # its kernels, and the softmax passes are single-threaded otherwise.
 THREADS = max(1, min(2, os.cpu_count() or 1))
 
+# The pool's thread names: idle between steps (a step waits for its jobs), so the CLI may end
+# the process with them alive (cli._exit)
+THREAD_NAME = "host-attention"
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -76,13 +79,13 @@ def pays(queries: mx.array, keys_per_query: int) -> bool:
     return b * hq * ql * keys_per_query >= least
 
 
-def _workers() -> ThreadPoolExecutor:
+def workers() -> ThreadPoolExecutor:
     """The tile threads; numpy's own BLAS goes single-threaded first, so two tiles' matmuls
     do not each start a BLAS thread team on the same two cores."""
     global _pool
     if _pool is None:
         _single_threaded_numpy_blas()
-        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="host-attention")
+        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix=THREAD_NAME)
     return _pool
 
 
@@ -140,7 +143,7 @@ def _attend(
     larger ones first), or a single tile's sequences in two halves."""
     b, h, rep, ql, d = q.shape
     out = np.empty_like(q)
-    pool = _workers()
+    pool = workers()
     if ql > tile:
         starts = list(range(0, ql, tile))[::-1]
         jobs = [
@@ -226,6 +229,7 @@ def host_attention(
     "causal" or None; query i sees no key past causal_offset + i. Returns [B, Hq, Q, D]."""
     b, hq, ql, d = queries.shape
     h, kl = keys.shape[1], keys.shape[2]
+    mx.eval(queries, keys, values, *([mask] if isinstance(mask, mx.array) else []))
     bias, causal = _bias(mask, ql, kl)
     if causal and causal_offset is None:
         causal_offset = kl - ql
@@ -249,6 +253,7 @@ def host_cascade_attention(
     [B, H, Ks, D] under mask [B, 1, Q, Ks]."""
     b, hq, ql, d = queries.shape
     h = keys.shape[1]
+    mx.eval(queries, keys, values, prefix, mask)
     bias, _ = _bias(mask, ql, keys.shape[2])
     q = (_host(queries) * np.float32(scale)).reshape(b, h, hq // h, ql, d)
     shared = (_host(prefix[0]), _host(prefix[1]))

@@ -122,9 +122,9 @@ def test_prefix_cache_table_of_the_seed(default_model):
 
 
 def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts, monkeypatch):
-    """chunked_attention (query tiles past 64 tokens, skipped key tiles) and fast_swiglu give
-    the tokens mlx-lm's attention and activation give, alone and in a batch, with a shared
-    prefix (cascade) and without."""
+    """chunked_attention (query tiles past 64 tokens, skipped key tiles), fast_swiglu and the
+    host swiglu give the tokens mlx-lm's attention and activation give, alone and in a batch,
+    with a shared prefix (cascade) and without."""
     from batchmlx.engine import attention, host_attention
 
     tok = default_model.tokenizer
@@ -137,7 +137,12 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts
         out = make_engine(default_model, **cfg).generate(greedy_reqs(long + prompts, eos, n=8))
         return [o.token_ids for o in out]
 
+    host_swiglus = []
+    host_swiglu = attention.host_swiglu
+    monkeypatch.setattr(attention, "host_swiglu",
+                        lambda g, x: host_swiglus.append(g.shape) or host_swiglu(g, x))  # fmt: skip
     fast = run(max_batch_size=8)
+    assert host_swiglus  # the long prompt's MLP ran its activation on the host
     fast_simple = run(simple=True)
     monkeypatch.setattr(host_attention, "MIN_HOST_SCORES", 0)  # every attention on the host
     monkeypatch.setattr(host_attention, "MIN_HOST_DECODE_SCORES", 0)

@@ -46,14 +46,13 @@ def test_the_step_swaps_swiglu_and_puts_it_back(tiny_model, monkeypatch) -> None
     import sys
 
     from batchmlx.engine import attention
-    from batchmlx.engine.attention import AttentionRoute
-    from batchmlx.engine.kernels import fast_swiglu as fast
+    from batchmlx.engine.attention import AttentionRoute, step_swiglu
 
     module = sys.modules[type(tiny_model).__module__]
     original = module.swiglu
     route = AttentionRoute(tiny_model)
     with route.active():
-        assert module.swiglu is fast
+        assert module.swiglu is step_swiglu
     assert module.swiglu is original
     monkeypatch.setattr(attention, "FAST_SWIGLU", False)
     with route.active():

@@ -64,3 +64,28 @@ def test_results_and_list_run_without_reexecuting(tmp_path: Path) -> None:
     doctor = _cli(tmp_path, "doctor", "--no-measure")
     assert doctor.returncode == 0, doctor.stderr
     assert doctor.stdout.count("started") == 2  # a model command still re-executes
+
+
+def test_a_fast_exit_waits_only_for_threads_that_may_be_working() -> None:
+    """The engine's idle host-kernel pool and daemon threads do not keep the CLI on the slow
+    exit (interpreter teardown); any other live thread does."""
+    import threading
+
+    from batchmlx.cli import _working_threads
+    from batchmlx.engine import host_attention
+
+    host_attention.workers().submit(lambda: None).result()  # the pool's threads are alive
+    pool = [t for t in threading.enumerate() if t.name.startswith(host_attention.THREAD_NAME)]
+    assert pool and not set(pool) & set(_working_threads())
+    release = threading.Event()
+    daemon = threading.Thread(target=release.wait, daemon=True)
+    other = threading.Thread(target=release.wait, name="writer")
+    daemon.start()
+    other.start()
+    try:
+        working = _working_threads()
+        assert other in working and daemon not in working
+    finally:
+        release.set()
+        daemon.join()
+        other.join()

@@ -1,0 +1,63 @@
+"""Large elementwise passes of a step, on the host in numpy: the CPU backend's kernels.
+
+MLX runs each elementwise op as its own pass over the whole array. Once a step's activations
+outgrow the L2 (a prompt, or a batch of prompts behind a cached system prompt), every one of the
+~20 passes of `kernels.fast_swiglu` streams the array through memory again: measured on 1,270
+tokens x 1,536 (the MLP of a batch admitted behind a shared system prompt), 25 ms a layer as MLX
+ops against 2.0 ms here. Here the array is walked in L2-sized tiles, each tile's passes run while
+it is in cache, the two halves go to two threads, and the result is written straight into a
+buffer MLX owns (no copy back).
+
+Small arrays (a decode step) stay in MLX: there its passes hit cache and the host's evaluation
+and thread hand-off cost more than they save (crossover about 300 tokens x 1,536).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from batchmlx.engine.host_attention import THREADS, workers
+
+# Elements from which a SwiGLU runs on the host (see the module note).
+MIN_HOST_ELEMENTS = 1 << 19
+# Elements per tile: the tile and its scratch stay in a core's L2 across the passes.
+TILE = 1 << 15
+
+
+def pays(gate: mx.array, x: mx.array) -> bool:
+    """Whether `host_swiglu` beats MLX for these operands (float32 only: numpy has no bf16)."""
+    return gate.dtype == x.dtype == mx.float32 and gate.size >= MIN_HOST_ELEMENTS
+
+
+def _swiglu_range(g: np.ndarray, u: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
+    """out[lo:hi] = silu(g) * u = g * u / (1 + exp(-g)), one L2-sized tile at a time."""
+    scratch = np.empty(min(TILE, hi - lo), np.float32)
+    with np.errstate(over="ignore"):  # exp(-g) -> inf for g < -88: g / inf = -0, silu's limit
+        for a in range(lo, hi, TILE):
+            b = min(hi, a + TILE)
+            s = scratch[: b - a]
+            np.negative(g[a:b], out=s)
+            np.exp(s, out=s)
+            s += np.float32(1.0)
+            np.divide(g[a:b], s, out=s)
+            np.multiply(s, u[a:b], out=out[a:b])
+
+
+def host_swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x (mlx-lm's `swiglu`) for float32 operands of one shape, in numpy."""
+    out = mx.zeros(gate.shape, mx.float32)  # a fresh contiguous buffer the result goes into
+    mx.eval(gate, x, out)
+    g = np.asarray(gate).reshape(-1)
+    u = np.asarray(x).reshape(-1)
+    o = np.asarray(out).reshape(-1)  # writable view of MLX's buffer
+    n = g.size
+    if THREADS > 1 and n >= 2 * TILE:
+        half = (n // 2 // TILE) * TILE
+        halves = ((0, half), (half, n))
+        jobs = [workers().submit(_swiglu_range, g, u, o, lo, hi) for lo, hi in halves]
+        for job in jobs:
+            job.result()
+    else:
+        _swiglu_range(g, u, o, 0, n)
+    return out

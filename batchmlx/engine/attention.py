@@ -28,7 +28,6 @@ from batchmlx.engine.host_attention import (
     host_attention,
     host_cascade_attention,
     pays,
-    step_decodes,
 )
 from batchmlx.engine.host_kernels import host_swiglu
 from batchmlx.engine.host_kernels import pays as host_swiglu_pays
@@ -307,12 +306,14 @@ def packed_attention(
     assert isinstance(layout, PackedLayout)
     if sinks is not None:  # (models with sinks also slide windows, which run padded steps)
         raise NotImplementedError("attention sinks in packed steps: use mixed_steps=False")
-    decodes = sum(seg.length for seg in layout.segments if seg.kind is SegmentKind.ROWS)
-    with step_decodes(decodes):
-        outs = [
-            _segment(queries, seg, kv, scale, attend, prefix_attention)
-            for seg, kv in zip(layout.segments, cache.segment_kv, strict=True)
-        ]
+    # the layer's gathered keys and values are read here only: dropped now, they are freed as
+    # soon as evaluated, not held by the cache object until the step ends
+    segment_kv, cache.segment_kv = cache.segment_kv, []
+    outs = [
+        _segment(queries, seg, kv, scale, attend, prefix_attention)
+        for seg, kv in zip(layout.segments, segment_kv, strict=True)
+    ]
+    del segment_kv
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
@@ -363,7 +364,8 @@ def paged_attention(
             # is another array: it goes as it is)
             bias = lay.bias if mask is lay.mask and lay.bias is not None else mask
             if cache.prefix is not None:
-                return prefix_attention(queries, keys, values, cache.prefix, scale, bias,
+                prefix, cache.prefix = cache.prefix, None  # read here only (see packed_attention)
+                return prefix_attention(queries, keys, values, prefix, scale, bias,
                                         causal_offset=lay.causal_offset)  # fmt: skip
             if FAST_ATTENTION:
                 return tiled_attention(queries, keys, values, scale, bias,

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,21 +30,12 @@ from batchmlx.engine.kv_cache import additive_bias
 # Query rows per tile: 9 query heads x 64 queries x 1,000 keys x 4 B ~ 2.3 MB of scores.
 TILE_QUERIES = 64
 # Below this many score elements per layer (batch x query heads x queries x keys) a call keeps
-# MLX's attention. Leaving MLX costs an evaluation barrier per layer, measured at ~1.4 ms a layer
-# in a width-64 decode step (136 -> 181 ms a step with nothing else changed). A prompt chunk wins
-# that back from this size on; one-query rows (decodes) only with 4x as many scores, since at
-# widths 128-256 over short contexts they measured slower on the host than in MLX. (In packed
-# steps, the default, a decode step also meets MAX_STEP_DECODES below and stays in MLX; this
-# limit is what padded steps see.)
+# MLX's attention: leaving MLX costs an evaluation barrier per layer and two copies. A prompt
+# chunk wins that back from this size on; one-query rows (decodes) from 4x as many (measured:
+# a width-64 decode over ~150 keys the same on either side, over a 944-key shared system prompt
+# 170 -> 140 ms a step on the host).
 MIN_HOST_SCORES = 1 << 17
 MIN_HOST_DECODE_SCORES = 1 << 19
-# A packed step with more decode rows than this keeps all its attention in MLX: with two dozen
-# decodes beside a prompt chunk, the MLX work between the barriers slowed down far more than the
-# host saved (mixed steps 0.4-1.1 s -> 1.2-2.2 s; throughput 109 -> 78-92 tok/s; cause not yet
-# found). A step of prompt chunks beside a few decodes (a batch admitted behind a cached system
-# prompt) keeps the host's gain (8 s -> 2.3 s for 63 chunks).
-MAX_STEP_DECODES = 8
-_allowed = True
 # Threads the tiles (or a decode step's sequences) are split over: numpy releases the GIL in
 # its kernels, and the softmax passes are single-threaded otherwise.
 THREADS = max(1, min(2, os.cpu_count() or 1))
@@ -57,23 +46,9 @@ THREAD_NAME = "host-attention"
 _pool: ThreadPoolExecutor | None = None
 
 
-@contextmanager
-def step_decodes(n: int) -> Iterator[None]:
-    """Within: the attention calls of one packed step with n decode rows (see
-    MAX_STEP_DECODES). The engine builds a step's graph on one thread."""
-    global _allowed
-    before, _allowed = _allowed, n <= MAX_STEP_DECODES
-    try:
-        yield
-    finally:
-        _allowed = before
-
-
 def pays(queries: mx.array, keys_per_query: int) -> bool:
     """Whether host attention beats MLX's for this call (MIN_HOST_SCORES for prompt chunks,
-    MIN_HOST_DECODE_SCORES for one query per sequence; never in a step with many decodes)."""
-    if not _allowed:
-        return False
+    MIN_HOST_DECODE_SCORES for one query per sequence)."""
     b, hq, ql, _ = queries.shape
     least = MIN_HOST_SCORES if ql > 1 else MIN_HOST_DECODE_SCORES
     return b * hq * ql * keys_per_query >= least

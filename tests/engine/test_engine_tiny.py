@@ -448,3 +448,37 @@ def test_prompt_chunks_behind_a_cached_prefix_run_as_one_cascade_segment(model):
     for o, t in zip(outs, tails, strict=True):
         assert o.cached_tokens == 16
         assert o.token_ids == reference_greedy(model, system + t, 12)
+
+
+def test_a_step_holds_no_layer_keys_past_the_layers_attention(model, monkeypatch):
+    """Each layer's gathered keys and values are dropped once its attention has read them, so
+    an evaluation barrier mid-step (host kernels) frees them instead of holding every layer's
+    until the step ends (they came fresh from the OS at every barrier: page faults)."""
+    from batchmlx.engine import kv_cache
+
+    made = []
+    init = kv_cache.PagedLayerCache.__init__
+
+    def record(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(kv_cache.PagedLayerCache, "__init__", record)
+    eng = engine(model, max_batch_size=4)
+    eng.generate(reqs(prompts()[:3], SamplingParams(max_tokens=3, temperature=0.0)))
+    assert made and all(c.segment_kv == [] and c.prefix is None for c in made)
+
+
+def test_the_engine_raises_mlx_buffer_cache_on_the_cpu_only():
+    from batchmlx.engine import llm_engine
+
+    before = mx.set_cache_limit(32 << 20)
+    try:
+        assert llm_engine.size_buffer_cache(on_cpu=False) == 32 << 20  # a GPU keeps its own
+        want = min(llm_engine.CPU_BUFFER_CACHE, llm_engine.available_memory_bytes(False) // 16)
+        assert llm_engine.size_buffer_cache(on_cpu=True) == want
+        mx.set_cache_limit(8 << 30)  # a limit set higher (by the user) is kept
+        assert llm_engine.size_buffer_cache(on_cpu=True) == 8 << 30
+        assert mx.set_cache_limit(0) == 8 << 30
+    finally:
+        mx.set_cache_limit(before)

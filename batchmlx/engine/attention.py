@@ -31,7 +31,14 @@ from batchmlx.engine.host_attention import (
 )
 from batchmlx.engine.host_kernels import host_swiglu
 from batchmlx.engine.host_kernels import pays as host_swiglu_pays
-from batchmlx.engine.kernels import exp_nonpositive, exp_shifted, fast_swiglu, is_mlx_lm_swiglu
+from batchmlx.engine.kernels import (
+    StepRoPE,
+    exp_nonpositive,
+    exp_shifted,
+    fast_swiglu,
+    is_mlx_lm_swiglu,
+    plain_ropes,
+)
 from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache, Segment, SegmentKind
 
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
@@ -58,6 +65,9 @@ FAST_SWIGLU = cpu_kernels()
 # the CPU backend) when the call has enough scores to pay for leaving MLX, False = always the
 # same tiles as MLX ops (chunked_attention, cascade_attention)
 HOST_ATTENTION = cpu_kernels()
+# nn.RoPE swapped for kernels.StepRoPE during a step (one cos/sin table a step, not one a
+# call); False: as is
+STEP_ROPE = cpu_kernels()
 # Where a large swiglu runs: True = on the host (host_kernels.py; 25 -> 2 ms a layer on 1,270
 # tokens, measured alone), False = always kernels.fast_swiglu
 HOST_SWIGLU = cpu_kernels()
@@ -395,10 +405,12 @@ class AttentionRoute:
         self.swiglu = getattr(self.module, "swiglu", None)
         if not is_mlx_lm_swiglu(self.swiglu):
             self.swiglu = None  # only mlx-lm's own is stood in for
+        self.ropes = plain_ropes(model)  # attention modules holding a plain nn.RoPE
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        """The paged attention (and fast swiglu) in place for the body of the with-statement."""
+        """The paged attention (and fast swiglu and rope) in place for the body of the
+        with-statement."""
         swaps = []
         if self.paged is not None:  # else an architecture without the seam: attention as it is
             swaps.append(("scaled_dot_product_attention", self.paged, self.original))
@@ -406,8 +418,14 @@ class AttentionRoute:
             swaps.append(("swiglu", step_swiglu, self.swiglu))
         for name, new, _ in swaps:
             setattr(self.module, name, new)
+        ropes = self.ropes if STEP_ROPE else []
+        tables: dict = {}
+        for m in ropes:
+            m["rope"] = StepRoPE(m["rope"], tables)  # (an nn.Module is a dict of its children)
         try:
             yield
         finally:
+            for m in ropes:
+                m["rope"] = m["rope"].rope
             for name, _, old in swaps:
                 setattr(self.module, name, old)

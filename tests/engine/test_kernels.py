@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -65,3 +66,39 @@ def test_the_cpu_kernels_are_chosen_on_the_cpu_only() -> None:
     assert attention.cpu_kernels(mx.Device(mx.DeviceType.cpu))
     assert not attention.cpu_kernels(mx.Device(mx.DeviceType.gpu))
     assert attention.FAST_ATTENTION == (mx.default_device().type == mx.DeviceType.cpu)
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize("dims", [64, 32])  # 32: partial rotary, the rest passes unchanged
+@pytest.mark.parametrize("length", [1, 5])  # a packed step's rows; a padded step's chunks
+def test_step_rope_is_bit_for_bit_mlx_fast_rope(traditional, dims, length) -> None:
+    from batchmlx.engine.kernels import StepRoPE
+
+    rope = nn.RoPE(dims, traditional=traditional, base=100000.0, scale=0.5)
+    x = mx.random.normal((7, 3, length, 64), key=mx.random.key(3)) * 3
+    offset = mx.array([0, 1, 17, 300, 4095, 8000, 123], dtype=mx.int32)
+    tables: dict = {}
+    step = StepRoPE(rope, tables)
+    got, want = step(x, offset=offset), rope(x, offset=offset)
+    assert mx.array_equal(got, want).item()
+    assert len(tables) == 1
+    step(x * 2, offset=offset)  # another layer of the same step reads the same table
+    assert len(tables) == 1
+    assert mx.array_equal(step(x, offset=4), rope(x, offset=4)).item()  # plain cache: as is
+
+
+def test_the_step_swaps_plain_ropes_and_puts_them_back(tiny_model, monkeypatch) -> None:
+    from batchmlx.engine import attention
+    from batchmlx.engine.attention import AttentionRoute
+    from batchmlx.engine.kernels import StepRoPE
+
+    attns = [layer.self_attn for layer in tiny_model.model.layers]
+    originals = [a.rope for a in attns]
+    route = AttentionRoute(tiny_model)
+    assert len(route.ropes) == len(attns)
+    with route.active():
+        assert all(isinstance(a.rope, StepRoPE) for a in attns)
+    assert all(a.rope is o for a, o in zip(attns, originals, strict=True))
+    monkeypatch.setattr(attention, "STEP_ROPE", False)
+    with route.active():
+        assert all(a.rope is o for a, o in zip(attns, originals, strict=True))

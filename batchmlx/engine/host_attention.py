@@ -31,11 +31,11 @@ from batchmlx.engine.kv_cache import additive_bias
 TILE_QUERIES = 64
 # Below this many score elements per layer (batch x query heads x queries x keys) a call keeps
 # MLX's attention: leaving MLX costs an evaluation barrier per layer and two copies. A prompt
-# chunk wins that back from this size on; one-query rows (decodes) from 4x as many (measured:
-# a width-64 decode over ~150 keys the same on either side, over a 944-key shared system prompt
-# 170 -> 140 ms a step on the host).
+# chunk wins that back from this size on, one-query rows (decodes) from half as many (measured:
+# width-64 decode steps over ~150 keys 128 -> 120 ms, over a 944-key shared system prompt
+# 170 -> 140 ms; width 256 over ~100 keys the same either side).
 MIN_HOST_SCORES = 1 << 17
-MIN_HOST_DECODE_SCORES = 1 << 19
+MIN_HOST_DECODE_SCORES = 1 << 16
 # Threads the tiles (or a decode step's sequences) are split over: numpy releases the GIL in
 # its kernels, and the softmax passes are single-threaded otherwise.
 THREADS = max(1, min(2, os.cpu_count() or 1))

@@ -36,13 +36,22 @@ def test_cascade_equals_attention_over_concatenated_keys(q_len: int, rep: int) -
     np.testing.assert_allclose(np.array(tiled), np.array(want), atol=1e-5, rtol=1e-5)
 
 
-def test_layout_finds_the_prefix_every_sequence_shares() -> None:
+def test_layout_finds_the_prefix_every_sequence_shares(monkeypatch) -> None:
+    from batchmlx.engine import kv_cache
+
     # blocks of 4; sequences share blocks 1 and 2, then diverge; all computed up to position 10
     tables = [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
-    lay = BatchLayout.build(
-        block_size=4, n_kv_heads=2, token_chunks=[[7], [8], [9]], starts=[10, 10, 11],
-        block_tables=tables,
-    )  # fmt: skip
+
+    def build():
+        return BatchLayout.build(
+            block_size=4, n_kv_heads=2, token_chunks=[[7], [8], [9]], starts=[10, 10, 11],
+            block_tables=tables,
+        )  # fmt: skip
+
+    monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 3)  # two shared blocks: too short
+    assert build().prefix_runs is None
+    monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 2)
+    lay = build()
     assert lay.prefix_runs is not None
     assert np.array(lay.prefix_runs).tolist() == [[2, 4], [3, 5]]  # (block * H + head)
     assert lay.mask.shape == (3, 1, 1, 4)  # only the third block is per sequence

@@ -372,8 +372,11 @@ def test_packed_layout_feeds_each_token_once_at_its_position():
         assert rows[t].tolist() == pad[b, :, q].tolist()
 
 
-def test_packed_decodes_sharing_a_prefix_keep_the_cascade():
+def test_packed_decodes_sharing_a_prefix_keep_the_cascade(monkeypatch):
+    from batchmlx.engine import kv_cache
     from batchmlx.engine.kv_cache import PackedLayout, SegmentKind
+
+    monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 1)  # a prefix of this test's size
 
     layout = PackedLayout.build(
         block_size=4, n_kv_heads=2, token_chunks=[[1], [2], [3, 4, 5]], starts=[9, 10, 0],
@@ -426,8 +429,11 @@ def test_chunks_of_similar_length_share_a_segment_and_a_long_one_stays_alone():
     assert _chunk_groups([30, 9]) == [[0], [1]]  # 2*30 > 1.5*39
 
 
-def test_prompt_chunks_behind_a_cached_prefix_run_as_one_cascade_segment(model):
+def test_prompt_chunks_behind_a_cached_prefix_run_as_one_cascade_segment(model, monkeypatch):
+    from batchmlx.engine import kv_cache
     from batchmlx.engine.attention import AttentionRoute, cascade_attention
+
+    monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 1)  # a prefix of this test's size
 
     calls: list[tuple[int, int]] = []  # (batch, queries) of each cascade call
 

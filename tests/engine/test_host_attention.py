@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchmlx.engine import attention, host_attention
+from batchmlx.engine import attention, host_attention, kv_cache
 from batchmlx.engine.host_attention import host_attention as host
 from batchmlx.engine.host_attention import host_cascade_attention
 from batchmlx.engine.kv_cache import BatchLayout
@@ -73,9 +73,9 @@ def test_the_route_leaves_mlx_only_where_the_scores_pay(monkeypatch) -> None:
     chunks = mx.zeros((8, 4, 2, 16))  # 8 sequences x 4 query heads x 2 queries ...
     attention.tiled_attention(chunks, mx.zeros((8, 2, limit // 64 - 1, 16)), None, 1.0, None)
     attention.tiled_attention(chunks, mx.zeros((8, 2, limit // 64, 16)), None, 1.0, None)
-    decode = mx.zeros((16, 4, 1, 16))  # as many scores, one query per sequence: stays in MLX
-    attention.tiled_attention(decode, mx.zeros((16, 2, limit // 64, 16)), None, 1.0, None)
-    rows = host_attention.MIN_HOST_DECODE_SCORES // 64  # ... until it has this many
+    decode = mx.zeros((16, 4, 1, 16))  # one query per sequence: its own limit
+    rows = host_attention.MIN_HOST_DECODE_SCORES // 64
+    attention.tiled_attention(decode, mx.zeros((16, 2, rows - 1, 16)), None, 1.0, None)
     attention.tiled_attention(decode, mx.zeros((16, 2, rows, 16)), None, 1.0, None)
     big = mx.zeros((8, 2, limit // 64, 16))
     monkeypatch.setattr(attention, "HOST_ATTENTION", False)  # never, whatever the size
@@ -113,6 +113,7 @@ def test_engine_tokens_and_logprobs_same_on_the_host(tiny_model, monkeypatch) ->
     monkeypatch.setattr(attention, "HOST_ATTENTION", True)
     monkeypatch.setattr(host_attention, "MIN_HOST_SCORES", 0)
     monkeypatch.setattr(host_attention, "MIN_HOST_DECODE_SCORES", 0)
+    monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 1)  # the 3-block system prompt too
     on_host = run()
     assert used  # the shared prefix went through the host cascade
     monkeypatch.setattr(attention, "HOST_ATTENTION", False)

@@ -42,7 +42,7 @@ from batchmlx.engine.kernels import (
 from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache, Segment, SegmentKind
 
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
-# (queries, keys, values, prefix, scale, mask, *, causal_offset) -> output
+# (queries, keys, values, prefix, scale, mask, *, causal_offset[, real_rows]) -> output
 PrefixAttention = Callable[..., mx.array]
 
 # Query rows per tile: with 9 query heads a tile of 1,000 keys is 9 * 64 * 1000 * 4 B ~ 2.3 MB,
@@ -271,11 +271,16 @@ def shared_prefix_attention(
     mask: mx.array,
     *,
     causal_offset: int | None = None,
+    real_rows: mx.array | None = None,
 ) -> mx.array:
-    """The cascade over a shared prefix: on the host where it pays, else as MLX tiles."""
+    """The cascade over a shared prefix: on the host where it pays, else as MLX tiles.
+    real_rows (padded chunks): the real queries, b * Q + i; the MLX tiles compute them all."""
     host = HOST_ATTENTION and pays(queries, prefix[0].shape[1] + keys.shape[2])
-    kernel = host_cascade_attention if host else cascade_attention
-    return kernel(queries, keys, values, prefix, scale, mask, causal_offset=causal_offset)
+    if host:
+        return host_cascade_attention(queries, keys, values, prefix, scale, mask,
+                                      causal_offset=causal_offset, real_rows=real_rows)  # fmt: skip
+    return cascade_attention(queries, keys, values, prefix, scale, mask,
+                             causal_offset=causal_offset)  # fmt: skip
 
 
 # (queries [B, Hq, Q, D], keys/values [B, H, K, D], scale, mask [B, 1, Q, K] bool or additive,
@@ -345,8 +350,10 @@ def _segment(
         q = q[seg.pad_rows].reshape(seg.batch, seg.queries, hq, d).transpose(0, 2, 1, 3)
     mask = seg.bias if FAST_ATTENTION else seg.mask
     if prefix is not None:
+        # padded chunks: which queries are real (the host cascade skips the rest's prefix part)
+        rows = {} if seg.real_rows is None else {"real_rows": seg.real_rows}
         o = prefix_attention(q, keys, values, prefix, scale, seg.bias,
-                             causal_offset=seg.causal_offset)  # fmt: skip
+                             causal_offset=seg.causal_offset, **rows)  # fmt: skip
     else:
         o = attend(q, keys, values, scale, mask, causal_offset=seg.causal_offset)
     if seg.kind is SegmentKind.CHUNK:

@@ -113,9 +113,11 @@ def _attend(
     causal_offset: int | None,
     tile: int,
     prefix: tuple[np.ndarray, np.ndarray] | None = None,
+    valid: np.ndarray | None = None,
 ) -> np.ndarray:
     """`_attend_tiles` split over the worker threads: a prompt's query tiles (the later,
-    larger ones first), or a single tile's sequences in two halves."""
+    larger ones first), or a single tile's sequences in two halves. valid [B, Q]: which
+    queries are real (padded chunks); None: all."""
     b, h, rep, ql, d = q.shape
     out = np.empty_like(q)
     pool = workers()
@@ -131,7 +133,8 @@ def _attend(
         jobs = [
             pool.submit(_attend_tiles, q[r0:r1], k[r0:r1], v[r0:r1],
                         None if bias is None else bias[r0:r1] if bias.shape[0] > 1 else bias,
-                        causal_offset, tile, prefix, out[r0:r1], 0, ql)  # fmt: skip
+                        causal_offset, tile, prefix, out[r0:r1], 0, ql,
+                        None if valid is None else valid[r0:r1])  # fmt: skip
             for r0, r1 in ((0, half), (half, b))
             if r1 > r0
         ]
@@ -151,9 +154,12 @@ def _attend_tiles(
     out: np.ndarray,
     first: int,
     last: int,
+    valid: np.ndarray | None = None,
 ) -> None:
     """softmax(q k^T + bias) v over [the shared prefix keys, if any] + each sequence's keys,
-    for queries first..last, into out.
+    for queries first..last, into out. valid [B, Q] (one tile only): the prefix part scores
+    the real queries only, not the padding of a batch of chunks (most of the work there: a
+    900-token prefix against chunks of ~20 tokens padded to 32).
 
     q [B, H, rep, Q, D] already scaled; k, v [B, H, K, D]; bias [B or 1, 1, Q, K]; prefix
     (keys, values) [H, P, D] seen whole by every query. One max per row over both parts, so the
@@ -170,21 +176,32 @@ def _attend_tiles(
         if bias is not None:
             s.reshape(b, h, rep, t, kc)[...] += bias[:, :, None, q0:q1, :kc]
         m = s.max(axis=-1, keepdims=True)
-        sp = None
+        sp = rows = None
         if prefix is not None:  # every sequence's queries against one copy of the prefix
             qp = qc.transpose(1, 0, 2, 3).reshape(h, b * rep * t, d)
-            sp = np.matmul(qp, prefix[0].swapaxes(-1, -2))  # [H, B*rep*t, P]
-            mp = sp.max(axis=-1, keepdims=True).reshape(h, b, rep * t, 1).transpose(1, 0, 2, 3)
-            np.maximum(m, mp, out=m)
-            np.subtract(sp, m.transpose(1, 0, 2, 3).reshape(h, b * rep * t, 1), out=sp)
+            if valid is not None:  # the real queries' rows of qp (order: sequence, rep, query)
+                keep = np.broadcast_to(valid[:, None, q0:q1], (b, rep, t)).reshape(-1)
+                rows = np.flatnonzero(keep)
+                qp = qp[:, rows]
+            sp = np.matmul(qp, prefix[0].swapaxes(-1, -2))  # [H, rows, P]
+            flat = m.transpose(1, 0, 2, 3).reshape(h, b * rep * t)  # a copy: [H, B*rep*t]
+            sel = slice(None) if rows is None else rows
+            flat[:, sel] = np.maximum(flat[:, sel], sp.max(axis=-1))
+            m = flat.reshape(h, b, rep * t, 1).transpose(1, 0, 2, 3)
+            np.subtract(sp, flat[:, sel][..., None], out=sp)
             np.exp(sp, out=sp)
         np.subtract(s, m, out=s)
         np.exp(s, out=s)
         total = s.sum(axis=-1, keepdims=True)
         o = np.matmul(s, vt)  # [B, H, rep*t, D]
         if sp is not None:
-            total += sp.sum(axis=-1).reshape(h, b, rep * t, 1).transpose(1, 0, 2, 3)
-            o += np.matmul(sp, prefix[1]).reshape(h, b, rep * t, d).transpose(1, 0, 2, 3)
+            sel = slice(None) if rows is None else rows
+            tf = total.transpose(1, 0, 2, 3).reshape(h, b * rep * t)
+            tf[:, sel] += sp.sum(axis=-1)
+            of = o.transpose(1, 0, 2, 3).reshape(h, b * rep * t, d)
+            of[:, sel] += np.matmul(sp, prefix[1])
+            total = tf.reshape(h, b, rep * t, 1).transpose(1, 0, 2, 3)
+            o = of.reshape(h, b, rep * t, d).transpose(1, 0, 2, 3)
         o /= total
         out[:, :, :, q0:q1] = o.reshape(b, h, rep, t, d)
 
@@ -222,15 +239,23 @@ def host_cascade_attention(
     mask: mx.array,
     *,
     causal_offset: int | None = None,
+    real_rows: mx.array | None = None,
 ) -> mx.array:
     """`attention.cascade_attention` in numpy: attention over a prefix every sequence shares
     (prefix keys, values [H, P, D], read once for the whole batch) + each sequence's own keys
-    [B, H, Ks, D] under mask [B, 1, Q, Ks]."""
+    [B, H, Ks, D] under mask [B, 1, Q, Ks]. real_rows: indices b * Q + i of the real queries
+    of padded chunks (the others' outputs are not computed in full: they are dropped)."""
     b, hq, ql, d = queries.shape
     h = keys.shape[1]
     mx.eval(queries, keys, values, prefix, mask)
     bias, _ = _bias(mask, ql, keys.shape[2])
     q = (_host(queries) * np.float32(scale)).reshape(b, h, hq // h, ql, d)
     shared = (_host(prefix[0]), _host(prefix[1]))
-    out = _attend(q, _host(keys), _host(values), bias, causal_offset, TILE_QUERIES, shared)
+    valid = None
+    if real_rows is not None and ql <= TILE_QUERIES:
+        valid = np.zeros(b * ql, dtype=bool)
+        valid[np.asarray(real_rows)] = True
+        valid = valid.reshape(b, ql)
+    out = _attend(q, _host(keys), _host(values), bias, causal_offset, TILE_QUERIES, shared,
+                  valid)  # fmt: skip
     return mx.array(out.reshape(b, hq, ql, d)).astype(queries.dtype)

@@ -437,7 +437,8 @@ def test_prompt_chunks_behind_a_cached_prefix_run_as_one_cascade_segment(model, 
 
     calls: list[tuple[int, int]] = []  # (batch, queries) of each cascade call
 
-    def counting(queries, keys, values, prefix, scale, mask, *, causal_offset=None):
+    def counting(queries, keys, values, prefix, scale, mask, *, causal_offset=None,
+                 real_rows=None):  # fmt: skip
         calls.append((queries.shape[0], queries.shape[2]))
         return cascade_attention(queries, keys, values, prefix, scale, mask,
                                  causal_offset=causal_offset)  # fmt: skip

@@ -42,7 +42,9 @@ def test_host_equals_naive_attention_on_a_ragged_paged_layout(q_len, rep, chunk)
     np.testing.assert_allclose(np.array(whole), want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("q_len", "rep", "b"), [(1, 3, 5), (4, 1, 4), (70, 3, 2), (1, 2, 1)])
+@pytest.mark.parametrize(
+    ("q_len", "rep", "b"), [(1, 3, 5), (4, 1, 4), (5, 3, 3), (70, 3, 2), (1, 2, 1)]
+)
 def test_host_cascade_equals_attention_over_concatenated_keys(q_len, rep, b) -> None:
     mx.random.seed(q_len + b)
     h, d, kp, ks = 2, 16, 32, q_len + 9
@@ -62,6 +64,13 @@ def test_host_cascade_equals_attention_over_concatenated_keys(q_len, rep, b) -> 
     for offset in (None, ks - q_len):  # the last row's start: keys past it skipped per tile
         got = host_cascade_attention(q, suf_k, suf_v, prefix, 0.25, bias, causal_offset=offset)
         np.testing.assert_allclose(np.array(got), want, atol=2e-6, rtol=1e-5)
+    if q_len > 1:  # padded chunks: only the real queries' outputs count (the rest are dropped)
+        real = np.flatnonzero((np.arange(b)[:, None] + np.arange(q_len)[None, :]) % 3 != 1)
+        got = host_cascade_attention(q, suf_k, suf_v, prefix, 0.25, bias,
+                                     real_rows=mx.array(real.astype(np.int32)))  # fmt: skip
+        rows = np.array(got).transpose(0, 2, 1, 3).reshape(b * q_len, -1)[real]
+        np.testing.assert_allclose(rows, want.transpose(0, 2, 1, 3).reshape(b * q_len, -1)[real],
+                                   atol=2e-6, rtol=1e-5)  # fmt: skip
 
 
 def test_the_route_leaves_mlx_only_where_the_scores_pay(monkeypatch) -> None:

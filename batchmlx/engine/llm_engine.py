@@ -65,7 +65,8 @@ CPU_BUFFER_CACHE = 256 << 20
 
 def size_buffer_cache(on_cpu: bool | None = None) -> int:
     """Raise MLX's buffer cache limit to CPU_BUFFER_CACHE on the CPU backend (never lower a
-    limit already set higher; never above 1/16 of the memory). Returns the limit in force."""
+    limit already set higher; never above 1/16 of the available memory). Returns the limit in
+    force."""
     if on_cpu is None:
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
     limit = min(CPU_BUFFER_CACHE, available_memory_bytes(on_gpu=False) // 16)

@@ -71,11 +71,12 @@ def test_the_cpu_kernels_are_chosen_on_the_cpu_only() -> None:
 @pytest.mark.parametrize("traditional", [True, False])
 @pytest.mark.parametrize("dims", [64, 32])  # 32: partial rotary, the rest passes unchanged
 @pytest.mark.parametrize("length", [1, 5])  # a packed step's rows; a padded step's chunks
-def test_step_rope_is_bit_for_bit_mlx_fast_rope(traditional, dims, length) -> None:
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_step_rope_is_bit_for_bit_mlx_fast_rope(traditional, dims, length, dtype) -> None:
     from batchmlx.engine.kernels import StepRoPE
 
     rope = nn.RoPE(dims, traditional=traditional, base=100000.0, scale=0.5)
-    x = mx.random.normal((7, 3, length, 64), key=mx.random.key(3)) * 3
+    x = (mx.random.normal((7, 3, length, 64), key=mx.random.key(3)) * 3).astype(dtype)
     offset = mx.array([0, 1, 17, 300, 4095, 8000, 123], dtype=mx.int32)
     tables: dict = {}
     step = StepRoPE(rope, tables)

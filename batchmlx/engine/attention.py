@@ -24,11 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from batchmlx.engine.host_attention import (
-    host_attention,
-    host_cascade_attention,
-    pays,
-)
+from batchmlx.engine.host_attention import host_attention, host_cascade_attention, pays
 from batchmlx.engine.host_kernels import host_swiglu
 from batchmlx.engine.host_kernels import pays as host_swiglu_pays
 from batchmlx.engine.kernels import (
@@ -42,7 +38,7 @@ from batchmlx.engine.kernels import (
 from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache, Segment, SegmentKind
 
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
-# (queries, keys, values, prefix, scale, mask, *, causal_offset[, real_rows]) -> output
+# (queries, keys, values, prefix, scale, mask, *, causal_offset, real_rows) -> output
 PrefixAttention = Callable[..., mx.array]
 
 # Query rows per tile: with 9 query heads a tile of 1,000 keys is 9 * 64 * 1000 * 4 B ~ 2.3 MB,
@@ -350,10 +346,9 @@ def _segment(
         q = q[seg.pad_rows].reshape(seg.batch, seg.queries, hq, d).transpose(0, 2, 1, 3)
     mask = seg.bias if FAST_ATTENTION else seg.mask
     if prefix is not None:
-        # padded chunks: which queries are real (the host cascade skips the rest's prefix part)
-        rows = {} if seg.real_rows is None else {"real_rows": seg.real_rows}
+        # real_rows (padded chunks): the host cascade skips the padding's prefix part
         o = prefix_attention(q, keys, values, prefix, scale, seg.bias,
-                             causal_offset=seg.causal_offset, **rows)  # fmt: skip
+                             causal_offset=seg.causal_offset, real_rows=seg.real_rows)  # fmt: skip
     else:
         o = attend(q, keys, values, scale, mask, causal_offset=seg.causal_offset)
     if seg.kind is SegmentKind.CHUNK:

@@ -176,26 +176,26 @@ def _attend_tiles(
         if bias is not None:
             s.reshape(b, h, rep, t, kc)[...] += bias[:, :, None, q0:q1, :kc]
         m = s.max(axis=-1, keepdims=True)
-        sp = rows = None
+        sp = None
+        sel: slice | np.ndarray = slice(None)  # the rows of qp that the prefix part scores
         if prefix is not None:  # every sequence's queries against one copy of the prefix
             qp = qc.transpose(1, 0, 2, 3).reshape(h, b * rep * t, d)
             if valid is not None:  # the real queries' rows of qp (order: sequence, rep, query)
                 keep = np.broadcast_to(valid[:, None, q0:q1], (b, rep, t)).reshape(-1)
-                rows = np.flatnonzero(keep)
-                qp = qp[:, rows]
+                sel = np.flatnonzero(keep)
+                qp = qp[:, sel]
             sp = np.matmul(qp, prefix[0].swapaxes(-1, -2))  # [H, rows, P]
             flat = m.transpose(1, 0, 2, 3).reshape(h, b * rep * t)  # a copy: [H, B*rep*t]
-            sel = slice(None) if rows is None else rows
-            flat[:, sel] = np.maximum(flat[:, sel], sp.max(axis=-1))
+            row_max = np.maximum(flat[:, sel], sp.max(axis=-1))
+            flat[:, sel] = row_max
             m = flat.reshape(h, b, rep * t, 1).transpose(1, 0, 2, 3)
-            np.subtract(sp, flat[:, sel][..., None], out=sp)
+            np.subtract(sp, row_max[..., None], out=sp)
             np.exp(sp, out=sp)
         np.subtract(s, m, out=s)
         np.exp(s, out=s)
         total = s.sum(axis=-1, keepdims=True)
         o = np.matmul(s, vt)  # [B, H, rep*t, D]
         if sp is not None:
-            sel = slice(None) if rows is None else rows
             tf = total.transpose(1, 0, 2, 3).reshape(h, b * rep * t)
             tf[:, sel] += sp.sum(axis=-1)
             of = o.transpose(1, 0, 2, 3).reshape(h, b * rep * t, d)

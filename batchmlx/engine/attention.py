@@ -345,6 +345,15 @@ def _segment(
     elif seg.kind is SegmentKind.CHUNKS:
         q = q[seg.pad_rows].reshape(seg.batch, seg.queries, hq, d).transpose(0, 2, 1, 3)
     mask = seg.bias if FAST_ATTENTION else seg.mask
+    if seg.dense is not None:  # the decodes' dense KV: queries in slot order
+        plan = seg.dense
+        q = q if plan.slot_rows is None else q[plan.slot_rows]
+        if prefix is not None:
+            o = prefix_attention(q, keys, values, prefix, scale, plan.bias,
+                                 causal_offset=None, real_rows=None)  # fmt: skip
+        else:
+            o = attend(q, keys, values, scale, plan.bias if FAST_ATTENTION else plan.mask)
+        return o if plan.row_slots is None else o[plan.row_slots]
     if prefix is not None:
         # real_rows (padded chunks): the host cascade skips the padding's prefix part
         o = prefix_attention(q, keys, values, prefix, scale, seg.bias,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -209,6 +210,9 @@ class Segment:
     # of the `length` real rows
     pad_rows: mx.array | None = None
     real_rows: mx.array | None = None
+    # ROWS only: the step's plan for the decodes' dense KV (decode_kv.DecodePlan), or None:
+    # keys and values gathered from the pool
+    dense: Any = None
 
 
 @dataclass(slots=True)
@@ -417,6 +421,10 @@ class PagedLayerCache:
             # the attention regroups the rows by segment; it needs no batch-shaped keys here
             self.segment_kv = [
                 _fetch(kruns, vruns, seg.gather_runs, seg.prefix_runs, h, d, keys.dtype)
+                if seg.dense is None
+                else seg.dense.fetch(self.layer, kpool, vpool,
+                                     keys[seg.first : seg.first + seg.length],
+                                     values[seg.first : seg.first + seg.length])  # fmt: skip
                 for seg in lay.segments
             ]
             return keys, values

@@ -29,6 +29,7 @@ from batchmlx.core.request import (
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep, StepKind
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import StepReport, WidthController, WidthPhase, WidthPolicy
+from batchmlx.engine.decode_kv import DecodeKV
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
 from batchmlx.engine.kv_cache import BatchLayout, PackedLayout, PagedKVStorage
@@ -108,6 +109,7 @@ class EngineStats:
     mixed_steps: int = 0  # running decodes and prompt chunks in one step
     generated_tokens: int = 0
     peak_kv_bytes: int = 0  # largest KV storage actually allocated
+    peak_decode_kv_bytes: int = 0  # largest dense copy of the decodes' KV (decode_kv.py)
     kv_bound_bytes: int = 0
     bound_violations: int = 0  # steps where allocated KV exceeded the bound (should stay 0)
     model_s: float = 0.0  # wall time in the model forward (graph built and evaluated)
@@ -163,6 +165,12 @@ class Engine:
         # row its length (a model without the attention seam, or with sliding-window layers,
         # whose masks the packed segments do not carry, keeps prefill-or-decode steps)
         self.mixed_steps = cfg.mixed_steps and self.runner.packs and sliding_window is None
+        # the decodes' KV kept contiguous (packed steps only), in at most half the KV bound
+        self.decode_kv = (
+            DecodeKV(self.storage, budget_bytes=self.stats.kv_bound_bytes // 2)
+            if self.mixed_steps and cfg.dense_decode
+            else None
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batch_size=cfg.running_bound,
@@ -336,12 +344,23 @@ class Engine:
             block_tables=tables,
             share_prefix=self.sliding_window is None,
         )
+        dense = self.decode_kv
+        if dense is not None:
+            dense.attach(layout, [s.seq.seq_id for s in step.seqs], chunks, starts, tables)
         rows = [i for i, s in enumerate(step.seqs) if s.samples]
         t0 = time.perf_counter()
-        logits = self.runner.forward(layout, rows)
-        mx.eval(logits, self.storage.keys, self.storage.values)
+        try:
+            logits = self.runner.forward(layout, rows)
+            mx.eval(logits, self.storage.keys, self.storage.values,
+                    [] if dense is None else dense.arrays())  # fmt: skip
+        except BaseException:
+            if dense is not None:
+                dense.reset()  # it may hold this step's plan half done
+            raise
         st.model_s += time.perf_counter() - t0
         st.peak_kv_bytes = max(st.peak_kv_bytes, self.storage.nbytes)
+        if dense is not None:
+            st.peak_decode_kv_bytes = max(st.peak_decode_kv_bytes, dense.nbytes)
         if self.storage.nbytes > st.kv_bound_bytes:
             st.bound_violations += 1
         if not rows:  # a prompt chunk that samples nothing

@@ -1,0 +1,257 @@
+"""The decode rows' keys and values kept contiguous from step to step: a dense copy of the pool.
+
+A packed step's decodes each attend to their sequence's whole KV. Gathered from the paged pool,
+that is every key of every running sequence copied once per layer per step (~1 ms a layer at
+width 64 over ~150 keys; a fifth of the step), although the step before gathered the same keys
+but one. `DecodeKV` keeps them instead, per layer, as [S, H, L, D]: S slots (one per decoding
+sequence), L keys of room. A step writes one new row per sequence into it; the pool stays the
+source of truth (prefix cache, preemption, prompt chunks) and is written as before.
+
+A slot is filled from the pool when its sequence joins (first decode, or back after a step
+without it), taking a slot that a finished sequence left; the whole copy is rebuilt from the
+pool, as one gather (the cost of one step's gather before), when the keys outgrow L, when
+there is no free slot for a joiner, or when a quarter of the slots are free (they would cost
+attention work). Its memory is bounded (`budget_bytes`): past that, steps gather as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from batchmlx.engine.kv_cache import PackedLayout, PagedKVStorage, SegmentKind, additive_bias
+
+# L grows in steps of this many blocks (a rebuild every 32 steps at block size 16): more room
+# is attention work over masked keys at every step, less is more rebuilds
+GROWTH_BLOCKS = 2
+# rebuilt (compacted) once this fraction of the slots is free
+MAX_FREE_FRACTION = 0.25
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """What one step does with the dense copy; every index is a row of the [S*H*L, D] arrays."""
+
+    owner: DecodeKV
+    slots: int  # S
+    capacity: int  # L
+    rebuild_runs: mx.array | None  # [S, H, L / block_size] pool runs of a rebuild, else None
+    join_rows: mx.array | None  # [n] rows of the copy filled from the pool (joiners)...
+    join_src: mx.array | None  # ... from these pool rows
+    write_rows: mx.array  # [R*H] row of each decode's new key, per head
+    slot_rows: mx.array | None  # [S] the segment row whose query each slot takes; None: slot i
+    row_slots: mx.array | None  # [R] the slot of each segment row; None: row i
+    mask: mx.array  # [S, 1, 1, L] bool, True = attend
+    bias: mx.array  # the mask as 0 / -inf
+    # [H, P / block_size] pool runs of a prefix all the rows share, to gather this step (it
+    # is then kept while the same blocks are shared: they are complete, never written again)
+    prefix_runs: mx.array | None = None
+
+    def fetch(
+        self, layer: int, kpool: mx.array, vpool: mx.array, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array, tuple[mx.array, mx.array] | None]:
+        """This layer's dense keys and values [S, H, L, D] with the step's new rows in, and the
+        shared prefix's [H, P, D] (or None). kpool, vpool: the layer's pool with the step
+        already written; keys, values: the segment's new rows [R, H, 1, D]."""
+        kv = self.owner
+        d = kpool.shape[-1]
+        run = kv.block_size * d
+        out = []
+        for pool, new, layers in ((kpool, keys, kv.keys), (vpool, values, kv.values)):
+            if self.rebuild_runs is not None:  # already holds the step's new rows
+                arr = layers[layer] = pool.reshape(-1, run)[self.rebuild_runs].reshape(-1, d)
+            else:
+                # written in place (MLX donates the buffer: a step costs its new rows only)
+                arr = layers[layer]
+                if self.join_rows is not None:
+                    arr[self.join_rows] = pool[self.join_src]
+                arr[self.write_rows] = new.reshape(-1, d).astype(arr.dtype)
+            out.append(arr.reshape(self.slots, kv.n_kv_heads, self.capacity, d).astype(new.dtype))
+        if not kv.prefix_blocks:
+            return out[0], out[1], None
+        if self.prefix_runs is not None:
+            kv.prefix_keys[layer] = kpool.reshape(-1, run)[self.prefix_runs].reshape(-1, d)
+            kv.prefix_values[layer] = vpool.reshape(-1, run)[self.prefix_runs].reshape(-1, d)
+        h = kv.n_kv_heads
+        prefix = (
+            kv.prefix_keys[layer].reshape(h, -1, d).astype(keys.dtype),
+            kv.prefix_values[layer].reshape(h, -1, d).astype(values.dtype),
+        )
+        return out[0], out[1], prefix
+
+
+class DecodeKV:
+    """The dense copy of the decoding sequences' KV (see the module docstring)."""
+
+    def __init__(self, storage: PagedKVStorage, budget_bytes: int) -> None:
+        self.block_size = storage.block_size
+        self.n_kv_heads = storage.n_kv_heads
+        self.num_layers = storage.num_layers
+        # bytes per key slot: keys and values of every layer
+        self._slot_bytes = (
+            2 * storage.num_layers * storage.n_kv_heads * storage.head_dim * (storage.dtype.size)
+        )
+        self.budget_bytes = budget_bytes
+        self.keys: list[mx.array | None] = []  # per layer [S*H*L, D]
+        self.values: list[mx.array | None] = []
+        # a prefix every slot shares (cascade attention reads it once for all): its block ids,
+        # and per layer its keys and values [H*P, D]
+        self.prefix_blocks: tuple[int, ...] = ()
+        self.prefix_keys: list[mx.array | None] = []
+        self.prefix_values: list[mx.array | None] = []
+        self.slots: list[str | None] = []  # the sequence in each slot
+        self.held: list[int] = []  # keys each slot holds
+        self.capacity = 0
+        # how the copy was kept (tests and benchmarks read them): whole rebuilds, sequences
+        # filled into a free slot, sequences refilled in their own slot after missing steps
+        self.rebuilds = self.joins = self.refills = 0
+        self.prefix_gathers = 0  # shared prefixes gathered (then kept while shared)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    def arrays(self) -> list[mx.array]:
+        """The copy's arrays (evaluated with the step, so no graph outlives it)."""
+        held = (*self.keys, *self.values, *self.prefix_keys, *self.prefix_values)
+        return [a for a in held if a is not None]
+
+    def reset(self) -> None:
+        """Forget the copy (its memory goes with it); the next decode step rebuilds."""
+        self.keys, self.values, self.slots, self.held = [], [], [], []
+        self.prefix_blocks, self.prefix_keys, self.prefix_values = (), [], []
+        self.capacity = 0
+
+    def attach(
+        self, layout: PackedLayout, seq_ids: list[str], token_chunks: list[list[int]],
+        starts: list[int], block_tables: list[list[int]],
+    ) -> None:  # fmt: skip
+        """Point the layout's decode segment at the dense copy, planned for this step, or drop
+        the copy when the step has no segment that may use it. The other arguments: the step's
+        sequences as the layout was built from them."""
+        seg = layout.segments[0] if layout.segments else None
+        if seg is None or seg.kind is not SegmentKind.ROWS:
+            self.reset()
+            return
+        rows = [i for i, c in enumerate(token_chunks) if len(c) == 1]  # the segment's order
+        # a shared prefix (cascade) is read once for all rows: the copy holds the keys after it
+        shared = 0 if seg.prefix_runs is None else int(seg.prefix_runs.shape[1])
+        seg.dense = self.plan(
+            [seq_ids[i] for i in rows],
+            [starts[i] - shared * self.block_size for i in rows],
+            [block_tables[i][shared:] for i in rows],
+            prefix=tuple(block_tables[rows[0]][:shared]),
+        )
+
+    def plan(
+        self,
+        seq_ids: list[str],
+        positions: list[int],
+        tables: list[list[int]],
+        prefix: tuple[int, ...] = (),
+    ) -> DecodePlan | None:
+        """The step's plan for decode rows (sequence, position of its new token, block table),
+        in segment order; None (and the copy dropped) when it would not fit the budget.
+        prefix: block ids every row shares ahead of the positions and tables given (attended
+        once for all, kept apart)."""
+        bs, h = self.block_size, self.n_kv_heads
+        if prefix != self.prefix_blocks:
+            self.reset()  # the keys after a prefix start elsewhere: every slot is refilled
+        need = max(positions) + 1
+        where = {sid: s for s, sid in enumerate(self.slots) if sid is not None}
+        stepping = set(seq_ids)
+        for s, sid in enumerate(self.slots):
+            if sid is not None and sid not in stepping:
+                self.slots[s] = None  # finished, preempted or left out: its slot is free
+        # sequences to fill from the pool: new ones take a free slot, one that missed steps
+        # (left out of a step, preempted and back) refills its own
+        stale = [i for i, sid in enumerate(seq_ids)
+                 if sid in where and self.held[where[sid]] != positions[i]]  # fmt: skip
+        new = [i for i, sid in enumerate(seq_ids) if sid not in where]
+        free = [s for s, sid in enumerate(self.slots) if sid is None]
+        rebuild = (
+            self.capacity == 0
+            or need > self.capacity
+            or len(new) > len(free)
+            or (len(free) - len(new)) > MAX_FREE_FRACTION * len(self.slots)
+        )
+        if rebuild:
+            step = GROWTH_BLOCKS * bs
+            cap = -(-need // step) * step
+            if (len(seq_ids) * cap + len(prefix) * bs) * self._slot_bytes > self.budget_bytes:
+                self.reset()
+                return None
+            self.reset()
+            self.rebuilds += 1
+            self.keys = [None] * self.num_layers  # filled layer by layer by the step
+            self.values = [None] * self.num_layers
+            self.capacity = cap
+            self.slots = list(seq_ids)
+            self.held = [p + 1 for p in positions]
+            slot_of_row = np.arange(len(seq_ids))
+            nkb = cap // bs
+            table = np.zeros((len(seq_ids), nkb), dtype=np.int64)  # block 0: scratch, masked
+            for r, t in enumerate(tables):
+                used = min(len(t), nkb)
+                table[r, :used] = t[:used]
+            runs = table[:, None, :] * h + np.arange(h)[None, :, None]
+            rebuild_runs = mx.array(runs.astype(np.int32))
+            join_rows = join_src = None
+        else:
+            rebuild_runs = None
+            slot_of_row = np.array([where.get(sid, 0) for sid in seq_ids], dtype=np.int64)
+            for i, s in zip(new, free, strict=False):
+                slot_of_row[i] = s
+                self.slots[s] = seq_ids[i]
+            self.joins += len(new)
+            self.refills += len(stale)
+            dst, src = [], []
+            for i in [*stale, *new]:
+                s = int(slot_of_row[i])
+                n = positions[i]  # keys before this step's: copied from the pool
+                if n:
+                    pos = np.arange(n)
+                    blk = np.asarray(tables[i], dtype=np.int64)[pos // bs]
+                    heads = np.arange(h)[:, None]
+                    src.append(((blk[None, :] * h + heads) * bs + (pos % bs)[None, :]).ravel())
+                    dst.append(((s * h + heads) * self.capacity + pos[None, :]).ravel())
+            for i in range(len(seq_ids)):
+                self.held[slot_of_row[i]] = positions[i] + 1
+            join_rows = mx.array(np.concatenate(dst).astype(np.int32)) if dst else None
+            join_src = mx.array(np.concatenate(src).astype(np.int32)) if src else None
+
+        slots = len(self.slots)
+        pos = np.asarray(positions, dtype=np.int64)
+        write = (slot_of_row[:, None] * h + np.arange(h)[None, :]) * self.capacity + pos[:, None]
+        identity = slots == len(seq_ids) and bool((slot_of_row == np.arange(slots)).all())
+        row_of_slot = np.zeros(slots, dtype=np.int64)  # a free slot attends as row 0 (dropped)
+        row_of_slot[slot_of_row] = np.arange(len(seq_ids))
+        lengths = np.zeros(slots, dtype=np.int64)
+        lengths[slot_of_row] = pos + 1
+        mask = np.arange(self.capacity)[None, :] < lengths[:, None]
+        mask[:, 0] = True  # a free slot sees key 0, so its (dropped) softmax stays finite
+        m = mx.array(mask[:, None, None, :])
+        prefix_runs = None
+        if prefix and not self.prefix_blocks:  # gathered this step, kept for the next ones
+            self.prefix_blocks = prefix
+            self.prefix_gathers += 1
+            self.prefix_keys = [None] * self.num_layers
+            self.prefix_values = [None] * self.num_layers
+            blocks = np.asarray(prefix, dtype=np.int64)
+            prefix_runs = mx.array((blocks[None, :] * h + np.arange(h)[:, None]).astype(np.int32))
+        return DecodePlan(
+            owner=self,
+            slots=slots,
+            capacity=self.capacity,
+            rebuild_runs=rebuild_runs,
+            join_rows=join_rows,
+            join_src=join_src,
+            write_rows=mx.array(write.reshape(-1).astype(np.int32)),
+            slot_rows=None if identity else mx.array(row_of_slot.astype(np.int32)),
+            row_slots=None if identity else mx.array(slot_of_row.astype(np.int32)),
+            mask=m,
+            bias=additive_bias(m),
+            prefix_runs=prefix_runs,
+        )

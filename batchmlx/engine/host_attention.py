@@ -129,15 +129,18 @@ def _attend(
             for q0 in starts
         ]
     else:
+        # the sequences in two halves: one on a worker, one here (a decode step's attention is
+        # ~1 ms a layer; a second hand-off each way was a fifth of it)
         half = (b + 1) // 2 if THREADS > 1 and b > 1 else b
-        jobs = [
-            pool.submit(_attend_tiles, q[r0:r1], k[r0:r1], v[r0:r1],
-                        None if bias is None else bias[r0:r1] if bias.shape[0] > 1 else bias,
-                        causal_offset, tile, prefix, out[r0:r1], 0, ql,
-                        None if valid is None else valid[r0:r1])  # fmt: skip
-            for r0, r1 in ((0, half), (half, b))
-            if r1 > r0
-        ]
+
+        def rows(r0: int, r1: int) -> tuple:
+            return (q[r0:r1], k[r0:r1], v[r0:r1],
+                    None if bias is None else bias[r0:r1] if bias.shape[0] > 1 else bias,
+                    causal_offset, tile, prefix, out[r0:r1], 0, ql,
+                    None if valid is None else valid[r0:r1])  # fmt: skip
+
+        jobs = [pool.submit(_attend_tiles, *rows(half, b))] if half < b else []
+        _attend_tiles(*rows(0, half))
     for job in jobs:
         job.result()
     return out

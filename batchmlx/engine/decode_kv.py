@@ -11,7 +11,10 @@ A slot is filled from the pool when its sequence joins (first decode, or back af
 without it), taking a slot that a finished sequence left; the whole copy is rebuilt from the
 pool, as one gather (the cost of one step's gather before), when the keys outgrow L, when
 there is no free slot for a joiner, or when a quarter of the slots are free (they would cost
-attention work). Its memory is bounded (`budget_bytes`): past that, steps gather as before.
+attention work). Behind a prefix every decode shares (cascade attention), the copy holds the
+keys after it, and the prefix's own keys are gathered once and kept while the same blocks are
+shared: complete blocks are never written again. Its memory is bounded (`budget_bytes`): past
+that, steps gather as before.
 """
 
 from __future__ import annotations
@@ -165,8 +168,9 @@ class DecodeKV:
         for s, sid in enumerate(self.slots):
             if sid is not None and sid not in stepping:
                 self.slots[s] = None  # finished, preempted or left out: its slot is free
-        # sequences to fill from the pool: new ones take a free slot, one that missed steps
-        # (left out of a step, preempted and back) refills its own
+        # sequences to fill from the pool: new ones (a sequence left out of a step lost its
+        # slot above) take a free slot; one whose copy lags its position refills its own (a
+        # safety net: the engine's steps keep every held sequence's copy in step)
         stale = [i for i, sid in enumerate(seq_ids)
                  if sid in where and self.held[where[sid]] != positions[i]]  # fmt: skip
         new = [i for i, sid in enumerate(seq_ids) if sid not in where]

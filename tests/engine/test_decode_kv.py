@@ -157,3 +157,14 @@ def test_decodes_behind_a_shared_prefix_keep_it_once_and_match_mlx_lm(model, mon
     assert 0 < kv.prefix_gathers < e.stats.decode_steps + e.stats.mixed_steps
     for r, o in zip(work, outs, strict=True):
         assert o.token_ids == reference_greedy(model, r.prompt_tokens, r.params.max_tokens)
+
+
+def test_a_long_sequence_among_short_ones_gathers_and_the_copy_is_kept(kv):
+    tables = {s: list(range(1 + 12 * i, 13 + 12 * i)) for i, s in enumerate("abcd")}
+    kv.plan(["a", "b", "c"], [3, 3, 3], [tables[s] for s in "abc"])
+    # d's 41 keys would make every slot 41 long for 12 + 41 held: this step gathers
+    assert kv.plan(["a", "b", "c", "d"], [4, 4, 4, 40], [tables[s] for s in "abcd"]) is None
+    assert kv.slots == ["a", "b", "c"] and kv.capacity == 8  # kept, not dropped
+    # d gone: a, b and c missed that step in the copy, and refill their own slots
+    p = kv.plan(["a", "b", "c"], [5, 5, 5], [tables[s] for s in "abc"])
+    assert p.rebuild_runs is None and kv.refills == 3 and kv.held == [6, 6, 6]

@@ -176,8 +176,8 @@ class DecodeKV:
             if sid is not None and sid not in stepping:
                 self.slots[s] = None  # finished, preempted or left out: its slot is free
         # sequences to fill from the pool: new ones (a sequence left out of a step lost its
-        # slot above) take a free slot; one whose copy lags its position refills its own (a
-        # safety net: the engine's steps keep every held sequence's copy in step)
+        # slot above) take a free slot; one whose copy lags its position (steps that gathered
+        # kept the copy as it was) refills its own
         stale = [i for i, sid in enumerate(seq_ids)
                  if sid in where and self.held[where[sid]] != positions[i]]  # fmt: skip
         new = [i for i, sid in enumerate(seq_ids) if sid not in where]

@@ -94,15 +94,14 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """No cyclic garbage collection while mlx-lm (transformers) imports and a model loads: they
-    make hundreds of thousands of objects that live as long as the process, and the full
-    collections they set off only walk them (~0.17 s of a start, measured). Frozen afterwards,
-    later collections skip them too."""
+    make hundreds of thousands of objects that live on, and the full collections they set off
+    only walk them (~0.17 s of a start, measured). Not frozen after: a worker switching models
+    must still collect the old one's reference cycles."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
         if enabled:
             gc.enable()
 

@@ -344,22 +344,19 @@ def _segment(
         q = q.transpose(2, 1, 0, 3)  # [1, Hq, L, D]
     elif seg.kind is SegmentKind.CHUNKS:
         q = q[seg.pad_rows].reshape(seg.batch, seg.queries, hq, d).transpose(0, 2, 1, 3)
-    mask = seg.bias if FAST_ATTENTION else seg.mask
-    if seg.dense is not None:  # the decodes' dense KV: queries in slot order
-        plan = seg.dense
+    plan = seg.dense  # the decodes' dense KV: queries in slot order, its own mask
+    bias, mask, offset = seg.bias, seg.mask, seg.causal_offset
+    if plan is not None:
         q = q if plan.slot_rows is None else q[plan.slot_rows]
-        if prefix is not None:
-            o = prefix_attention(q, keys, values, prefix, scale, plan.bias,
-                                 causal_offset=None, real_rows=None)  # fmt: skip
-        else:
-            o = attend(q, keys, values, scale, plan.bias if FAST_ATTENTION else plan.mask)
-        return o if plan.row_slots is None else o[plan.row_slots]
+        bias, mask, offset = plan.bias, plan.mask, None
     if prefix is not None:
         # real_rows (padded chunks): the host cascade skips the padding's prefix part
-        o = prefix_attention(q, keys, values, prefix, scale, seg.bias,
-                             causal_offset=seg.causal_offset, real_rows=seg.real_rows)  # fmt: skip
+        o = prefix_attention(q, keys, values, prefix, scale, bias, causal_offset=offset,
+                             real_rows=seg.real_rows)  # fmt: skip
     else:
-        o = attend(q, keys, values, scale, mask, causal_offset=seg.causal_offset)
+        o = attend(q, keys, values, scale, bias if FAST_ATTENTION else mask, causal_offset=offset)
+    if plan is not None:
+        return o if plan.row_slots is None else o[plan.row_slots]
     if seg.kind is SegmentKind.CHUNK:
         o = o.transpose(2, 1, 0, 3)
     elif seg.kind is SegmentKind.CHUNKS:

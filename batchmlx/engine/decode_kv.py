@@ -25,7 +25,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.kv_cache import PackedLayout, PagedKVStorage, SegmentKind, additive_bias
+from batchmlx.engine.kv_cache import (
+    PackedLayout,
+    PagedKVStorage,
+    SegmentKind,
+    additive_bias,
+    gather_prefix,
+)
 
 # L grows in steps of this many blocks (a rebuild every 32 steps at block size 16): more room
 # is attention work over masked keys at every step, less is more rebuilds
@@ -78,17 +84,11 @@ class DecodePlan:
                     arr[self.join_rows] = pool[self.join_src]
                 arr[self.write_rows] = new.reshape(-1, d).astype(arr.dtype)
             out.append(arr.reshape(self.slots, kv.n_kv_heads, self.capacity, d).astype(new.dtype))
-        if not kv.prefix_blocks:
-            return out[0], out[1], None
         if self.prefix_runs is not None:
-            kv.prefix_keys[layer] = kpool.reshape(-1, run)[self.prefix_runs].reshape(-1, d)
-            kv.prefix_values[layer] = vpool.reshape(-1, run)[self.prefix_runs].reshape(-1, d)
-        h = kv.n_kv_heads
-        prefix = (
-            kv.prefix_keys[layer].reshape(h, -1, d).astype(keys.dtype),
-            kv.prefix_values[layer].reshape(h, -1, d).astype(values.dtype),
-        )
-        return out[0], out[1], prefix
+            kruns, vruns = kpool.reshape(-1, run), vpool.reshape(-1, run)
+            kv.prefix[layer] = gather_prefix(kruns, vruns, self.prefix_runs, kv.n_kv_heads, d,
+                                             keys.dtype)  # fmt: skip
+        return out[0], out[1], kv.prefix[layer] if kv.prefix_blocks else None
 
 
 class DecodeKV:
@@ -106,10 +106,9 @@ class DecodeKV:
         self.keys: list[mx.array | None] = []  # per layer [S*H*L, D]
         self.values: list[mx.array | None] = []
         # a prefix every slot shares (cascade attention reads it once for all): its block ids,
-        # and per layer its keys and values [H*P, D]
+        # and per layer its keys and values [H, P, D]
         self.prefix_blocks: tuple[int, ...] = ()
-        self.prefix_keys: list[mx.array | None] = []
-        self.prefix_values: list[mx.array | None] = []
+        self.prefix: list[tuple[mx.array, mx.array] | None] = []
         self.slots: list[str | None] = []  # the sequence in each slot
         self.held: list[int] = []  # keys each slot holds
         self.capacity = 0
@@ -124,13 +123,13 @@ class DecodeKV:
 
     def arrays(self) -> list[mx.array]:
         """The copy's arrays (evaluated with the step, so no graph outlives it)."""
-        held = (*self.keys, *self.values, *self.prefix_keys, *self.prefix_values)
-        return [a for a in held if a is not None]
+        prefix = [a for kv in self.prefix if kv is not None for a in kv]
+        return [a for a in (*self.keys, *self.values) if a is not None] + prefix
 
     def reset(self) -> None:
         """Forget the copy (its memory goes with it); the next decode step rebuilds."""
         self.keys, self.values, self.slots, self.held = [], [], [], []
-        self.prefix_blocks, self.prefix_keys, self.prefix_values = (), [], []
+        self.prefix_blocks, self.prefix = (), []
         self.capacity = 0
 
     def attach(
@@ -252,8 +251,7 @@ class DecodeKV:
         if prefix and not self.prefix_blocks:  # gathered this step, kept for the next ones
             self.prefix_blocks = prefix
             self.prefix_gathers += 1
-            self.prefix_keys = [None] * self.num_layers
-            self.prefix_values = [None] * self.num_layers
+            self.prefix = [None] * self.num_layers
             blocks = np.asarray(prefix, dtype=np.int64)
             prefix_runs = mx.array((blocks[None, :] * h + np.arange(h)[:, None]).astype(np.int32))
         return DecodePlan(

@@ -429,10 +429,7 @@ class PagedLayerCache:
             ]
             return keys, values
         if lay.prefix_runs is not None:
-            self.prefix = (
-                kruns[lay.prefix_runs].reshape(h, -1, d).astype(keys.dtype),
-                vruns[lay.prefix_runs].reshape(h, -1, d).astype(values.dtype),
-            )
+            self.prefix = gather_prefix(kruns, vruns, lay.prefix_runs, h, d, keys.dtype)
         gk = kruns[lay.gather_runs].reshape(b, h, -1, d)
         gv = vruns[lay.gather_runs].reshape(b, h, -1, d)
         return gk.astype(keys.dtype), gv.astype(values.dtype)
@@ -467,10 +464,18 @@ def _fetch(
     b = gather_runs.shape[0]
     prefix = None
     if prefix_runs is not None:
-        prefix = (
-            kruns[prefix_runs].reshape(h, -1, d).astype(dtype),
-            vruns[prefix_runs].reshape(h, -1, d).astype(dtype),
-        )
+        prefix = gather_prefix(kruns, vruns, prefix_runs, h, d, dtype)
     gk = kruns[gather_runs].reshape(b, h, -1, d).astype(dtype)
     gv = vruns[gather_runs].reshape(b, h, -1, d).astype(dtype)
     return gk, gv, prefix
+
+
+def gather_prefix(
+    kruns: mx.array, vruns: mx.array, prefix_runs: mx.array, h: int, d: int, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array]:
+    """A shared prefix's keys and values [H, P, D] from a layer's runs (storage viewed as
+    [runs, block_size * D]): read once for the whole batch by cascade attention."""
+    return (
+        kruns[prefix_runs].reshape(h, -1, d).astype(dtype),
+        vruns[prefix_runs].reshape(h, -1, d).astype(dtype),
+    )

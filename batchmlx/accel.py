@@ -214,7 +214,7 @@ def _find_openblas(
             # Overrides an inherited OPENBLAS_CORETYPE too: a mismatched one halves GEMM speed.
             env = {"OPENBLAS_CORETYPE": core} if core else {}
             # Its idle threads sleep at once instead of spinning ~0.1 s after each matmul, so
-            # the numpy attention between two matmuls (engine/host_attention.py) gets both
+            # the numpy attention between two matmuls (engine/kernels/host_attention.py) gets both
             # cores: a 1,000-token prefill 1.17 -> 1.03 s; decode steps no slower.
             env["OPENBLAS_THREAD_TIMEOUT"] = os.environ.get("OPENBLAS_THREAD_TIMEOUT", "4")
             if lib_dir is not None:

@@ -46,7 +46,7 @@ pack() {
     mlx_lm_version=$(python -c 'import importlib.metadata as m; print(m.version("mlx-lm"))')
     if [ ! -f "$cache/models/$MODEL_NAME/model.safetensors" ]; then
         python -c "from pathlib import Path; from batchmlx.core.models import resolve_model
-from batchmlx.engine.loader import model_folder
+from batchmlx.engine.models.loader import model_folder
 c = Path('$cache'); model_folder(resolve_model('default', cache_dir=c), cache_dir=c)"
     fi
     rm -rf .gpu && mkdir -p .gpu/payload/wheels .gpu/payload/cache/models

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ensure_fast_blas()  # re-executes once onto the fast BLAS, as every batchmlx command does
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import load_model
+    from batchmlx.engine.models.loader import load_model
 
     cache = Path(os.environ.get("BATCHMLX_CACHE_DIR", Path.home() / ".cache" / "batchmlx-test"))
     loaded = load_model(resolve_model("default", cache_dir=cache), cache_dir=cache)

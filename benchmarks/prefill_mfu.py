@@ -10,7 +10,7 @@
   over the time of its prefill steps. Three kernel settings are measured in this one run
   (`KERNELS`): mlx-lm's attention and activation (the first engine), `chunked_attention` as MLX
   ops with `kernels.fast_swiglu` (the previous one), and the default: numpy attention on the
-  host where a call has enough scores (`engine/host_attention.py`).
+  host where a call has enough scores (`engine/kernels/host_attention.py`).
 - **Decode MFU** at widths 32/64/128/256 (256: where the adaptive width settles on the unique
   workload), with the first and the default kernels: that many requests with distinct
   random prompts, greedy, each generating `decode_tokens`; MFU = FLOPs of the decode steps
@@ -61,14 +61,14 @@ QUICK = Settings(
 
 @dataclass(frozen=True, slots=True)
 class Kernels:
-    """One setting of the CPU kernel switches in engine/attention.py."""
+    """One setting of the CPU kernel switches in engine/kernels/attention.py."""
 
     label: str
     fast: bool  # FAST_ATTENTION and FAST_SWIGLU
     host: bool  # HOST_ATTENTION (numpy attention where it pays)
 
     def use(self) -> None:
-        from batchmlx.engine import attention
+        from batchmlx.engine.kernels import attention
 
         attention.FAST_ATTENTION = attention.FAST_SWIGLU = self.fast
         attention.HOST_ATTENTION = self.host
@@ -186,7 +186,8 @@ def instrumented(engine: Any, timers: Timers) -> Iterator[None]:
     """Eval barriers and timers around each piece of the engine's step, undone afterwards."""
     import mlx.nn as nn
 
-    from batchmlx.engine import kv_cache, llm_engine
+    from batchmlx.engine import llm_engine
+    from batchmlx.engine.kv import paged as kv_cache
 
     patches: list[tuple[Any, str, Any]] = []
 
@@ -437,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import load_model
+    from batchmlx.engine.models.loader import load_model
 
     cache = Path(os.environ.get("BATCHMLX_CACHE_DIR", "~/.cache/batchmlx-test")).expanduser()
     spec = resolve_model(args.model, cache_dir=cache)

@@ -673,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         s = replace(s, max_tokens=args.max_tokens)
 
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import load_model
+    from batchmlx.engine.models.loader import load_model
 
     cache = Path(os.environ.get("BATCHMLX_CACHE_DIR", "~/.cache/batchmlx-test")).expanduser()
     spec = resolve_model(s.model, cache_dir=cache)

@@ -45,7 +45,7 @@ def tiny_loaded() -> Any:
     """The tiny random-weight llama (tests/tiny_model.py) loaded like any model folder."""
     sys.path.insert(0, str(REPO))
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import load_model
+    from batchmlx.engine.models.loader import load_model
     from tests.e2e.helpers import model_cache_dir
     from tests.tiny_model import build_tiny_model
 

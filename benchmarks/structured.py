@@ -70,7 +70,7 @@ def main() -> None:
 
     ensure_fast_blas()  # re-executes once onto the fast BLAS, as every batchmlx command does
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import load_model
+    from batchmlx.engine.models.loader import load_model
     from batchmlx.formats.structured import canonical_schema
 
     cache = Path(os.environ.get("BATCHMLX_CACHE_DIR", Path.home() / ".cache" / "batchmlx-test"))

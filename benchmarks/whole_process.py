@@ -150,7 +150,7 @@ def peer_main(path: str, out: str) -> None:
     import mlx_lm
 
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import dequantize_model, model_folder
+    from batchmlx.engine.models.loader import dequantize_model, model_folder
 
     folder = model_folder(resolve_model("default", cache_dir=CACHE), cache_dir=CACHE)
     model, tok = mlx_lm.load(str(folder))
@@ -209,7 +209,7 @@ def measure(
     """Each system's runs of a workload, `repeats` rounds with the systems interleaved (so a
     slow spell of the machine hits every system alike); each row keeps its best wall."""
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import model_folder
+    from batchmlx.engine.models.loader import model_folder
 
     folder = model_folder(resolve_model("default", cache_dir=CACHE), cache_dir=CACHE)
     from transformers import AutoTokenizer

@@ -89,7 +89,7 @@ def run_width(loaded: Any, prompts: list[list[int]], max_tokens: int, cfg: Engin
 
 def load(model: str = "default", dtype: str = "float32") -> Any:
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import load_model
+    from batchmlx.engine.models.loader import load_model
 
     cache = Path(os.environ.get("BATCHMLX_CACHE_DIR", "~/.cache/batchmlx-test")).expanduser()
     spec = resolve_model(model, cache_dir=cache)

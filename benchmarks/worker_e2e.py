@@ -105,7 +105,7 @@ def run_peer(msgs: list[list[dict[str, str]]], max_tokens: int, dtype: str) -> d
     import mlx_lm
 
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import dequantize_model, model_folder
+    from batchmlx.engine.models.loader import dequantize_model, model_folder
 
     folder = model_folder(resolve_model("default", cache_dir=CACHE), cache_dir=CACHE)
     model, tok = mlx_lm.load(str(folder))
@@ -135,7 +135,7 @@ def child(args: argparse.Namespace) -> None:
     from mlx_lm import load as _  # noqa: F401  (import cost out of the timing)
 
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import model_folder
+    from batchmlx.engine.models.loader import model_folder
 
     folder = model_folder(resolve_model("default", cache_dir=CACHE), cache_dir=CACHE)
     from transformers import AutoTokenizer
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_fast_blas()  # re-executes once onto the fast BLAS
     from batchmlx.accel import active_blas, measure_matmul_gflops
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import model_folder
+    from batchmlx.engine.models.loader import model_folder
 
     folder = model_folder(resolve_model("default", cache_dir=CACHE), cache_dir=CACHE)
     from transformers import AutoTokenizer

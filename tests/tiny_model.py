@@ -45,7 +45,7 @@ def build_tiny_model(dest: Path, cache: Path, config: dict | None = None) -> Pat
     src = tokenizer_source(cache)
     if not all((src / f).is_file() for f in TOKENIZER_FILES):
         from batchmlx.core.models import resolve_model
-        from batchmlx.engine.loader import model_folder
+        from batchmlx.engine.models.loader import model_folder
 
         model_folder(resolve_model("default", cache_dir=cache), cache_dir=cache)
     dest.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ class EngineSettings:
     # running decodes and prompt chunks share a step (packed, padding-free), so decodes never
     # wait for a prefill; off: a step is all prefill or all decode (padded batch)
     mixed_steps: bool = True
-    # decodes keep their keys and values contiguous from step to step (engine/decode_kv.py)
+    # decodes keep their keys and values contiguous from step to step (engine/kv/decode.py)
     # rather than gathering them from the paged pool every step
     dense_decode: bool = True
 

@@ -152,7 +152,7 @@ def _probe(model: Any, window: int | None) -> str | None:
     else what went wrong."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from batchmlx.engine.kv_cache import BatchLayout, PagedKVStorage
+    from batchmlx.engine.kv.paged import BatchLayout, PagedKVStorage
     from batchmlx.engine.runner import ModelRunner, model_dims
 
     try:

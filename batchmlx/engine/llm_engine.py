@@ -29,10 +29,10 @@ from batchmlx.core.request import (
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep, StepKind
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import StepReport, WidthController, WidthPhase, WidthPolicy
-from batchmlx.engine.decode_kv import DecodeKV
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
-from batchmlx.engine.kv_cache import BatchLayout, PackedLayout, PagedKVStorage
+from batchmlx.engine.kv.decode import DecodeKV
+from batchmlx.engine.kv.paged import BatchLayout, PackedLayout, PagedKVStorage
 from batchmlx.engine.runner import ModelRunner, model_dims
 from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.faults import crash_point

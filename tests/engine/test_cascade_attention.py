@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchmlx.engine.attention import cascade_attention
-from batchmlx.engine.kv_cache import BatchLayout
+from batchmlx.engine.kernels.attention import cascade_attention
+from batchmlx.engine.kv.paged import BatchLayout
 
 
 @pytest.mark.parametrize(("q_len", "rep"), [(1, 3), (4, 1), (3, 2)])
@@ -37,7 +37,7 @@ def test_cascade_equals_attention_over_concatenated_keys(q_len: int, rep: int) -
 
 
 def test_layout_finds_the_prefix_every_sequence_shares(monkeypatch) -> None:
-    from batchmlx.engine import kv_cache
+    from batchmlx.engine.kv import paged as kv_cache
 
     # blocks of 4; sequences share blocks 1 and 2, then diverge; all computed up to position 10
     tables = [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
@@ -65,9 +65,9 @@ def test_paged_attention_is_in_place_only_during_a_step(monkeypatch) -> None:
     import sys
     import types
 
-    from batchmlx.engine import attention
-    from batchmlx.engine.attention import AttentionRoute
-    from batchmlx.engine.kv_cache import PagedLayerCache
+    from batchmlx.engine.kernels import attention
+    from batchmlx.engine.kernels.attention import AttentionRoute
+    from batchmlx.engine.kv.paged import PagedLayerCache
 
     module = types.ModuleType("fake_mlx_lm_arch")
     calls: list[str] = []

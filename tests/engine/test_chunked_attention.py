@@ -7,10 +7,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchmlx.engine import attention
-from batchmlx.engine.attention import chunked_attention, exp_nonpositive
-from batchmlx.engine.host_attention import host_attention
-from batchmlx.engine.kv_cache import BatchLayout
+from batchmlx.engine.kernels import attention
+from batchmlx.engine.kernels.attention import chunked_attention, exp_nonpositive
+from batchmlx.engine.kernels.host_attention import host_attention
+from batchmlx.engine.kv.paged import BatchLayout
 from tests.engine.helpers import naive
 
 

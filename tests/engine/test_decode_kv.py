@@ -1,4 +1,4 @@
-"""The decodes' dense KV (engine/decode_kv.py): kept across steps, refilled, rebuilt, bounded,
+"""The decodes' dense KV (engine/kv/decode.py): kept across steps, refilled, rebuilt, bounded,
 and never changing a token. Tiny random llama; the reference is mlx-lm's contiguous cache."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.decode_kv import DecodeKV
-from batchmlx.engine.kv_cache import PagedKVStorage
+from batchmlx.engine.kv.decode import DecodeKV
+from batchmlx.engine.kv.paged import PagedKVStorage
 from tests.engine.test_engine_tiny import (
     GREEDY,
     engine,
@@ -142,7 +142,7 @@ def test_a_sequence_that_missed_steps_refills_its_own_slot(kv):
 
 
 def test_decodes_behind_a_shared_prefix_keep_it_once_and_match_mlx_lm(model, monkeypatch):  # noqa: F811
-    from batchmlx.engine import kv_cache
+    from batchmlx.engine.kv import paged as kv_cache
 
     monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 2)  # a prefix of this test's size
     rng = np.random.default_rng(5)

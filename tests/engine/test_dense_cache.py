@@ -13,10 +13,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from batchmlx.core.models import resolve_model
-from batchmlx.engine import default_model as dm
-from batchmlx.engine import dense
-from batchmlx.engine.gguf import read_marker
-from batchmlx.engine.loader import load_model
+from batchmlx.engine.models import default_model as dm
+from batchmlx.engine.models import dense
+from batchmlx.engine.models.gguf import read_marker
+from batchmlx.engine.models.loader import load_model
 
 pytestmark = pytest.mark.real_model
 

@@ -125,7 +125,8 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts
     """chunked_attention (query tiles past 64 tokens, skipped key tiles), fast_swiglu and the
     host swiglu give the tokens mlx-lm's attention and activation give, alone and in a batch,
     with a shared prefix (cascade) and without."""
-    from batchmlx.engine import attention, host_attention, kv_cache
+    from batchmlx.engine.kernels import attention, host_attention
+    from batchmlx.engine.kv import paged as kv_cache
 
     monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 1)  # the template's 2-block prefix too
 

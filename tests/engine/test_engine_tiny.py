@@ -347,7 +347,7 @@ def test_mixed_steps_keep_logprobs_and_seeded_sampling(model):
 
 
 def test_packed_layout_feeds_each_token_once_at_its_position():
-    from batchmlx.engine.kv_cache import BatchLayout, PackedLayout, SegmentKind
+    from batchmlx.engine.kv.paged import BatchLayout, PackedLayout, SegmentKind
 
     kw = dict(
         block_size=4, n_kv_heads=2, token_chunks=[[5, 6, 7, 8, 9], [3], [4, 2], [1]],
@@ -373,8 +373,8 @@ def test_packed_layout_feeds_each_token_once_at_its_position():
 
 
 def test_packed_decodes_sharing_a_prefix_keep_the_cascade(monkeypatch):
-    from batchmlx.engine import kv_cache
-    from batchmlx.engine.kv_cache import PackedLayout, SegmentKind
+    from batchmlx.engine.kv import paged as kv_cache
+    from batchmlx.engine.kv.paged import PackedLayout, SegmentKind
 
     monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 1)  # a prefix of this test's size
 
@@ -389,7 +389,7 @@ def test_packed_decodes_sharing_a_prefix_keep_the_cascade(monkeypatch):
 
 
 def test_a_mixed_step_attends_by_segment(model):
-    from batchmlx.engine.attention import AttentionRoute, segment_attention
+    from batchmlx.engine.kernels.attention import AttentionRoute, segment_attention
 
     shapes: list[tuple[int, int, int]] = []  # (batch, queries, keys) of each segment call
 
@@ -423,15 +423,15 @@ def test_a_model_without_the_attention_seam_keeps_unmixed_padded_steps(model, mo
 
 
 def test_chunks_of_similar_length_share_a_segment_and_a_long_one_stays_alone():
-    from batchmlx.engine.kv_cache import _chunk_groups
+    from batchmlx.engine.kv.paged import _chunk_groups
 
     assert _chunk_groups([20, 480, 18, 22, 15]) == [[1], [3, 0, 2, 4]]  # 4*22 <= 1.5*75
     assert _chunk_groups([30, 9]) == [[0], [1]]  # 2*30 > 1.5*39
 
 
 def test_prompt_chunks_behind_a_cached_prefix_run_as_one_cascade_segment(model, monkeypatch):
-    from batchmlx.engine import kv_cache
-    from batchmlx.engine.attention import AttentionRoute, cascade_attention
+    from batchmlx.engine.kernels.attention import AttentionRoute, cascade_attention
+    from batchmlx.engine.kv import paged as kv_cache
 
     monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 1)  # a prefix of this test's size
 
@@ -461,7 +461,7 @@ def test_a_step_holds_no_layer_keys_past_the_layers_attention(model, monkeypatch
     """Each layer's gathered keys and values are dropped once its attention has read them, so
     an evaluation barrier mid-step (host kernels) frees them instead of holding every layer's
     until the step ends (they came fresh from the OS at every barrier: page faults)."""
-    from batchmlx.engine import kv_cache
+    from batchmlx.engine.kv import paged as kv_cache
 
     made = []
     init = kv_cache.PagedLayerCache.__init__

@@ -7,10 +7,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchmlx.engine import attention, host_attention, kv_cache
-from batchmlx.engine.host_attention import host_attention as host
-from batchmlx.engine.host_attention import host_cascade_attention
-from batchmlx.engine.kv_cache import BatchLayout
+from batchmlx.engine.kernels import attention, host_attention
+from batchmlx.engine.kernels.host_attention import host_attention as host
+from batchmlx.engine.kernels.host_attention import host_cascade_attention
+from batchmlx.engine.kv import paged as kv_cache
+from batchmlx.engine.kv.paged import BatchLayout
 from tests.engine.helpers import naive
 
 

@@ -7,7 +7,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from batchmlx.engine.kernels import ShapeCompiled, exp_shifted, fast_swiglu, is_mlx_lm_swiglu
+from batchmlx.engine.kernels.elementwise import (
+    ShapeCompiled,
+    exp_shifted,
+    fast_swiglu,
+    is_mlx_lm_swiglu,
+)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -46,8 +51,8 @@ def test_shape_compiled_keeps_at_most_its_limit_of_shapes() -> None:
 def test_the_step_swaps_swiglu_and_puts_it_back(tiny_model, monkeypatch) -> None:
     import sys
 
-    from batchmlx.engine import attention
-    from batchmlx.engine.attention import AttentionRoute, step_swiglu
+    from batchmlx.engine.kernels import attention
+    from batchmlx.engine.kernels.attention import AttentionRoute, step_swiglu
 
     module = sys.modules[type(tiny_model).__module__]
     original = module.swiglu
@@ -61,7 +66,7 @@ def test_the_step_swaps_swiglu_and_puts_it_back(tiny_model, monkeypatch) -> None
 
 
 def test_the_cpu_kernels_are_chosen_on_the_cpu_only() -> None:
-    from batchmlx.engine import attention
+    from batchmlx.engine.kernels import attention
 
     assert attention.cpu_kernels(mx.Device(mx.DeviceType.cpu))
     assert not attention.cpu_kernels(mx.Device(mx.DeviceType.gpu))
@@ -73,7 +78,7 @@ def test_the_cpu_kernels_are_chosen_on_the_cpu_only() -> None:
 @pytest.mark.parametrize("length", [1, 5])  # a packed step's rows; a padded step's chunks
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_step_rope_is_bit_for_bit_mlx_fast_rope(traditional, dims, length, dtype) -> None:
-    from batchmlx.engine.kernels import StepRoPE
+    from batchmlx.engine.kernels.elementwise import StepRoPE
 
     rope = nn.RoPE(dims, traditional=traditional, base=100000.0, scale=0.5)
     x = (mx.random.normal((7, 3, length, 64), key=mx.random.key(3)) * 3).astype(dtype)
@@ -89,9 +94,9 @@ def test_step_rope_is_bit_for_bit_mlx_fast_rope(traditional, dims, length, dtype
 
 
 def test_the_step_swaps_plain_ropes_and_puts_them_back(tiny_model, monkeypatch) -> None:
-    from batchmlx.engine import attention
-    from batchmlx.engine.attention import AttentionRoute
-    from batchmlx.engine.kernels import StepRoPE
+    from batchmlx.engine.kernels import attention
+    from batchmlx.engine.kernels.attention import AttentionRoute
+    from batchmlx.engine.kernels.elementwise import StepRoPE
 
     attns = [layer.self_attn for layer in tiny_model.model.layers]
     originals = [a.rope for a in attns]

@@ -12,9 +12,9 @@ import mlx.nn as nn
 import pytest
 
 from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec, resolve_model
-from batchmlx.engine import default_model as dm
-from batchmlx.engine.gguf import MARKER_NAME, convert_gguf
-from batchmlx.engine.loader import dequantize_model, load_model, model_folder
+from batchmlx.engine.models import default_model as dm
+from batchmlx.engine.models.gguf import MARKER_NAME, convert_gguf
+from batchmlx.engine.models.loader import dequantize_model, load_model, model_folder
 
 QUESTION = "What is the capital of France?"
 RENDERED = (
@@ -254,7 +254,7 @@ def test_load_gguf_path(default_model_dir: Path, engine_cache_dir: Path, tmp_pat
     ],
 )
 def test_dtype_auto_keeps_quantized_weights_on_a_gpu(dtype, quantized, on_cpu, expected):
-    from batchmlx.engine.loader import effective_dtype
+    from batchmlx.engine.models.loader import effective_dtype
 
     assert effective_dtype(dtype, quantized=quantized, on_cpu=on_cpu) == expected
 
@@ -262,7 +262,7 @@ def test_dtype_auto_keeps_quantized_weights_on_a_gpu(dtype, quantized, on_cpu, e
 def test_dtype_auto_asks_mlx_for_the_device():
     import mlx.core as mx
 
-    from batchmlx.engine.loader import effective_dtype
+    from batchmlx.engine.models.loader import effective_dtype
 
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     assert effective_dtype("auto", quantized=True) == ("float32" if on_cpu else "stored")

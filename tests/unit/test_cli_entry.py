@@ -72,7 +72,7 @@ def test_a_fast_exit_waits_only_for_threads_that_may_be_working() -> None:
     import threading
 
     from batchmlx.cli import _working_threads
-    from batchmlx.engine import host_attention
+    from batchmlx.engine.kernels import host_attention
 
     host_attention.workers().submit(lambda: None).result()  # the pool's threads are alive
     pool = [t for t in threading.enumerate() if t.name.startswith(host_attention.THREAD_NAME)]

@@ -220,9 +220,9 @@ class PackedLayout:
     """A ragged step without padding: its T tokens side by side as a batch of T rows of one
     token ([T, 1]), so every projection and MLP computes exactly T rows however the step mixes
     decodes and prompt chunks. Each token carries its own RoPE position; attention regroups the
-    rows by `segments` (engine/attention.py). Tokens are ordered one-token sequences first, then
-    the chunks, longest first, each chunk's tokens together; `last_index` maps each input
-    sequence to the row of its last token."""
+    rows by `segments` (engine/kernels/attention.py). Tokens are ordered one-token sequences
+    first, then the chunks, longest first, each chunk's tokens together; `last_index` maps each
+    input sequence to the row of its last token."""
 
     tokens: mx.array  # [T, 1] int32
     offsets: mx.array  # [T] absolute position of each token

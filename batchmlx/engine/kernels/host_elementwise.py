@@ -17,7 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.host_attention import THREADS, workers
+from batchmlx.engine.kernels.host_attention import THREADS, workers
 
 # Elements from which a SwiGLU runs on the host (see the module note).
 MIN_HOST_ELEMENTS = 1 << 19

@@ -17,9 +17,9 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec
-from batchmlx.engine.default_model import ensure_default_gguf
-from batchmlx.engine.dense import cached_dense, save_dense
-from batchmlx.engine.gguf import convert_gguf
+from batchmlx.engine.models.default_model import ensure_default_gguf
+from batchmlx.engine.models.dense import cached_dense, save_dense
+from batchmlx.engine.models.gguf import convert_gguf
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _FALLBACK_CONTEXT = 2048

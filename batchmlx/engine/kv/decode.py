@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.kv_cache import (
+from batchmlx.engine.kv.paged import (
     PackedLayout,
     PagedKVStorage,
     SegmentKind,

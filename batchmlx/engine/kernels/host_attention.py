@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.kv_cache import additive_bias
+from batchmlx.engine.kv.paged import additive_bias
 
 # Query rows per tile: 9 query heads x 64 queries x 1,000 keys x 4 B ~ 2.3 MB of scores.
 TILE_QUERIES = 64

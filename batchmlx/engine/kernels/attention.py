@@ -24,10 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from batchmlx.engine.host_attention import host_attention, host_cascade_attention, pays
-from batchmlx.engine.host_kernels import host_swiglu
-from batchmlx.engine.host_kernels import pays as host_swiglu_pays
-from batchmlx.engine.kernels import (
+from batchmlx.engine.kernels.elementwise import (
     StepRoPE,
     exp_nonpositive,
     exp_shifted,
@@ -35,7 +32,10 @@ from batchmlx.engine.kernels import (
     is_mlx_lm_swiglu,
     plain_ropes,
 )
-from batchmlx.engine.kv_cache import PackedLayout, PagedLayerCache, Segment, SegmentKind
+from batchmlx.engine.kernels.host_attention import host_attention, host_cascade_attention, pays
+from batchmlx.engine.kernels.host_elementwise import host_swiglu
+from batchmlx.engine.kernels.host_elementwise import pays as host_swiglu_pays
+from batchmlx.engine.kv.paged import PackedLayout, PagedLayerCache, Segment, SegmentKind
 
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
 # (queries, keys, values, prefix, scale, mask, *, causal_offset, real_rows) -> output

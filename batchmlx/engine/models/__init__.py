@@ -1,0 +1,1 @@
+"""Models: resolve a `model` string, fetch the default model, convert GGUF, load through mlx-lm."""

@@ -7,6 +7,21 @@ from pathlib import Path
 import pytest
 
 
+# Test tiers: `pytest -m "not slow"` is the inner loop (pure logic, the store on real SQLite and
+# PostgreSQL, the engine on tiny random-weight models); the README's command runs everything.
+# Slow: whole processes (CLI, workers, crashes, several hosts, a browser, built wheels) and the
+# real default model.
+SLOW_LAYERS = frozenset({"e2e", "crash", "faults", "multihost", "browser"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        layer = Path(item.fspath).resolve().relative_to(tests_dir).parts[0]
+        if layer in SLOW_LAYERS or item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config) -> None:
     # MLX's Linux CPU wheel links a reference BLAS; batchmlx preloads an optimized one by
     # re-executing the process once (batchmlx.accel). Do the same for pytest, before any test

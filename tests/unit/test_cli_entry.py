@@ -107,6 +107,29 @@ def test_worker_serve_and_submit_share_the_engine_options() -> None:
     assert _engine_flags("serve") == flags == _engine_flags("submit")
 
 
+def test_serve_hands_the_cache_options_and_the_url_to_the_server(monkeypatch, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    import batchmlx.server.app
+
+    seen = {}
+    def serve(settings, options, **_kw) -> None:
+        seen.update(s=settings, o=options)
+
+    monkeypatch.setattr(batchmlx.server.app, "serve", serve)
+    monkeypatch.setenv("BATCHMLX_HOME", str(tmp_path))
+    monkeypatch.delenv("BATCHMLX_DATABASE_URL", raising=False)
+    url = f"sqlite:///{tmp_path / 'q.db'}"
+    done = CliRunner().invoke(app, ["--database-url", url, "serve", "--no-memory-aware-cache",
+                                    "--cache-max-blocks", "100", "--dtype", "float32"])  # fmt: skip
+    assert done.exit_code == 0, done.output
+    assert seen["s"].database_url == url
+    assert "BATCHMLX_DATABASE_URL" not in os.environ  # passed down, not through the environment
+    worker = seen["o"].worker
+    assert worker.dtype == "float32"
+    assert not worker.engine.memory_aware and worker.engine.cache_max_blocks == 100
+
+
 def test_engine_option_defaults_are_the_engine_defaults() -> None:
     chosen = engine_choice()
     assert chosen.settings == ENGINE_DEFAULTS and chosen.dtype == "auto"

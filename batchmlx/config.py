@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_HOME = Path("~/.batchmlx")
 DEFAULT_LEASE_S = 60.0
+DATABASE_URL_ENV = "BATCHMLX_DATABASE_URL"  # the queue, for users; the CLI's --database-url wins
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,11 @@ class Settings:
         return self.host or socket.gethostname()
 
 
-def load_settings(env: dict[str, str] | None = None) -> Settings:
+def load_settings(
+    env: Mapping[str, str] | None = None, *, database_url: str | None = None
+) -> Settings:
+    """Settings from the environment (default: this process's); `database_url`, parsed from
+    the command line, is passed down in them rather than through the environment."""
     env = os.environ if env is None else env
     home = Path(env.get("BATCHMLX_HOME") or DEFAULT_HOME).expanduser()
     cache = Path(env.get("BATCHMLX_CACHE_DIR") or home / "cache").expanduser()
@@ -62,7 +68,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         home=home,
         cache_dir=cache,
         lease_s=lease,
-        database=env.get("BATCHMLX_DATABASE_URL") or None,
+        database=database_url or env.get(DATABASE_URL_ENV) or None,
         host=env.get("BATCHMLX_WORKER_HOST") or None,
         file_storage=env.get("BATCHMLX_FILE_STORAGE") or None,
         busy_timeout_s=float(busy) if busy else None,

@@ -16,7 +16,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,44 +26,12 @@ from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
 from batchmlx.engine.llm_engine import Engine
 from benchmarks import workloads as wl
+from benchmarks.common import QUICK, Settings, fast_blas
 from benchmarks.measure import RunResult, agreement, run_ours, run_peer, summary
 from benchmarks.prefix_trie import block_prefix_lower_bound
 
 ALL_SECTIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 
-
-@dataclass(frozen=True)
-class Settings:
-    model: str = "default"
-    dtype: str = "auto"
-    concurrency: tuple[int, ...] = (1, 5, 16, 32)  # section 1 rows
-    max_tokens: int = 64  # sections 1 and 2
-    ttft_concurrency: int = 16  # section 2's workload and the 3x target's row
-    shared_requests: int = 64  # section 3
-    shared_system_tokens: int = 500
-    shared_max_tokens: int = 128
-    memory_requests: int = 16  # section 4
-    memory_system_tokens: int = 500
-    memory_max_tokens: int = 32
-    prefix_max_tokens: int = 8  # section 5
-    max_batch_size: int = 32  # ours (max running) and the peer (completion_batch_size)
-    block_size: int = 16
-    kv_grow_blocks: int = 64  # sections 1, 2, 5
-    memory_grow_blocks: int = 8  # sections 3 and 4: allocated KV tracks the blocks in use
-
-
-QUICK = Settings(
-    concurrency=(1, 4, 8),
-    max_tokens=16,
-    ttft_concurrency=8,
-    shared_requests=8,
-    shared_system_tokens=128,
-    shared_max_tokens=16,
-    memory_requests=8,
-    memory_system_tokens=128,
-    memory_max_tokens=8,
-    prefix_max_tokens=4,
-)
 
 _T0 = time.perf_counter()
 
@@ -601,15 +569,6 @@ def _memory() -> str:
     return f"{size / 2**30:.1f} GiB" if size else "unknown"
 
 
-def _fast_blas() -> None:
-    """Re-execute onto a fast BLAS when batchmlx.accel finds one (BATCHMLX_FAST_BLAS=0: don't)."""
-    try:
-        from batchmlx.accel import ensure_fast_blas
-    except Exception:  # noqa: BLE001 - optional: without it we run on MLX's own BLAS
-        return
-    ensure_fast_blas()
-
-
 def _active_blas() -> str:
     try:
         from batchmlx.accel import active_blas
@@ -664,7 +623,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if argv is None:
-        _fast_blas()  # re-executes this command line once, before any timing
+        fast_blas()  # re-executes this command line once, before any timing
     sections = sorted({int(x) for x in args.sections.split(",") if x.strip()})
     if unknown := set(sections) - set(ALL_SECTIONS):
         raise SystemExit(f"unknown sections: {sorted(unknown)}")

@@ -271,7 +271,7 @@ def worker_scale_run(n: int, every_s: float = 5.0) -> WorkerScaleResult:
 
 def section(quick: bool = False, with_worker: bool = True) -> list[str]:
     """Markdown: blocks allocated vs peak in use, then the many-requests runs."""
-    from benchmarks.run import QUICK, Settings
+    from benchmarks.common import QUICK, Settings
 
     s = QUICK if quick else Settings()
     log("blocks: shared-prompt workload")
@@ -345,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fast-blas", action="store_true")
     args = ap.parse_args(argv)
     if not args.no_fast_blas:
-        from benchmarks.run import _fast_blas
+        from benchmarks.common import fast_blas
 
-        _fast_blas()  # re-executes this command line once, before any timing
+        fast_blas()  # re-executes this command line once, before any timing
     lines = section(args.quick, with_worker=not args.no_worker)
     text = "\n".join(lines)
     print(text)

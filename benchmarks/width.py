@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", default=None, help="comma-separated fixed widths")
     args = ap.parse_args(argv)
     if not args.no_fast_blas:
-        from benchmarks.run import _fast_blas
+        from benchmarks.common import fast_blas
 
-        _fast_blas()  # re-executes this command line once, before any timing
+        fast_blas()  # re-executes this command line once, before any timing
     s = QUICK if args.quick else WidthSettings()
     s = WidthSettings(
         requests=args.requests or s.requests, max_tokens=args.max_tokens or s.max_tokens,

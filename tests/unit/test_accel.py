@@ -124,6 +124,17 @@ def test_ensure_fast_blas_reexecs_with_preload(recorded_exec, tree) -> None:
     assert env["MKL_THREADING_LAYER"] == "SEQUENTIAL"
 
 
+def test_ensure_fast_blas_reruns_the_whole_command_line(recorded_exec, monkeypatch) -> None:
+    """The CLI passes its options (the database URL among them) in argv, not the environment:
+    the re-executed process gets the interpreter's own command line, as given."""
+    line = ["/usr/bin/python3", "-X", "utf8", "-m", "batchmlx.cli", "worker", "--database-url",
+            "sqlite:///q.db"]  # fmt: skip
+    monkeypatch.setattr(sys, "orig_argv", line)
+    accel.ensure_fast_blas()
+    [(_, args, _)] = recorded_exec
+    assert args == [sys.executable, *line[1:]]
+
+
 def test_ensure_fast_blas_keeps_other_preloads(recorded_exec, tree, monkeypatch) -> None:
     monkeypatch.setenv("LD_PRELOAD", "/opt/libjemalloc.so")
     accel.ensure_fast_blas(["x"])

@@ -1,0 +1,190 @@
+"""The commands on batches: submit (and --wait), status, list, results, cancel. Each parses,
+calls a batches/ or store function, and prints."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from batchmlx.cli.common import fail, print_json, run_with_store, settings_of, warn_if_slow_blas
+from batchmlx.cli.engine_options import EngineChoice, engine_options
+from batchmlx.cli.show import show, summary
+from batchmlx.config import Settings
+from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.records import BatchRecord
+from batchmlx.formats.openai import batch_object
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the OpenAI Batch object(s)")]
+
+
+@engine_options
+def submit(
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(help="OpenAI Batch input file (JSONL)")],
+    model: Annotated[
+        str | None,
+        typer.Option(help="Serve the file with this model, whatever its bodies name: "
+                     "'default', a local MLX folder, a .gguf file or a hub id"),
+    ] = None,
+    wait: Annotated[bool, typer.Option(help="Run to completion, showing progress")] = False,
+    completion_window: Annotated[str, typer.Option(help="e.g. 24h (OpenAI's), 90m, 2d")] = "24h",
+    metadata: Annotated[list[str] | None, typer.Option(help="key=value, repeatable")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the Batch object")] = False,
+    output_expires_after: Annotated[
+        int | None,
+        typer.Option(help="Seconds (3600-2592000) after which the output and error files are "
+                     "deleted; default: kept"),
+    ] = None,
+    *,
+    engine: EngineChoice,
+) -> None:
+    """Validate a batch file and enqueue it (and run it with --wait, under the engine
+    options)."""
+    settings = settings_of(ctx)
+    if not file.is_file():
+        raise fail(f"no such file: {file}")
+    from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
+
+    if output_expires_after is not None:
+        try:
+            parse_expires_after({"anchor": "created_at", "seconds": output_expires_after},
+                                "output_expires_after")  # fmt: skip
+        except ExpiresAfterError as exc:
+            raise fail(str(exc)) from None
+    bad = [m for m in metadata or [] if "=" not in m]
+    if bad:
+        raise fail(f"--metadata expects key=value, got {bad[0]!r}")
+    meta = dict(m.split("=", 1) for m in metadata or []) or None
+    from batchmlx.batches.files import read_chunks
+    from batchmlx.batches.intake import submit as submit_batch
+
+    rec = run_with_store(settings, lambda store: submit_batch(
+        store, settings, read_chunks(file), filename=file.name, now=time.time(), model=model,
+        completion_window=completion_window, metadata=meta,
+        output_expires_after=output_expires_after,
+    ))  # fmt: skip
+    if rec.status is BatchStatus.FAILED:
+        show(rec, settings, as_json)
+        raise typer.Exit(1)
+    if wait:
+        warn_if_slow_blas()
+        rec = _wait(settings, rec.id, engine, as_json)
+    show(rec, settings, as_json)
+    if wait and rec.status is not BatchStatus.COMPLETED:
+        raise typer.Exit(1)
+
+
+def _wait(settings: Settings, batch_id: str, engine: EngineChoice, quiet: bool) -> BatchRecord:
+    """Follow a batch to its end; with no live worker, run one in this process."""
+    from batchmlx.cli_progress import REFRESH_S, ProgressView
+    from batchmlx.store import Store
+    from batchmlx.worker import WorkerOptions, run_worker
+
+    async def main() -> BatchRecord:
+        store = await Store.from_settings(settings)
+        try:
+            live = await store.live_workers(store.clock(), settings.lease_s)
+            progress = ProgressView(store, batch_id, quiet)
+            if live:
+                while not (await store.get_batch(batch_id)).status.terminal:
+                    await progress.show()
+                    await asyncio.sleep(REFRESH_S)
+            else:
+                opts = WorkerOptions(until_idle=True, dtype=engine.dtype, engine=engine.settings)
+                task = asyncio.create_task(progress.run())
+                try:
+                    await run_worker(settings, opts, store=store)
+                finally:
+                    task.cancel()
+            await progress.show(final=True)
+            return await store.get_batch(batch_id)
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
+
+
+def status(
+    ctx: typer.Context,
+    batch_id: Annotated[str | None, typer.Argument(help="One batch; all when omitted")] = None,
+    as_json: JsonOpt = False,
+    limit: int = 20,
+) -> None:
+    """Show batches: a table, or one batch in detail."""
+    if batch_id is None:
+        list_(ctx, as_json=as_json, limit=limit)
+        return
+    from batchmlx.batches.finalize import get_batch
+    from batchmlx.batches.lifecycle import expire_unattended
+
+    settings = settings_of(ctx)
+
+    async def current(store) -> BatchRecord:
+        rec = await get_batch(store, batch_id)
+        return await expire_unattended(store, settings, rec, now=store.clock())
+
+    show(run_with_store(settings, current), settings, as_json)
+
+
+def list_(ctx: typer.Context, as_json: JsonOpt = False, limit: int = 20) -> None:
+    """List batches, newest first."""
+    recs = run_with_store(settings_of(ctx), lambda store: store.list_batches(limit=limit))
+    if as_json:
+        print_json([batch_object(r) for r in recs])
+        return
+    if not recs:
+        typer.echo("no batches")
+    for r in recs:
+        typer.echo(summary(r))
+
+
+def results(
+    ctx: typer.Context,
+    batch_id: str,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write here, not stdout")
+    ] = None,
+    errors: Annotated[bool, typer.Option("--errors", help="The error file instead")] = False,
+) -> None:
+    """Download a finished batch's output file (or, with --errors, its error file)."""
+
+    async def fetch(store) -> int:
+        from batchmlx.batches.errors import BatchError
+        from batchmlx.batches.files import iter_file_content
+        from batchmlx.batches.finalize import get_batch
+        from batchmlx.store.blobs import LocalBlobs
+
+        rec = await get_batch(store, batch_id)
+        if not rec.status.terminal:
+            raise BatchError(f"batch {batch_id} is {rec.status.value}; not finished yet")
+        chunks = iter_file_content(store, rec.error_file_id if errors else rec.output_file_id)
+        if output is not None:  # streamed to a temp file, fsynced, renamed
+            return (await LocalBlobs(output.parent).put(output.name, chunks))[0]
+        size = 0
+        async for chunk in chunks:
+            sys.stdout.buffer.write(chunk)
+            size += len(chunk)
+        sys.stdout.buffer.flush()
+        return size
+
+    size = run_with_store(settings_of(ctx), fetch)
+    if output is not None:
+        typer.echo(f"wrote {size} bytes to {output}", err=True)
+
+
+def cancel(
+    ctx: typer.Context, batch_id: str, as_json: Annotated[bool, typer.Option("--json")] = False
+) -> None:
+    """Cancel a batch: running requests stop, finished results are kept."""
+    from batchmlx.batches.lifecycle import cancel_unattended
+
+    settings = settings_of(ctx)
+    rec = run_with_store(
+        settings, lambda store: cancel_unattended(store, settings, batch_id, now=store.clock())
+    )
+    show(rec, settings, as_json)

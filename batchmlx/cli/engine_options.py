@@ -1,0 +1,86 @@
+"""The engine options `worker`, `serve` and `submit --wait` share, declared once: the signature
+of `engine_choice` is their declaration, and `engine_options` adds them to a command, which
+receives what they decide (an `EngineChoice`) as its `engine` argument."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import typer
+
+from batchmlx.core.engine_api import ENGINE_DEFAULTS as D
+from batchmlx.core.engine_api import EngineSettings
+
+PANEL = "Engine options"  # their own section of each command's --help
+DTYPE_HELP = "Weights: auto (float32 on the CPU, as stored on Metal/CUDA), stored, float32, …"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineChoice:
+    settings: EngineSettings  # the engine's
+    dtype: str = "auto"  # the weights' (the model loader's, not the engine's)
+
+
+def _option(help: str) -> Any:
+    return typer.Option(help=help, rich_help_panel=PANEL)
+
+
+def engine_choice(
+    simple: Annotated[bool, _option("Simple mode: one request at a time")] = D.simple,
+    max_batch_size: Annotated[
+        int, _option("Hard cap on the running batch (the adaptive width grows up to it)")
+    ] = D.max_batch_size,
+    adaptive_width: Annotated[
+        bool, _option("Size the running batch of queued work by measured throughput and KV "
+                      "memory (--no-adaptive-width: always --max-batch-size)"),
+    ] = D.adaptive_width,
+    block_size: Annotated[int, _option("Tokens per KV block")] = D.block_size,
+    use_paged_cache: Annotated[
+        bool, _option("Share prefix blocks between requests (on by default)")
+    ] = D.use_paged_cache,
+    cache_memory_mb: Annotated[int | None, _option("Explicit KV memory bound")] = (
+        D.cache_memory_mb
+    ),
+    cache_memory_percent: Annotated[
+        float, _option("KV memory bound as a share of available memory")
+    ] = D.cache_memory_percent,
+    memory_aware_cache: Annotated[
+        bool, _option("Bound the cache by memory; off: by --cache-max-blocks")
+    ] = D.memory_aware,
+    cache_max_blocks: Annotated[
+        int, _option("Block bound without memory awareness")
+    ] = D.cache_max_blocks,
+    dtype: Annotated[str, _option(DTYPE_HELP)] = "auto",
+) -> EngineChoice:
+    """The engine options into what they decide."""
+    settings = EngineSettings(
+        simple=simple, max_batch_size=max_batch_size, adaptive_width=adaptive_width,
+        block_size=block_size, use_paged_cache=use_paged_cache, cache_memory_mb=cache_memory_mb,
+        cache_memory_percent=cache_memory_percent, memory_aware=memory_aware_cache,
+        cache_max_blocks=cache_max_blocks,
+    )  # fmt: skip
+    return EngineChoice(settings, dtype=dtype)
+
+
+_DECLARED = inspect.signature(engine_choice, eval_str=True).parameters
+
+
+def engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command` with the engine options after its own: typer reads the signature made here,
+    and the command is called with `engine=` their EngineChoice in place of them."""
+    own = inspect.signature(command, eval_str=True)
+    params = [p for p in own.parameters.values() if p.name != "engine"]
+    params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in _DECLARED.values()]
+
+    @functools.wraps(command)
+    def with_engine(**kwargs: Any) -> Any:
+        chosen = engine_choice(**{name: kwargs.pop(name) for name in _DECLARED})
+        return command(**kwargs, engine=chosen)
+
+    with_engine.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
+    with_engine.__annotations__ = {p.name: p.annotation for p in params}
+    return with_engine

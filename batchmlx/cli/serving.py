@@ -1,0 +1,175 @@
+"""The commands that run: a worker, the inbox watcher, the HTTP server, and doctor (the BLAS and
+device MLX runs with here). Each builds its options and hands them, with the settings, to the
+worker, ingest or server package."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from batchmlx.cli.common import fail, print_json, settings_of, warn_if_slow_blas
+from batchmlx.cli.engine_options import EngineChoice, engine_options
+
+LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
+
+
+@engine_options
+def worker(
+    ctx: typer.Context,
+    until_idle: Annotated[bool, typer.Option(help="Exit when nothing is left to do")] = False,
+    model: Annotated[str | None, typer.Option(help="Serve every batch with this model")] = None,
+    max_attempts: Annotated[
+        int, typer.Option(help="Runs of one request (each ended by a crash) before giving up")
+    ] = 3,
+    inbox: Annotated[
+        Path | None, typer.Option(help="Also watch this folder: each *.jsonl becomes a batch")
+    ] = None,
+    inbox_settle: Annotated[
+        float, typer.Option(help="Seconds an inbox file must stay unchanged to be complete")
+    ] = 1.0,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus metrics at http://HOST:PORT/metrics")
+    ] = None,
+    metrics_host: Annotated[str, typer.Option(help="Address for --metrics-port")] = "127.0.0.1",
+    only_model: Annotated[
+        list[str] | None,
+        typer.Option(help="Claim only batches of this model (repeatable); others are left to "
+                     "workers that serve them"),
+    ] = None,
+    *,
+    engine: EngineChoice,
+) -> None:
+    """Run a long-lived worker that processes queued batches."""
+    import logging
+
+    from batchmlx.accel import active_blas
+    from batchmlx.store import StoreUnavailable
+    from batchmlx.worker import WorkerOptions, run_worker
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.getLogger("batchmlx.worker").info("BLAS: %s", active_blas().note)
+    warn_if_slow_blas()
+    settings = settings_of(ctx)
+    opts = WorkerOptions(
+        until_idle=until_idle, model=model, dtype=engine.dtype, engine=engine.settings,
+        max_attempts=max_attempts, only_models=tuple(only_model or ()),
+    )  # fmt: skip
+    box = None
+    if inbox is not None:
+        from batchmlx.ingest.inbox import Inbox
+
+        box = Inbox(settings, inbox, settle_s=inbox_settle)
+    work = run_worker(settings, opts, inbox=box)
+    if metrics_port is not None:
+        from batchmlx.worker.metrics import serve_metrics, with_queue_metrics
+
+        serve_metrics(metrics_port, metrics_host)
+        work = with_queue_metrics(settings, work)
+    try:
+        asyncio.run(work)
+    except StoreUnavailable as exc:
+        raise fail(str(exc)) from None
+
+
+def watch(
+    ctx: typer.Context,
+    folder: Annotated[Path, typer.Argument(help="The inbox folder (created if missing)")],
+    settle: Annotated[
+        float, typer.Option(help="Seconds a file must stay unchanged to be complete")
+    ] = 1.0,
+    force: Annotated[bool, typer.Option(help="Submit files whose content was seen before")] = False,
+    model: Annotated[str | None, typer.Option(help="Submit every file with this model")] = None,
+    completion_window: Annotated[str, typer.Option(help="e.g. 24h, 90m, 2d")] = "24h",
+) -> None:
+    """Watch a folder and turn each *.jsonl dropped there into a batch (no worker)."""
+    import logging
+    import signal
+
+    from batchmlx.ingest.inbox import Inbox
+    from batchmlx.store import Store
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    settings = settings_of(ctx)
+    box = Inbox(settings, folder, settle_s=settle, force=force, model=model,
+                completion_window=completion_window)  # fmt: skip
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        store = await Store.from_settings(settings)
+        try:
+            await box.run(store, stop)
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def doctor(
+    measure: Annotated[bool, typer.Option(help="Time a 1024x1024 float32 matmul")] = True,
+) -> None:
+    """Say which BLAS and device MLX runs with here, and how fast a matmul runs."""
+    from batchmlx.accel import doctor_report
+
+    print_json(doctor_report(measure=measure))
+
+
+@engine_options
+def serve(
+    ctx: typer.Context,
+    host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="BATCHMLX_API_KEY", help="Require 'Authorization: Bearer KEY'"),
+    ] = None,
+    allow_remote: Annotated[
+        bool, typer.Option(help="Bind a non-loopback address without an API key")
+    ] = False,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(help="Also answer to this Host name (a proxy's, the machine's); repeatable"),
+    ] = None,
+    worker: Annotated[
+        bool, typer.Option(help="Run the worker in this process (--no-worker: API only)")
+    ] = True,
+    model: Annotated[
+        str, typer.Option(help="Serve every batch and online request with this model")
+    ] = "default",
+    stream_interval: Annotated[
+        int, typer.Option(min=1, help="Streamed tokens per chunk (1: every token)")
+    ] = 1,
+    max_upload_mb: Annotated[int, typer.Option(min=1, help="Largest file upload")] = 200,
+    *,
+    engine: EngineChoice,
+) -> None:
+    """Serve the OpenAI-compatible HTTP API (Files, Batches, chat/completions, models)."""
+    from batchmlx.server.auth import RemoteBindError, check_bind
+
+    warn_if_slow_blas()
+    try:
+        check_bind(host, api_key, allow_remote)
+    except RemoteBindError as exc:
+        raise fail(str(exc)) from None
+    from batchmlx.server.app import serve as run_server
+    from batchmlx.server.context import ServerOptions
+    from batchmlx.worker import WorkerOptions
+
+    in_process = WorkerOptions(model=model, dtype=engine.dtype, engine=engine.settings)
+    options = ServerOptions(
+        model=model,
+        api_key=api_key,
+        max_upload_bytes=max_upload_mb * 1024 * 1024,
+        allowed_hosts=tuple(allowed_host or ()),
+        stream_interval=stream_interval,
+        worker=in_process if worker else None,
+    )
+    try:
+        run_server(settings_of(ctx), options, host=host, port=port)
+    except ValueError as exc:
+        raise fail(str(exc)) from None

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
+from sqlalchemy import and_, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from batchmlx.database_url import Dialect
@@ -13,6 +15,22 @@ from batchmlx.store.blobs import Blobs, DatabaseBlobs, LocalBlobs
 from batchmlx.store.connection import BEGIN_OPTION
 from batchmlx.store.dialects import DialectSQL, sql_for
 from batchmlx.store.types import FileStorage
+
+
+async def rows_after(
+    conn: AsyncConnection, table: Any, seq: Any, after: str, *, desc: bool
+) -> Any | None:
+    """Keyset paging: the condition for the rows after row `after` in (created_at, insertion
+    order), newest first when `desc`; None when `after` is unknown."""
+    cursor = (
+        await conn.execute(select(table.c.created_at, seq).where(table.c.id == after))
+    ).first()
+    if cursor is None:
+        return None
+    created, at = cursor
+    if desc:
+        return or_(table.c.created_at < created, and_(table.c.created_at == created, seq < at))
+    return or_(table.c.created_at > created, and_(table.c.created_at == created, seq > at))
 
 
 class StoreBase:

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus, check_transition
 from batchmlx.core.records import BatchRecord, RequestResult
-from batchmlx.store.base import StoreBase
+from batchmlx.store.base import StoreBase, rows_after
 from batchmlx.store.rows import (
     BATCH_REF_COLUMNS,
     DONE,
@@ -46,6 +46,16 @@ _STATUS_AT: dict[BatchStatus, str] = {
 _SETTABLE = frozenset(
     {"endpoint", "model", "expires_at", "output_file_id", "error_file_id", "errors"}
 )
+
+
+async def locked_status(conn: AsyncConnection, batch_id: str) -> str:
+    """The batch's status, its row locked until the transaction ends (KeyError: unknown).
+    FOR UPDATE: two hosts moving one batch at once take turns (SQLite: BEGIN IMMEDIATE)."""
+    query = select(B.c.status).where(B.c.id == batch_id).with_for_update()
+    current = (await conn.execute(query)).scalar()
+    if current is None:
+        raise KeyError(batch_id)
+    return current
 
 
 async def read_batch(conn: AsyncConnection, batch_id: str) -> BatchRecord | None:
@@ -85,15 +95,10 @@ class BatchesPart(StoreBase):
         query = select(B).order_by(B.c.created_at.desc(), seq.desc()).limit(limit)
         async with self._reader.connect() as conn:
             if after is not None:
-                cursor = (
-                    await conn.execute(select(B.c.created_at, seq).where(B.c.id == after))
-                ).first()
-                if cursor is None:
+                beyond = await rows_after(conn, B, seq, after, desc=True)
+                if beyond is None:
                     return []
-                created, at = cursor
-                query = query.where(
-                    or_(B.c.created_at < created, and_(B.c.created_at == created, seq < at))
-                )
+                query = query.where(beyond)
             rows = (await conn.execute(query)).mappings().all()
             ids = [r["id"] for r in rows]
             progress = {
@@ -150,14 +155,7 @@ class BatchesPart(StoreBase):
         if status in _STATUS_AT:
             values[_STATUS_AT[status]] = int(now)
         async with self._engine.begin() as conn:
-            # FOR UPDATE: two hosts moving one batch at once take turns (SQLite: BEGIN IMMEDIATE)
-            current = (
-                await conn.execute(
-                    select(B.c.status).where(B.c.id == batch_id).with_for_update()
-                )
-            ).scalar()
-            if current is None:
-                raise KeyError(batch_id)
+            current = await locked_status(conn, batch_id)
             check_transition(BatchStatus(current), status)
             await conn.execute(update(B).where(B.c.id == batch_id).values(**values))
             if status in (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING):

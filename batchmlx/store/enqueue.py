@@ -7,11 +7,12 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import insert, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from batchmlx.core.lifecycle import BatchStatus, check_transition
 from batchmlx.store.base import StoreBase
+from batchmlx.store.batches import locked_status
 from batchmlx.store.dialects import DialectSQL
 from batchmlx.store.rows import B, R, request_values
 from batchmlx.store.types import NewRequest
@@ -48,13 +49,7 @@ class EnqueuePart(StoreBase):
         async with self._engine.connect() as conn:
             tx = await conn.begin()
             try:
-                current = (
-                    await conn.execute(
-                        select(B.c.status).where(B.c.id == batch_id).with_for_update()
-                    )
-                ).scalar()
-                if current is None:
-                    raise KeyError(batch_id)
+                current = await locked_status(conn, batch_id)
                 if current != BatchStatus.VALIDATING.value:
                     await tx.rollback()
                     yield None

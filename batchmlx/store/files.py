@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from sqlalchemy import and_, delete, or_, select
+from sqlalchemy import delete, select
 
 from batchmlx.core.records import FileRecord
-from batchmlx.store.base import StoreBase
+from batchmlx.store.base import StoreBase, rows_after
 from batchmlx.store.blobs import Chunks
 from batchmlx.store.rows import F, file_record, file_values
 
@@ -86,20 +86,9 @@ class FilesPart(StoreBase):
             query = query.where(F.c.purpose == purpose)
         async with self._reader.connect() as conn:
             if after is not None:
-                cursor = (
-                    await conn.execute(select(F.c.created_at, seq).where(F.c.id == after))
-                ).first()
-                if cursor is None:
+                beyond = await rows_after(conn, F, seq, after, desc=desc)
+                if beyond is None:
                     return []
-                created, rowid = cursor
-                if desc:
-                    beyond = or_(
-                        F.c.created_at < created, and_(F.c.created_at == created, seq < rowid)
-                    )
-                else:
-                    beyond = or_(
-                        F.c.created_at > created, and_(F.c.created_at == created, seq > rowid)
-                    )
                 query = query.where(beyond)
             rows = (await conn.execute(query.limit(limit))).mappings().all()
         return [file_record(r) for r in rows]

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchmlx.database_url import Target, parse_target
+
 DEFAULT_HOME = Path("~/.batchmlx")
 DEFAULT_LEASE_S = 60.0
 DATABASE_URL_ENV = "BATCHMLX_DATABASE_URL"  # the queue, for users; the CLI's --database-url wins
@@ -37,6 +39,11 @@ class Settings:
         return self.database or f"sqlite:///{self.db_path}"
 
     @property
+    def target(self) -> Target:
+        """The database URL parsed: ask it for the dialect."""
+        return parse_target(self.database_url)
+
+    @property
     def files_dir(self) -> Path:
         return self.home / "files"
 
@@ -46,8 +53,7 @@ class Settings:
         else) or under files_dir (SQLite's)."""
         if self.file_storage:
             return self.file_storage == "database"
-        url = self.database_url
-        return "://" in url and not url.startswith("sqlite")
+        return self.target.files_in_database
 
     @property
     def hostname(self) -> str:

@@ -17,7 +17,7 @@ from alembic import command
 from alembic.config import Config
 
 from batchmlx.config import PRIVATE_FILE_MODE
-from batchmlx.store.url import Dialect, Target, parse_target
+from batchmlx.database_url import Target, parse_target
 
 
 def _migrations_dir() -> Path:
@@ -42,15 +42,14 @@ def alembic_config(target: str | Path | Target) -> Config:
     t = target if isinstance(target, Target) else parse_target(target)
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
-    url = t.sync_url if t.dialect is Dialect.SQLITE else t.url
-    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.set_main_option("sqlalchemy.url", t.migration_url.replace("%", "%%"))
     return cfg
 
 
 def upgrade_to_head(target: str | Path | Target) -> None:
     """Bring the database to the newest revision; a no-op when it is there already."""
     t = target if isinstance(target, Target) else parse_target(target)
-    if t.dialect is Dialect.POSTGRESQL:
+    if t.is_postgresql:
         command.upgrade(alembic_config(t), "head")
         return
     assert t.path is not None

@@ -120,7 +120,7 @@ def fetch_rows(store_target: str | Path, sql: str) -> list[tuple[Any, ...]]:
     from sqlalchemy import text
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from batchmlx.store.url import parse_target
+    from batchmlx.database_url import parse_target
 
     async def main() -> list[tuple[Any, ...]]:
         engine = create_async_engine(parse_target(store_target).url)
@@ -138,7 +138,7 @@ def execute_sql(store_target: str | Path, sql: str) -> None:
     from sqlalchemy import text
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from batchmlx.store.url import parse_target
+    from batchmlx.database_url import parse_target
 
     async def main() -> None:
         engine = create_async_engine(parse_target(store_target).url)

@@ -16,9 +16,9 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.database_url import parse_target
 from batchmlx.store import Store
 from batchmlx.store.types import FileStorage
-from batchmlx.store.url import parse_target
 
 from .conftest import add_batch, batch, new_requests
 

@@ -8,7 +8,7 @@ tool calls and content parts batchmlx cannot serve are well-formed and become th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.fields import (
@@ -29,6 +29,7 @@ from batchmlx.formats.fields import (
 )
 from batchmlx.formats.openai import (
     ChoiceResult,
+    Envelope,
     TokenLogprobText,
     clamp_logprob,
     completion_object,
@@ -184,33 +185,16 @@ def _chat_logprobs(tokens: list[TokenLogprobText] | None) -> dict[str, Any] | No
 
 
 def chat_completion_body(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    choices: Sequence[ChoiceResult],
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int,
-    system_fingerprint: str | None = None,
+    *, choices: Sequence[ChoiceResult], **envelope: Unpack[Envelope]
 ) -> dict[str, Any]:
     """A `chat.completion` object (openai.types.chat.ChatCompletion)."""
-    return completion_object(
-        "chat.completion",
-        id=id,
-        created=created,
-        model=model,
-        choices=[
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": _chat_logprobs(c.logprobs),
-                "finish_reason": finish_value(c.finish_reason),
-            }
-            for c in choices
-        ],
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        cached_tokens=cached_tokens,
-        system_fingerprint=system_fingerprint,
-    )
+    rendered = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "logprobs": _chat_logprobs(c.logprobs),
+            "finish_reason": finish_value(c.finish_reason),
+        }
+        for c in choices
+    ]
+    return completion_object("chat.completion", rendered, **envelope)

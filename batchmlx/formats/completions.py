@@ -8,7 +8,7 @@ prompts is well-formed but refused per request (one prompt per request is served
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.fields import (
@@ -26,6 +26,7 @@ from batchmlx.formats.fields import (
 )
 from batchmlx.formats.openai import (
     ChoiceResult,
+    Envelope,
     TokenLogprobText,
     clamp_logprob,
     completion_object,
@@ -133,38 +134,20 @@ def _legacy_logprobs(tokens: list[TokenLogprobText] | None, offset: int) -> dict
 
 
 def text_completion_body(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    choices: Sequence[ChoiceResult],
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int,
-    system_fingerprint: str | None = None,
-    text_offset: int = 0,
+    *, choices: Sequence[ChoiceResult], text_offset: int = 0, **envelope: Unpack[Envelope]
 ) -> dict[str, Any]:
     """A `text_completion` object (openai.types.Completion).
 
     `text_offset` is where the first logprob token starts in the text OpenAI counts from: the
     prompt's length in characters without echo, 0 with echo.
     """
-    return completion_object(
-        "text_completion",
-        id=id,
-        created=created,
-        model=model,
-        choices=[
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": _legacy_logprobs(c.logprobs, text_offset),
-                "finish_reason": finish_value(c.finish_reason),
-            }
-            for c in choices
-        ],
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        cached_tokens=cached_tokens,
-        system_fingerprint=system_fingerprint,
-    )
+    rendered = [
+        {
+            "index": c.index,
+            "text": c.text,
+            "logprobs": _legacy_logprobs(c.logprobs, text_offset),
+            "finish_reason": finish_value(c.finish_reason),
+        }
+        for c in choices
+    ]
+    return completion_object("text_completion", rendered, **envelope)

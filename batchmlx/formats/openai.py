@@ -13,7 +13,7 @@ import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict, Unpack
 
 import orjson
 
@@ -79,33 +79,37 @@ def finish_value(reason: Any) -> str:
     return getattr(reason, "value", reason)  # core.request.FinishReason or a plain string
 
 
+class Envelope(TypedDict):
+    """What a chat.completion or text_completion object says around its choices."""
+
+    id: str
+    created: int
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    system_fingerprint: NotRequired[str | None]
+
+
 def completion_object(
-    object_type: str,
-    *,
-    id: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int,
-    system_fingerprint: str | None,
+    object_type: str, choices: list[dict[str, Any]], **envelope: Unpack[Envelope]
 ) -> dict[str, Any]:
-    """The envelope chat.completion and text_completion objects share, around their choices."""
+    """The object both completion endpoints answer with, around their rendered choices."""
+    prompt_tokens, completion_tokens = envelope["prompt_tokens"], envelope["completion_tokens"]
     return {
-        "id": id,
+        "id": envelope["id"],
         "object": object_type,
-        "created": created,
-        "model": model,
+        "created": envelope["created"],
+        "model": envelope["model"],
         "choices": choices,
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": envelope["cached_tokens"]},
             "completion_tokens_details": {"reasoning_tokens": 0},
         },
-        "system_fingerprint": system_fingerprint,
+        "system_fingerprint": envelope.get("system_fingerprint"),
     }
 
 

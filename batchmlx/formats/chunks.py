@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchmlx.formats.openai import IdPrefix, new_id
-from batchmlx.formats.params import Endpoint
+from batchmlx.formats.request import Endpoint
 
 
 class StreamChunks:

@@ -15,8 +15,10 @@ from typing import Any
 
 from batchmlx.core.records import BatchErrorRecord
 from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.fields import InputShape, input_shape, is_int
+from batchmlx.formats.request import Endpoint
 
-EMBEDDINGS_URL = "/v1/embeddings"
+EMBEDDINGS_URL = Endpoint.EMBEDDINGS.value
 MAX_EMBEDDING_INPUTS = 50_000  # across one batch (OpenAI's cap)
 MAX_INPUTS_PER_REQUEST = 2048  # OpenAI's cap per request
 _KEYS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
@@ -49,35 +51,16 @@ class EmbeddingsError(Exception):
         self.param = param
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _shape(value: Any) -> str | None:
-    """'text', 'texts', 'ids', 'id_lists', or None for anything else."""
-    if isinstance(value, str):
-        return "text"
-    if not isinstance(value, list) or not value:
-        return None
-    if all(isinstance(v, str) for v in value):
-        return "texts"
-    if all(_is_int(v) for v in value):
-        return "ids"
-    if all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
-        return "id_lists"
-    return None
-
-
 def count_inputs(value: Any) -> int:
     """How many embeddings one request's `input` asks for."""
-    return len(value) if _shape(value) in ("texts", "id_lists") else 1
+    return len(value) if input_shape(value) in (InputShape.TEXTS, InputShape.ID_LISTS) else 1
 
 
 def check_embeddings_input(body: dict[str, Any]) -> tuple[str, str] | None:
     """The file-validation shape check: (param, problem) or None."""
     if "input" not in body:
         return "body.input", "is required"
-    if _shape(body["input"]) is None:
+    if input_shape(body["input"]) is None:
         return "body.input", (
             "must be a string, an array of strings, an array of token ids or an array of "
             "token-id arrays"
@@ -105,7 +88,7 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingsRequest:
         raise EmbeddingsError(
             ErrorCode.MISSING_REQUIRED_PARAMETER, "Missing required parameter: 'input'.", "input"
         )
-    shape = _shape(value)
+    shape = input_shape(value)
     if shape is None:
         raise EmbeddingsError(
             ErrorCode.INVALID_TYPE,
@@ -122,11 +105,11 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingsRequest:
         )
     texts: tuple[str, ...] | None = None
     ids: tuple[tuple[int, ...], ...] | None = None
-    if shape == "text":
+    if shape is InputShape.TEXT:
         texts = (value,)
-    elif shape == "texts":
+    elif shape is InputShape.TEXTS:
         texts = tuple(value)
-    elif shape == "ids":
+    elif shape is InputShape.IDS:
         ids = (tuple(value),)
     else:
         ids = tuple(tuple(v) for v in value)
@@ -149,7 +132,7 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingsRequest:
             "encoding_format",
         ) from None
     dims = body.get("dimensions")
-    if dims is not None and (not _is_int(dims) or dims < 1):
+    if dims is not None and (not is_int(dims) or dims < 1):
         raise EmbeddingsError(
             ErrorCode.INVALID_VALUE,
             f"Invalid 'dimensions': expected an integer >= 1, got {dims!r}.",

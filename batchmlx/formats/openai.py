@@ -1,4 +1,6 @@
-"""OpenAI wire objects, field for field: completion bodies, batch output/error lines, the Batch.
+"""OpenAI wire objects, field for field: ids, the completion envelope and choice results the
+endpoint modules (chat, completions, responses) render into, batch output/error lines, the Batch,
+file objects.
 
 Every dict here is built in a fixed key order and written with `dumps_line`, so the same results
 give byte-identical files.
@@ -9,9 +11,9 @@ from __future__ import annotations
 import enum
 import math
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict, Unpack
 
 import orjson
 
@@ -68,121 +70,46 @@ class ChoiceResult:
     logprobs: list[TokenLogprobText] | None = None
 
 
-def _lp(value: float) -> float:
+def clamp_logprob(value: float) -> float:
+    """A logprob as JSON can hold it: -inf (and anything below) written as MIN_LOGPROB."""
     return value if math.isfinite(value) and value > MIN_LOGPROB else MIN_LOGPROB
 
 
-def _finish(reason: Any) -> str:
+def finish_value(reason: Any) -> str:
     return getattr(reason, "value", reason)  # core.request.FinishReason or a plain string
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": 0},
-    }
+class Envelope(TypedDict):
+    """What a chat.completion or text_completion object says around its choices."""
+
+    id: str
+    created: int
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    system_fingerprint: NotRequired[str | None]
 
 
-def _chat_logprobs(tokens: list[TokenLogprobText] | None) -> dict[str, Any] | None:
-    if tokens is None:
-        return None
-    content = [
-        {
-            "token": t.token,
-            "logprob": _lp(t.logprob),
-            "bytes": list(t.bytes),
-            "top_logprobs": [
-                {"token": tok, "logprob": _lp(lp), "bytes": list(b)} for tok, lp, b in t.top
-            ],
-        }
-        for t in tokens
-    ]
-    return {"content": content, "refusal": None}
-
-
-def chat_completion_body(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    choices: Sequence[ChoiceResult],
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int,
-    system_fingerprint: str | None = None,
+def completion_object(
+    object_type: str, choices: list[dict[str, Any]], **envelope: Unpack[Envelope]
 ) -> dict[str, Any]:
-    """A `chat.completion` object (openai.types.chat.ChatCompletion)."""
+    """The object both completion endpoints answer with, around their rendered choices."""
+    prompt_tokens, completion_tokens = envelope["prompt_tokens"], envelope["completion_tokens"]
     return {
-        "id": id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": _chat_logprobs(c.logprobs),
-                "finish_reason": _finish(c.finish_reason),
-            }
-            for c in choices
-        ],
-        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
-        "system_fingerprint": system_fingerprint,
-    }
-
-
-def _legacy_logprobs(tokens: list[TokenLogprobText] | None, offset: int) -> dict[str, Any] | None:
-    """The legacy completions format: parallel arrays, alternatives as {token: logprob}."""
-    if tokens is None:
-        return None
-    offsets: list[int] = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t.token)
-    return {
-        "tokens": [t.token for t in tokens],
-        "token_logprobs": [_lp(t.logprob) for t in tokens],
-        "top_logprobs": [{tok: _lp(lp) for tok, lp, _ in t.top} for t in tokens],
-        "text_offset": offsets,
-    }
-
-
-def text_completion_body(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    choices: Sequence[ChoiceResult],
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int,
-    system_fingerprint: str | None = None,
-    text_offset: int = 0,
-) -> dict[str, Any]:
-    """A `text_completion` object (openai.types.Completion).
-
-    `text_offset` is where the first logprob token starts in the text OpenAI counts from: the
-    prompt's length in characters without echo, 0 with echo.
-    """
-    return {
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": _legacy_logprobs(c.logprobs, text_offset),
-                "finish_reason": _finish(c.finish_reason),
-            }
-            for c in choices
-        ],
-        "usage": _usage(prompt_tokens, completion_tokens, cached_tokens),
-        "system_fingerprint": system_fingerprint,
+        "id": envelope["id"],
+        "object": object_type,
+        "created": envelope["created"],
+        "model": envelope["model"],
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": envelope["cached_tokens"]},
+            "completion_tokens_details": {"reasoning_tokens": 0},
+        },
+        "system_fingerprint": envelope.get("system_fingerprint"),
     }
 
 

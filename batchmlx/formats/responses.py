@@ -1,4 +1,5 @@
-"""/v1/responses: a request body → `ParsedRequest` (or OpenAI's 400), and the Response object.
+"""/v1/responses: a body's shape (file validation), the body → `ParsedRequest` (or OpenAI's 400)
+at run time, and the Response object.
 
 A response is a chat turn: `instructions` becomes the system message and `input` (a string, or
 message items) the conversation. Parameters that need OpenAI's servers (stored responses,
@@ -9,23 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchmlx.core.request import SamplingParams
 from batchmlx.formats.errors import ErrorCode
-from batchmlx.formats.openai import ChoiceResult
-from batchmlx.formats.params import (
-    TEMPLATE_ROLE,
-    UNTIL_CONTEXT,
-    Endpoint,
-    ParsedRequest,
-    Role,
-    _check_role,
-    _fail,
-    _float,
-    _int,
-    _Reject,
-    _type_error,
+from batchmlx.formats.fields import (
+    Reject,
+    content_text,
+    fail,
+    grammar_field,
+    int_field,
+    temperature_top_p,
+    template_role,
+    type_error,
 )
-from batchmlx.formats.structured import FormatError, Grammar, responses_grammar
+from batchmlx.formats.openai import ChoiceResult
+from batchmlx.formats.request import Endpoint, ParsedRequest, sampling_params
+from batchmlx.formats.structured import Grammar, responses_grammar
 
 MIN_OUTPUT_TOKENS = 16  # OpenAI's minimum for max_output_tokens
 
@@ -42,8 +40,8 @@ _SERVER_ONLY = frozenset({"previous_response_id", "conversation", "prompt", "max
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _unsupported_parameter(key: str, why: str) -> _Reject:
-    return _fail(
+def _unsupported_parameter(key: str, why: str) -> Reject:
+    return fail(
         ErrorCode.UNSUPPORTED_PARAMETER,
         f"Unsupported parameter: '{key}' is not supported with this model. {why}",
         key,
@@ -58,7 +56,7 @@ def _check_keys(body: dict[str, Any]) -> None:
                                              "or prompts on a server.")  # fmt: skip
             continue
         if key not in _ACCEPTED:
-            raise _fail(
+            raise fail(
                 ErrorCode.UNKNOWN_PARAMETER, f"Unrecognized request argument supplied: {key}", key
             )
     # accepted only at their local, no-op values
@@ -82,7 +80,7 @@ def _check_keys(body: dict[str, Any]) -> None:
         raise _unsupported_parameter("top_logprobs", "logprobs are not returned by responses.")
     truncation = body.get("truncation")
     if truncation not in (None, "auto", "disabled"):
-        raise _fail(
+        raise fail(
             ErrorCode.INVALID_VALUE,
             f"Invalid value for 'truncation': {truncation!r}. Supported values are: 'auto' "
             "and 'disabled'.",
@@ -90,23 +88,8 @@ def _check_keys(body: dict[str, Any]) -> None:
         )
 
 
-def _content(content: Any, at: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _type_error(at, "a string or an array of content parts", content)
-    texts = []
-    for j, part in enumerate(content):
-        where = f"{at}[{j}]"
-        if not isinstance(part, dict):
-            raise _type_error(where, "an object", part)
-        if part.get("type") not in _TEXT_PARTS:
-            raise _unsupported_parameter(f"{where}.type", "only text content is supported.")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise _type_error(f"{where}.text", "a string", text)
-        texts.append(text)
-    return "\n".join(texts)
+def _refuse_part(param: str) -> Reject:
+    return _unsupported_parameter(param, "only text content is supported.")
 
 
 def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
@@ -114,32 +97,29 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise _type_error("instructions", "a string", instructions)
+            raise type_error("instructions", "a string", instructions)
         out.append({"role": "system", "content": instructions})
     items = body.get("input")
     if items is None:
-        raise _fail(
+        raise fail(
             ErrorCode.MISSING_REQUIRED_PARAMETER, "Missing required parameter: 'input'.", "input"
         )
     if isinstance(items, str):
         return (*out, {"role": "user", "content": items})
     if not isinstance(items, list):
-        raise _type_error("input", "a string or an array of input items", items)
+        raise type_error("input", "a string or an array of input items", items)
     if not items:
-        raise _fail(
-            ErrorCode.INVALID_VALUE, "Invalid 'input': expected a non-empty array.", "input"
-        )
+        raise fail(ErrorCode.INVALID_VALUE, "Invalid 'input': expected a non-empty array.", "input")
     for i, item in enumerate(items):
         at = f"input[{i}]"
         if not isinstance(item, dict):
-            raise _type_error(at, "an object", item)
+            raise type_error(at, "an object", item)
         kind = item.get("type", "message")
         if kind != "message":
             raise _unsupported_parameter(f"{at}.type", "only message items are supported.")
-        role = item.get("role")
-        role = _check_role(role, at)
-        text = _content(item.get("content"), f"{at}.content")
-        out.append({"role": TEMPLATE_ROLE[Role(role)], "content": text})
+        role = template_role(item.get("role"), at)
+        text = content_text(item.get("content"), f"{at}.content", _TEXT_PARTS, _refuse_part)
+        out.append({"role": role, "content": text})
     return tuple(out)
 
 
@@ -148,42 +128,24 @@ def _text_grammar(body: dict[str, Any]) -> Grammar | None:
     if text is None:
         return None
     if not isinstance(text, dict):
-        raise _type_error("text", "an object", text)
-    try:
-        return responses_grammar(text.get("format"))
-    except FormatError as exc:
-        raise _fail(exc.code, exc.message, exc.param) from None
+        raise type_error("text", "an object", text)
+    return grammar_field(responses_grammar, text.get("format"))
 
 
 def parse_responses(body: dict[str, Any]) -> ParsedRequest:
-    """Raises `_Reject` (through params.parse_request, which turns it into a RequestError)."""
+    """Raises `fields.Reject` (params.parse_request turns it into the RequestError)."""
     _check_keys(body)
     messages = _messages(body)
-    max_tokens = _int(body, "max_output_tokens", MIN_OUTPUT_TOKENS, None)
-    temperature = _float(body, "temperature", 0.0, 2.0)
-    top_p = _float(body, "top_p", 0.0, 1.0)
-    if top_p == 0.0:
-        raise _fail(ErrorCode.INVALID_VALUE, "Invalid 'top_p': expected a value > 0.", "top_p")
+    max_tokens = int_field(body, "max_output_tokens", MIN_OUTPUT_TOKENS, None)
+    temperature, top_p = temperature_top_p(body)
     for key in ("metadata",):
         if body.get(key) is not None and not isinstance(body[key], dict):
-            raise _type_error(key, "an object", body[key])
-    sampling = SamplingParams(
-        max_tokens=UNTIL_CONTEXT if max_tokens is None else max_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-    )
+            raise type_error(key, "an object", body[key])
     return ParsedRequest(
         endpoint=Endpoint.RESPONSES,
         messages=messages,
-        prompt=None,
-        prompt_token_ids=None,
-        n=1,
-        sampling=sampling,
+        sampling=sampling_params(max_tokens, temperature, top_p),
         max_tokens=max_tokens,
-        logprobs=False,
-        top_logprobs=0,
-        response_format=None,
-        echo=False,
         grammar=_text_grammar(body),
     )
 

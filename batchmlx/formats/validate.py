@@ -5,7 +5,8 @@ The file either passes whole or fails whole: every error is counted, and the fir
 garbage gives a small Batch object. `FileValidator` takes a file in chunks, a line at a time,
 and keeps no line, so a 200 MB file is never whole. Only the shape is checked here; odd parameter
 values (temperature 7, stream true, unknown keys) are per-request 400s decided at run time by
-`formats.params`.
+`formats.params`. Each endpoint's body shape is its module's (`chat.check_chat`, ...), next to the
+run-time parser that judges the same body.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import orjson
 
 from batchmlx.core.records import BatchErrorRecord
+from batchmlx.formats.chat import check_chat
+from batchmlx.formats.completions import check_prompt
 from batchmlx.formats.embeddings import (
     MAX_EMBEDDING_INPUTS,
     check_embeddings_input,
@@ -24,11 +27,10 @@ from batchmlx.formats.embeddings import (
     too_many_inputs,
 )
 from batchmlx.formats.errors import ErrorCode, json_type
-from batchmlx.formats.params import Endpoint, Role
+from batchmlx.formats.request import Endpoint
 from batchmlx.formats.responses import check_responses_input
 
 SUPPORTED_URLS = tuple(Endpoint)
-_ROLES = frozenset(Role)
 MAX_FILE_BYTES = 200 * 1024 * 1024
 MAX_TASKS = 50_000
 MAX_REPORTED_ERRORS = 100  # errors listed on a failed batch; the rest are only counted
@@ -75,73 +77,6 @@ def _err(
 
 def _invalid(line: int, param: str, message: str) -> BatchErrorRecord:
     return _err(ErrorCode.INVALID_REQUEST, f"Line {line}: {message}", line, param)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_content(content: Any, where: str) -> tuple[str, str] | None:
-    """(param, problem) for a message content that is neither a string nor a list of parts."""
-    if isinstance(content, str):
-        return None
-    if not isinstance(content, list) or not content:
-        return where, "must be a string or a non-empty array of content parts"
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            return at, "must be an object"
-        kind = part.get("type")
-        if not isinstance(kind, str):
-            return f"{at}.type", "must be a string"
-        # Non-text parts (images, audio) are valid OpenAI input; they are refused per request.
-        if kind == "text" and not isinstance(part.get("text"), str):
-            return f"{at}.text", "must be a string"
-    return None
-
-
-def _check_chat(body: dict[str, Any]) -> tuple[str, str] | None:
-    messages = body.get("messages")
-    if messages is None:
-        return "body.messages", "is required"
-    if not isinstance(messages, list) or not messages:
-        return "body.messages", "must be a non-empty array"
-    for i, msg in enumerate(messages):
-        at = f"body.messages[{i}]"
-        if not isinstance(msg, dict):
-            return at, "must be an object"
-        role = msg.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            return f"{at}.role", f"must be one of {', '.join(sorted(_ROLES))}"
-        content = msg.get("content")
-        # An assistant turn that only calls tools has no content; tools are refused at run time.
-        if (
-            content is None
-            and role == "assistant"
-            and (msg.get("tool_calls") or msg.get("function_call"))
-        ):
-            continue
-        if content is None:
-            return f"{at}.content", "is required"
-        problem = _check_content(content, f"{at}.content")
-        if problem:
-            return problem
-    return None
-
-
-def _check_prompt(body: dict[str, Any]) -> tuple[str, str] | None:
-    prompt = body.get("prompt")
-    if prompt is None:
-        return "body.prompt", "is required"
-    if isinstance(prompt, str):
-        return None
-    if isinstance(prompt, list) and prompt:
-        # One prompt per request is served; a longer list is refused at run time, not here.
-        if all(isinstance(p, str) for p in prompt) or all(_is_int(t) for t in prompt):
-            return None
-        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
-            return None
-    return "body.prompt", "must be a string, an array of strings or an array of token ids"
 
 
 def _split_lines(data: bytes, start: int = 0) -> Iterator[tuple[int, bytes]]:
@@ -254,6 +189,30 @@ class FileValidator:
         """Check one line; the line (its body re-encoded) when it has no error."""
         if not raw.strip():
             return None  # blank lines (and the empty tail after the final newline) still count
+        self._count(number)
+        obj = _json_object(raw)
+        if obj is None:
+            self.errors.add(
+                _err(ErrorCode.INVALID_JSON_LINE, f"Line {number} is not a valid JSON object.",
+                     number)
+            )  # fmt: skip
+            return None
+        errs: list[BatchErrorRecord] = []  # this line's, in the order found
+        custom_id = self._custom_id(number, obj, errs)
+        _check_method(number, obj, errs)
+        url = self._url(number, obj, errs)
+        body = self._body(number, obj, url, errs)
+        errs.extend(_stray_keys(number, obj))
+        kept = None
+        if not errs:
+            # no error on the line: each field passed its check above
+            assert custom_id is not None and url is not None and body is not None
+            kept = _stored(number, custom_id, url, body, errs)
+        for err in errs:
+            self.errors.add(err)
+        return kept
+
+    def _count(self, number: int) -> None:
         self.tasks += 1
         if self.tasks == self.max_tasks + 1:
             self.errors.add(
@@ -264,28 +223,16 @@ class FileValidator:
                     number,
                 )
             )
-        line_errors: list[BatchErrorRecord] = []
-        try:
-            obj = orjson.loads(raw)  # orjson refuses bad UTF-8 too; a trailing \r is whitespace
-        except orjson.JSONDecodeError:
-            obj = _NOT_JSON
-        if not isinstance(obj, dict):
-            self.errors.add(
-                _err(
-                    ErrorCode.INVALID_JSON_LINE,
-                    f"Line {number} is not a valid JSON object.",
-                    number,
-                )
-            )
-            return None
 
+    def _custom_id(
+        self, number: int, obj: dict[str, Any], errs: list[BatchErrorRecord]
+    ) -> str | None:
         custom_id = obj.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
-            line_errors.append(
-                _invalid(number, "custom_id", "'custom_id' must be a non-empty string.")
-            )
-        elif custom_id in self._seen_ids:
-            line_errors.append(
+            errs.append(_invalid(number, "custom_id", "'custom_id' must be a non-empty string."))
+            return None
+        if custom_id in self._seen_ids:
+            errs.append(
                 _err(
                     ErrorCode.DUPLICATE_CUSTOM_ID,
                     f"Line {number}: custom_id {custom_id!r} is already used on line "
@@ -295,24 +242,23 @@ class FileValidator:
                     "custom_id",
                 )
             )
-        else:
-            self._seen_ids[custom_id] = number
+            return None
+        self._seen_ids[custom_id] = number
+        return custom_id
 
-        method = obj.get("method")
-        if method != "POST":
-            shown = "missing" if "method" not in obj else repr(method)
-            line_errors.append(_invalid(number, "method", f"'method' must be \"POST\" ({shown})."))
-
+    def _url(self, number: int, obj: dict[str, Any], errs: list[BatchErrorRecord]) -> str | None:
+        """The line's url, None when it is not one batchmlx serves (a url differing from the
+        file's is still returned: the body is checked against it)."""
         url = obj.get("url")
         if not isinstance(url, str):
-            line_errors.append(
+            errs.append(
                 _invalid(number, "url", f"'url' must be a string, not {json_type(url)}.")
                 if "url" in obj
                 else _invalid(number, "url", "'url' is required.")
             )
-            url = None
-        elif url not in SUPPORTED_URLS:
-            line_errors.append(
+            return None
+        if url not in SUPPORTED_URLS:
+            errs.append(
                 _err(
                     ErrorCode.INVALID_URL,
                     f"Line {number}: the url {url!r} is not supported. "
@@ -321,11 +267,11 @@ class FileValidator:
                     "url",
                 )
             )
-            url = None
-        elif self.endpoint is None:
+            return None
+        if self.endpoint is None:
             self.endpoint = url
         elif url != self.endpoint:
-            line_errors.append(
+            errs.append(
                 _err(
                     ErrorCode.URL_MISMATCH,
                     f"Line {number}: the url {url!r} differs from {self.endpoint!r}, the url of "
@@ -334,72 +280,55 @@ class FileValidator:
                     "url",
                 )
             )
+        return url
 
+    def _body(
+        self, number: int, obj: dict[str, Any], url: str | None, errs: list[BatchErrorRecord]
+    ) -> dict[str, Any] | None:
+        """The line's body, its model and its endpoint's shape checked; None if not an object."""
         body = obj.get("body")
         if not isinstance(body, dict):
             what = (
                 "is required" if "body" not in obj else f"must be an object, not {json_type(body)}"
             )
-            line_errors.append(_invalid(number, "body", f"'body' {what}."))
-        else:
-            if self.model_override is None:
-                body_model = body.get("model")
-                if not isinstance(body_model, str) or not body_model:
-                    line_errors.append(
-                        _invalid(number, "body.model", "'body.model' must be a non-empty string.")
-                    )
-                elif self.model is None:
-                    self.model, self._model_line = body_model, number
-                elif body_model != self.model:
-                    line_errors.append(
-                        _err(
-                            ErrorCode.MODEL_MISMATCH,
-                            f"Line {number}: the model {body_model!r} differs from "
-                            f"{self.model!r}, the model of the first request; every request "
-                            "in a batch must use the same model.",
-                            number,
-                            "body.model",
-                        )
-                    )
-            if url is not None:
-                problem = _CHECKS[Endpoint(url)](body)
-                if problem is None and url == Endpoint.EMBEDDINGS:
-                    self._embedding_inputs += count_inputs(body["input"])
-                if problem:
-                    param, what = problem
-                    line_errors.append(_invalid(number, param, f"'{param}' {what}."))
+            errs.append(_invalid(number, "body", f"'body' {what}."))
+            return None
+        self._model(number, body, errs)
+        self._body_shape(number, url, body, errs)
+        return body
 
-        for key in obj:
-            if key not in _ENVELOPE_KEYS:
-                line_errors.append(
-                    _invalid(
-                        number,
-                        key,
-                        f"unexpected key {key!r}; a request has exactly "
-                        "custom_id, method, url and body.",
-                    )
+    def _model(self, number: int, body: dict[str, Any], errs: list[BatchErrorRecord]) -> None:
+        if self.model_override is not None:
+            return
+        body_model = body.get("model")
+        if not isinstance(body_model, str) or not body_model:
+            errs.append(_invalid(number, "body.model", "'body.model' must be a non-empty string."))
+        elif self.model is None:
+            self.model, self._model_line = body_model, number
+        elif body_model != self.model:
+            errs.append(
+                _err(
+                    ErrorCode.MODEL_MISMATCH,
+                    f"Line {number}: the model {body_model!r} differs from {self.model!r}, the "
+                    "model of the first request; every request in a batch must use the same "
+                    "model.",
+                    number,
+                    "body.model",
                 )
+            )
 
-        kept = None
-        if not line_errors:
-            # no error on the line: each field passed its check above
-            assert isinstance(custom_id, str) and url is not None and isinstance(body, dict)
-            try:  # orjson reads JSON nested 1024 deep but writes at most 254: refuse it here
-                kept = BatchLine(number, custom_id, url, orjson.dumps(body).decode())
-            except orjson.JSONEncodeError:
-                line_errors.append(
-                    _err(
-                        ErrorCode.INVALID_JSON_LINE,
-                        f"Line {number}: 'body' is nested too deeply to be stored "
-                        f"(at most {MAX_NESTING} levels).",
-                        number,
-                        "body",
-                    )
-                )
-        for err in line_errors:
-            self.errors.add(err)
-        return kept
-
+    def _body_shape(
+        self, number: int, url: str | None, body: dict[str, Any], errs: list[BatchErrorRecord]
+    ) -> None:
+        """The endpoint's shape check of the body (its module's `check_*`)."""
+        if url is None:
+            return
+        problem = _CHECKS[Endpoint(url)](body)
+        if problem is None and url == Endpoint.EMBEDDINGS:
+            self._embedding_inputs += count_inputs(body["input"])
+        if problem:
+            param, what = problem
+            errs.append(_invalid(number, param, f"'{param}' {what}."))
 
     def finish(
         self, *, model_resolves: Callable[[str], bool] | None = None
@@ -429,6 +358,52 @@ class FileValidator:
                 keep=True,
             )
         return ValidationResult((), errors.final(), self.endpoint, self.model, errors.total)
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    try:
+        obj = orjson.loads(raw)  # orjson refuses bad UTF-8 too; a trailing \r is whitespace
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _check_method(number: int, obj: dict[str, Any], errs: list[BatchErrorRecord]) -> None:
+    method = obj.get("method")
+    if method != "POST":
+        shown = "missing" if "method" not in obj else repr(method)
+        errs.append(_invalid(number, "method", f"'method' must be \"POST\" ({shown})."))
+
+
+def _stray_keys(number: int, obj: dict[str, Any]) -> list[BatchErrorRecord]:
+    return [
+        _invalid(
+            number,
+            key,
+            f"unexpected key {key!r}; a request has exactly custom_id, method, url and body.",
+        )
+        for key in obj
+        if key not in _ENVELOPE_KEYS
+    ]
+
+
+def _stored(
+    number: int, custom_id: str, url: str, body: dict[str, Any], errs: list[BatchErrorRecord]
+) -> BatchLine | None:
+    """The line as kept, its body written by orjson; None (and an error) if it cannot be."""
+    try:  # orjson reads JSON nested 1024 deep but writes at most 254: refuse it here
+        return BatchLine(number, custom_id, url, orjson.dumps(body).decode())
+    except orjson.JSONEncodeError:
+        errs.append(
+            _err(
+                ErrorCode.INVALID_JSON_LINE,
+                f"Line {number}: 'body' is nested too deeply to be stored "
+                f"(at most {MAX_NESTING} levels).",
+                number,
+                "body",
+            )
+        )
+        return None
 
 
 def too_large(size: int, max_bytes: int = MAX_FILE_BYTES) -> ValidationResult | None:
@@ -467,10 +442,9 @@ def validate_batch_file(
     )
 
 
-_NOT_JSON = object()  # a sentinel no JSON value can equal
 _CHECKS = {
-    Endpoint.CHAT: _check_chat,
-    Endpoint.COMPLETIONS: _check_prompt,
+    Endpoint.CHAT: check_chat,
+    Endpoint.COMPLETIONS: check_prompt,
     Endpoint.RESPONSES: check_responses_input,
     Endpoint.EMBEDDINGS: check_embeddings_input,
 }

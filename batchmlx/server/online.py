@@ -14,7 +14,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from batchmlx.formats.chunks import StreamChunks
-from batchmlx.formats.params import Endpoint, ParsedRequest, RequestError, parse_request
+from batchmlx.formats.params import parse_request
+from batchmlx.formats.request import Endpoint, ParsedRequest, RequestError
 from batchmlx.server.bodies import json_body
 from batchmlx.server.context import ServerContext
 from batchmlx.server.errors import ApiError

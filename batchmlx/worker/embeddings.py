@@ -20,7 +20,7 @@ from batchmlx.formats.embeddings import (
     parse_embeddings,
 )
 from batchmlx.formats.errors import ErrorCode
-from batchmlx.formats.params import RequestError
+from batchmlx.formats.request import RequestError
 from batchmlx.worker.translate import error_result, server_error_result
 
 

@@ -16,22 +16,12 @@ from batchmlx.core.request import (
     GenerationRequest,
     TokenLogprob,
 )
+from batchmlx.formats.chat import chat_completion_body
+from batchmlx.formats.completions import text_completion_body
 from batchmlx.formats.errors import ErrorCode
-from batchmlx.formats.openai import (
-    ChoiceResult,
-    IdPrefix,
-    TokenLogprobText,
-    chat_completion_body,
-    new_id,
-    text_completion_body,
-)
-from batchmlx.formats.params import (
-    Endpoint,
-    ParsedRequest,
-    RequestError,
-    context_length_error,
-    parse_request,
-)
+from batchmlx.formats.openai import ChoiceResult, IdPrefix, TokenLogprobText, new_id
+from batchmlx.formats.params import parse_request
+from batchmlx.formats.request import Endpoint, ParsedRequest, RequestError, context_length_error
 from batchmlx.formats.responses import response_body
 from batchmlx.formats.structured import schema_error_message
 

@@ -7,6 +7,8 @@ from openai.types.chat import ChatCompletion
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchErrorRecord, BatchRecord, BatchUsage, RequestCounts
 from batchmlx.core.request import FinishReason
+from batchmlx.formats.chat import chat_completion_body
+from batchmlx.formats.completions import text_completion_body
 from batchmlx.formats.errors import ErrorCode, errors_object
 from batchmlx.formats.openai import (
     BATCH_CANCELLED_MESSAGE,
@@ -16,12 +18,10 @@ from batchmlx.formats.openai import (
     IdPrefix,
     TokenLogprobText,
     batch_object,
-    chat_completion_body,
     dumps_line,
     error_line,
     new_id,
     output_line,
-    text_completion_body,
 )
 
 LOGPROBS = [

@@ -10,7 +10,7 @@ import orjson
 from batchmlx.core.lifecycle import RequestStatus
 from batchmlx.formats.chunks import StreamChunks
 from batchmlx.formats.output import render_results
-from batchmlx.formats.params import Endpoint
+from batchmlx.formats.request import Endpoint
 
 
 @dataclass

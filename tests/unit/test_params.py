@@ -3,14 +3,14 @@ from __future__ import annotations
 import pytest
 
 from batchmlx.core.request import SamplingParams
-from batchmlx.formats.params import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
+from batchmlx.formats.completions import COMPLETIONS_DEFAULT_MAX_TOKENS
+from batchmlx.formats.params import parse_request
+from batchmlx.formats.request import (
     UNTIL_CONTEXT,
     Endpoint,
     ParsedRequest,
     RequestError,
     context_length_error,
-    parse_request,
 )
 
 CHAT = "/v1/chat/completions"

@@ -16,7 +16,8 @@ from batchmlx.formats.embeddings import (
     parse_embeddings,
 )
 from batchmlx.formats.openai import ChoiceResult
-from batchmlx.formats.params import Endpoint, ParsedRequest, RequestError, parse_request
+from batchmlx.formats.params import parse_request
+from batchmlx.formats.request import Endpoint, ParsedRequest, RequestError
 from batchmlx.formats.responses import response_body
 from batchmlx.formats.validate import MAX_TASKS, validate_batch_file
 

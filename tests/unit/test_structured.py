@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from batchmlx.formats.params import ParsedRequest, RequestError, parse_request
+from batchmlx.formats.params import parse_request
+from batchmlx.formats.request import ParsedRequest, RequestError
 from batchmlx.formats.structured import (
     FormatError,
     FormatKind,

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-
 # Test tiers: `pytest -m "not slow"` is the inner loop (pure logic, the store on real SQLite and
 # PostgreSQL, the engine on tiny random-weight models); the README's command runs everything.
 # Slow: whole processes (CLI, workers, crashes, several hosts, a browser, built wheels) and the

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 
-from batchmlx import cli
+from batchmlx.cli.batch_commands import submit
+from batchmlx.cli.serving import serve, worker
 from batchmlx.core.engine_api import ENGINE_DEFAULTS, EngineSettings
 from batchmlx.core.scheduler import SchedulerConfig
 
@@ -19,12 +20,12 @@ def test_scheduler_and_cli_take_their_defaults_from_engine_settings() -> None:
     assert sched.max_batch_size == ENGINE_DEFAULTS.max_batch_size
     assert sched.block_size == ENGINE_DEFAULTS.block_size
     assert sched.max_prefill_tokens == ENGINE_DEFAULTS.max_prefill_tokens
-    for command in (cli.worker, cli.serve, cli.submit):
+    for command in (worker, serve, submit):
         default = inspect.signature(command).parameters["max_batch_size"].default
         assert default == ENGINE_DEFAULTS.max_batch_size, command.__name__
 
 
 def test_cli_engine_commands_take_the_adaptive_width_default() -> None:
-    for command in (cli.worker, cli.serve):
+    for command in (worker, serve):
         default = inspect.signature(command).parameters["adaptive_width"].default
         assert default is ENGINE_DEFAULTS.adaptive_width, command.__name__

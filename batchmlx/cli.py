@@ -99,7 +99,6 @@ def _warn_if_slow_blas() -> None:
 
 def _run(coro_fn, *args: Any, **kwargs: Any) -> Any:
     """Open the store, run one coroutine, close the store."""
-    import batchmlx.ingest  # noqa: F401  (registers the inbox's finalize hook)
     from batchmlx.batches.errors import BatchError
     from batchmlx.store import Store, StoreUnavailable
 
@@ -251,6 +250,7 @@ def submit(
 def _wait(batch_id: str, engine: EngineSettings, quiet: bool) -> BatchRecord:
     """Follow a batch to its end; with no live worker, run one in this process."""
     from batchmlx.cli_progress import REFRESH_S, ProgressView
+    from batchmlx.ingest import INBOX_HOOKS
     from batchmlx.store import Store
     from batchmlx.worker import WorkerOptions, run_worker
 
@@ -269,7 +269,7 @@ def _wait(batch_id: str, engine: EngineSettings, quiet: bool) -> BatchRecord:
                 opts = WorkerOptions(until_idle=True, engine=engine)
                 task = asyncio.create_task(progress.run())
                 try:
-                    await run_worker(settings, opts, store=store)
+                    await run_worker(settings, opts, store=store, finalize_hooks=INBOX_HOOKS)
                 finally:
                     task.cancel()
             await progress.show(final=True)
@@ -296,10 +296,11 @@ def status(
 
     from batchmlx.batches.finalize import get_batch
     from batchmlx.batches.lifecycle import expire_unattended
+    from batchmlx.ingest import INBOX_HOOKS
 
     async def current(store, settings) -> BatchRecord:
         rec = await get_batch(store, batch_id)
-        return await expire_unattended(store, settings, rec, now=store.clock())
+        return await expire_unattended(store, settings, rec, now=store.clock(), hooks=INBOX_HOOKS)
 
     rec = _run(current)
     _show(rec, as_json)
@@ -361,10 +362,10 @@ def results(
 def cancel(batch_id: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Cancel a batch: running requests stop, finished results are kept."""
     from batchmlx.batches.lifecycle import cancel_unattended
+    from batchmlx.ingest import INBOX_HOOKS
 
-    rec = _run(
-        lambda store, settings: cancel_unattended(store, settings, batch_id, now=store.clock())
-    )
+    rec = _run(lambda store, settings: cancel_unattended(
+        store, settings, batch_id, now=store.clock(), hooks=INBOX_HOOKS))  # fmt: skip
     _show(rec, as_json)
 
 
@@ -413,6 +414,7 @@ def worker(
     """Run a long-lived worker that processes queued batches."""
     import logging
 
+    from batchmlx.ingest import INBOX_HOOKS
     from batchmlx.worker import WorkerOptions, run_worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -443,7 +445,7 @@ def worker(
         box = Inbox(settings, inbox, settle_s=inbox_settle)
     from batchmlx.store import StoreUnavailable
 
-    work = run_worker(settings, opts, inbox=box)
+    work = run_worker(settings, opts, inbox=box, finalize_hooks=INBOX_HOOKS)
     if metrics_port is not None:
         from batchmlx.worker.metrics import serve_metrics, with_queue_metrics
 

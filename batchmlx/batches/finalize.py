@@ -40,6 +40,7 @@ class Finalized:
 # run after a batch's files are written and before it moves on (so a crash redoes it): a hook
 # must be idempotent
 FinalizeHook = Callable[[Store, Finalized], Awaitable[None]]
+FinalizeHooks = Sequence[FinalizeHook]  # what callers pass down to finalize, in order
 
 
 async def get_batch(store: Store, batch_id: str) -> BatchRecord:
@@ -50,12 +51,7 @@ async def get_batch(store: Store, batch_id: str) -> BatchRecord:
 
 
 async def finalize(
-    store: Store,
-    settings: Settings,
-    batch_id: str,
-    *,
-    now: float,
-    hooks: Sequence[FinalizeHook] = (),
+    store: Store, settings: Settings, batch_id: str, *, now: float, hooks: FinalizeHooks = ()
 ) -> BatchRecord:
     """Write the output and error files of a batch whose every request has a result.
 
@@ -73,8 +69,7 @@ async def finalize(
 
 
 async def _finalize(
-    store: Store, settings: Settings, batch_id: str, *, now: float,
-    hooks: Sequence[FinalizeHook],
+    store: Store, settings: Settings, batch_id: str, *, now: float, hooks: FinalizeHooks
 ) -> BatchRecord:
     rec = await get_batch(store, batch_id)
     if rec.status.terminal:

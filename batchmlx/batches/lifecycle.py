@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from batchmlx.batches.errors import BatchError
-from batchmlx.batches.finalize import FinalizeHook, finalize, get_batch
+from batchmlx.batches.finalize import FinalizeHooks, finalize, get_batch
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus, TransitionError, is_expired
 from batchmlx.core.records import BatchRecord, RequestResult
@@ -47,7 +45,7 @@ async def cancel_unattended(
     *,
     now: float,
     worker_alive: bool = False,
-    hooks: Sequence[FinalizeHook] = (),
+    hooks: FinalizeHooks = (),
 ) -> BatchRecord:
     """Cancel, and settle the cancel here when no worker runs to do it (the CLI's `cancel`,
     POST /v1/batches/{id}/cancel). `worker_alive`: the caller knows its own worker runs."""
@@ -60,12 +58,7 @@ async def cancel_unattended(
 
 
 async def settle_cancelling(
-    store: Store,
-    settings: Settings,
-    batch_id: str,
-    *,
-    now: float,
-    hooks: Sequence[FinalizeHook] = (),
+    store: Store, settings: Settings, batch_id: str, *, now: float, hooks: FinalizeHooks = ()
 ) -> BatchRecord:
     """Give every unfinished request of a cancelling batch its `batch_cancelled` line and
     finalize it as cancelled. Done by the worker (after aborting its running requests) or by
@@ -75,12 +68,7 @@ async def settle_cancelling(
 
 
 async def expire(
-    store: Store,
-    settings: Settings,
-    batch_id: str,
-    *,
-    now: float,
-    hooks: Sequence[FinalizeHook] = (),
+    store: Store, settings: Settings, batch_id: str, *, now: float, hooks: FinalizeHooks = ()
 ) -> BatchRecord:
     """End a batch whose completion window has passed: finished results are kept, every
     unfinished request gets a `batch_expired` line, and the batch ends `expired` (or
@@ -96,12 +84,7 @@ async def expire(
 
 
 async def expire_unattended(
-    store: Store,
-    settings: Settings,
-    rec: BatchRecord,
-    *,
-    now: float,
-    hooks: Sequence[FinalizeHook] = (),
+    store: Store, settings: Settings, rec: BatchRecord, *, now: float, hooks: FinalizeHooks = ()
 ) -> BatchRecord:
     """`rec` as a reader should show it: past its window with no worker running, nobody else
     applies the window, so the reader expires it (`status`, GET /v1/batches/{id})."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from batchmlx.config import Settings
 from batchmlx.core.records import ClaimedRequest
@@ -21,23 +22,14 @@ from batchmlx.worker.translate import server_error_result
 log = logging.getLogger("batchmlx.worker")
 
 
+@dataclass(eq=False)
 class Admission:
-    def __init__(
-        self,
-        store: Store,
-        settings: Settings,
-        options: WorkerOptions,
-        inflight: InFlight,
-        *,
-        worker_id: str,
-        clock: Callable[[], float],
-    ) -> None:
-        self.store = store
-        self.settings = settings
-        self.opts = options
-        self.inflight = inflight
-        self.worker_id = worker_id
-        self.clock = clock
+    store: Store
+    settings: Settings
+    opts: WorkerOptions
+    inflight: InFlight  # where admitted requests go
+    worker_id: str  # the lease holder of claimed requests
+    clock: Callable[[], float]
 
     def model_for(self, batch_model: str | None) -> str:
         return self.opts.model or batch_model or self.settings.default_model

@@ -8,13 +8,15 @@ while the others go on; a transient fault (locked database, full disk) is the ti
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchmlx.batches.files import delete_expired_files
-from batchmlx.batches.finalize import FinalizeHook, finalize
+from batchmlx.batches.finalize import FinalizeHooks, finalize
 from batchmlx.batches.lifecycle import expire, settle_cancelling
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, is_expired
@@ -28,38 +30,25 @@ log = logging.getLogger("batchmlx.worker")
 _BatchOp = Callable[..., Awaitable[BatchRecord]]
 
 
+@dataclass(eq=False)
 class Housekeeping:
-    def __init__(
-        self,
-        store: Store,
-        settings: Settings,
-        *,
-        worker_id: str,
-        clock: Callable[[], float],
-        stop_batch: Callable[[str], None],
-        flush: Callable[[], Awaitable[None]],
-        hooks: Sequence[FinalizeHook] = (),
-    ) -> None:
-        """`stop_batch`: drop a batch's requests from the engine; `flush`: write every ready
-        result now; `hooks`: run by each finalize (the inbox's result copies)."""
-        self.store = store
-        self.settings = settings
-        self.worker_id = worker_id
-        self.clock = clock
-        self.stop_batch = stop_batch
-        self.flush = flush
-        self.hooks = tuple(hooks)
-        self.host = settings.hostname
-        self._last_beat = -float("inf")  # the first tick registers the worker
-        self._parked: dict[str, tuple[float, Backoff]] = {}  # batch -> (retry at, its backoff)
+    store: Store
+    settings: Settings
+    worker_id: str
+    clock: Callable[[], float]
+    stop_batch: Callable[[str], None]  # drop a batch's requests from the engine
+    flush: Callable[[], Awaitable[None]]  # write every ready result now
+    hooks: FinalizeHooks = ()  # run by each finalize (the inbox's result copies)
+    _last_beat: float = field(default=-math.inf, init=False)  # the first tick registers us
+    # batch -> (retry at, its backoff)
+    _parked: dict[str, tuple[float, Backoff]] = field(default_factory=dict, init=False)
 
     # -- this worker's lease -------------------------------------------------------------------
     async def heartbeat(self, force: bool = False) -> None:
         now = self.clock()
         if force or now - self._last_beat >= self.settings.lease_s / 3:
-            await self.store.heartbeat(
-                self.worker_id, now, self.settings.lease_s, pid=os.getpid(), hostname=self.host
-            )
+            lease_s, host = self.settings.lease_s, self.settings.hostname
+            await self.store.heartbeat(self.worker_id, now, lease_s, pid=os.getpid(), hostname=host)
             self._last_beat = now
             if self.store.one_host:
                 await self._recover_dead_workers()
@@ -67,7 +56,7 @@ class Housekeeping:
     async def _recover_dead_workers(self) -> None:
         """Workers of this host whose process is gone (SIGKILL, crash, power loss) hold leases
         nobody renews: end them now instead of waiting `lease_s`."""
-        for wid, pid in await self.store.workers_on_host(self.host):
+        for wid, pid in await self.store.workers_on_host(self.settings.hostname):
             if wid != self.worker_id and pid is not None and not _pid_alive(pid):
                 n = await self.store.abandon_worker(wid)
                 log.info("worker %s (pid %s) is gone; %d requests claimable again", wid, pid, n)

@@ -20,10 +20,10 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from batchmlx.batches.finalize import FinalizeHook
+from batchmlx.batches.finalize import FinalizeHooks
 from batchmlx.config import Settings
 from batchmlx.core.width import initial_width
 from batchmlx.faults import crash_point
@@ -52,7 +52,7 @@ class Worker:
         clock: Callable[[], float] | None = None,
         on_progress: Callable[[], None] | None = None,
         engine_factory: EngineFactory | None = None,
-        finalize_hooks: Sequence[FinalizeHook] = (),
+        finalize_hooks: FinalizeHooks = (),
     ) -> None:
         """`engine_factory`: a model name → its engine and translator (default: the MLX
         engine, loaded on first use; tests pass a fake). `finalize_hooks`: run by each
@@ -68,12 +68,14 @@ class Worker:
         )
         self.inflight = InFlight(build, initial_width=initial_width(options.engine),
                                  clock=self.clock)  # fmt: skip
-        self.admission = Admission(store, settings, options, self.inflight,
-                                   worker_id=self.worker_id, clock=self.clock)  # fmt: skip
+        self.admission = Admission(
+            store=store, settings=settings, opts=options, inflight=self.inflight,
+            worker_id=self.worker_id, clock=self.clock,
+        )  # fmt: skip
         self.housekeeping = Housekeeping(
-            store, settings, worker_id=self.worker_id, clock=self.clock,
+            store=store, settings=settings, worker_id=self.worker_id, clock=self.clock,
             stop_batch=self.inflight.abort_batch, flush=lambda: self._flush(force=True),
-            hooks=finalize_hooks,
+            hooks=tuple(finalize_hooks),
         )  # fmt: skip
         self.stop_requested = False
         register_worker(self)  # the dashboard and `submit --wait` read inflight_tokens()
@@ -255,7 +257,7 @@ async def run_worker(
     signals: bool = True,
     inbox: Inbox | None = None,
     engine_factory: EngineFactory | None = None,
-    finalize_hooks: Sequence[FinalizeHook] = (),
+    finalize_hooks: FinalizeHooks = (),
 ) -> None:
     """Run a worker until it stops; with `inbox`, watch its folder in the same event loop and
     stop watching when the worker stops. `finalize_hooks`: as Worker's."""

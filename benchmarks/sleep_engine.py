@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from batchmlx.core.engine_api import EngineSettings, TokenCallback
 from batchmlx.core.request import CacheOutcome, FinishReason, GenerationOutput, GenerationRequest
+from batchmlx.core.telemetry import EngineCounters
+from batchmlx.core.width import initial_width
 from batchmlx.worker.build import EngineFactory, ServingModel
 from batchmlx.worker.translate import Translator
 
@@ -81,6 +83,16 @@ class SleepEngine:
                     finish_reason=FinishReason.LENGTH,
                 ))  # fmt: skip
         return done
+
+    @property
+    def running_limit(self) -> int:
+        return initial_width(self.settings)  # a fixed width
+
+    def generated_so_far(self, request_id: str) -> int:
+        return next((len(r.tokens) for r in self.running if r.req.request_id == request_id), 0)
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters(running=len(self.running))
 
 
 def sleep_engine_factory(settings: EngineSettings, step_s: float = STEP_S) -> EngineFactory:

@@ -2,13 +2,14 @@
 
 The files are streamed: rows come from the store in line order a few hundred at a time and
 their lines go out in 1 MiB chunks, so a batch with 200 MB of results is never whole in memory.
-Hooks registered with `on_finalized` see the written files before the status moves: the inbox
-copies them to its results/ folder that way, so this package knows nothing of the inbox."""
+Hooks the caller passes (`hooks`) see the written files before the status moves: the inbox
+copies them to its results/ folder that way, so this package knows nothing of the inbox. The
+composition roots (the CLI's commands, the server's startup) decide which hooks a process runs."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,17 +37,10 @@ class Finalized:
     error_file_id: str | None
 
 
+# run after a batch's files are written and before it moves on (so a crash redoes it): a hook
+# must be idempotent
 FinalizeHook = Callable[[Store, Finalized], Awaitable[None]]
-_HOOKS: list[FinalizeHook] = []
-
-
-def on_finalized(hook: FinalizeHook) -> FinalizeHook:
-    """Run `hook` in every finalize of this process, after the files are written and before
-    the batch moves on (so a crash redoes it). A hook must be idempotent; registering twice
-    is once."""
-    if hook not in _HOOKS:
-        _HOOKS.append(hook)
-    return hook
+FinalizeHooks = Sequence[FinalizeHook]  # what callers pass down to finalize, in order
 
 
 async def get_batch(store: Store, batch_id: str) -> BatchRecord:
@@ -57,7 +51,7 @@ async def get_batch(store: Store, batch_id: str) -> BatchRecord:
 
 
 async def finalize(
-    store: Store, settings: Settings, batch_id: str, *, now: float
+    store: Store, settings: Settings, batch_id: str, *, now: float, hooks: FinalizeHooks = ()
 ) -> BatchRecord:
     """Write the output and error files of a batch whose every request has a result.
 
@@ -66,16 +60,16 @@ async def finalize(
     ids are derived from the batch, files are written atomically, and the status moves last, so
     redoing a finalize a crash interrupted writes the same bytes; a finished batch is returned.
     Runs once per batch whichever host gets there: the others find the batch locked (and
-    return it as it is) or finished.
+    return it as it is) or finished. `hooks` run once the files are written.
     """
     async with store.batch_lock(batch_id) as mine:
         if not mine:
             return await get_batch(store, batch_id)  # another process is finalizing it
-        return await _finalize(store, settings, batch_id, now=now)
+        return await _finalize(store, settings, batch_id, now=now, hooks=hooks)
 
 
 async def _finalize(
-    store: Store, settings: Settings, batch_id: str, *, now: float
+    store: Store, settings: Settings, batch_id: str, *, now: float, hooks: FinalizeHooks
 ) -> BatchRecord:
     rec = await get_batch(store, batch_id)
     if rec.status.terminal:
@@ -107,7 +101,7 @@ async def _finalize(
     await store.update_batch_stats(batch_id, renderer.outcomes)
     if renderer.served_model is not None:
         fields["model"] = renderer.served_model  # the model actually used, as its bodies name it
-    for hook in _HOOKS:
+    for hook in hooks:
         await hook(store, Finalized(batch_id, fields.get("output_file_id"),
                                     fields.get("error_file_id")))  # fmt: skip
     crash_point("after_finalize_files")

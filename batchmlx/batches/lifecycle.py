@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batchmlx.batches.errors import BatchError
-from batchmlx.batches.finalize import finalize, get_batch
+from batchmlx.batches.finalize import FinalizeHooks, finalize, get_batch
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus, TransitionError, is_expired
 from batchmlx.core.records import BatchRecord, RequestResult
@@ -39,7 +39,13 @@ async def cancel(store: Store, batch_id: str, *, now: float) -> BatchRecord:
 
 
 async def cancel_unattended(
-    store: Store, settings: Settings, batch_id: str, *, now: float, worker_alive: bool = False
+    store: Store,
+    settings: Settings,
+    batch_id: str,
+    *,
+    now: float,
+    worker_alive: bool = False,
+    hooks: FinalizeHooks = (),
 ) -> BatchRecord:
     """Cancel, and settle the cancel here when no worker runs to do it (the CLI's `cancel`,
     POST /v1/batches/{id}/cancel). `worker_alive`: the caller knows its own worker runs."""
@@ -48,20 +54,22 @@ async def cancel_unattended(
         return rec
     if await store.live_workers(now, settings.lease_s):
         return rec  # that worker aborts the batch's running requests, then settles it
-    return await settle_cancelling(store, settings, batch_id, now=now)
+    return await settle_cancelling(store, settings, batch_id, now=now, hooks=hooks)
 
 
 async def settle_cancelling(
-    store: Store, settings: Settings, batch_id: str, *, now: float
+    store: Store, settings: Settings, batch_id: str, *, now: float, hooks: FinalizeHooks = ()
 ) -> BatchRecord:
     """Give every unfinished request of a cancelling batch its `batch_cancelled` line and
     finalize it as cancelled. Done by the worker (after aborting its running requests) or by
     `cancel_unattended` when no worker runs."""
     await store.finish_unfinished(batch_id, CANCELLED_RESULT, now)
-    return await finalize(store, settings, batch_id, now=now)
+    return await finalize(store, settings, batch_id, now=now, hooks=hooks)
 
 
-async def expire(store: Store, settings: Settings, batch_id: str, *, now: float) -> BatchRecord:
+async def expire(
+    store: Store, settings: Settings, batch_id: str, *, now: float, hooks: FinalizeHooks = ()
+) -> BatchRecord:
     """End a batch whose completion window has passed: finished results are kept, every
     unfinished request gets a `batch_expired` line, and the batch ends `expired` (or
     `completed`, if everything had finished in time). The worker aborts the batch's running
@@ -72,11 +80,11 @@ async def expire(store: Store, settings: Settings, batch_id: str, *, now: float)
     ):
         return rec
     await store.finish_unfinished(batch_id, EXPIRED_RESULT, now)
-    return await finalize(store, settings, batch_id, now=now)
+    return await finalize(store, settings, batch_id, now=now, hooks=hooks)
 
 
 async def expire_unattended(
-    store: Store, settings: Settings, rec: BatchRecord, *, now: float
+    store: Store, settings: Settings, rec: BatchRecord, *, now: float, hooks: FinalizeHooks = ()
 ) -> BatchRecord:
     """`rec` as a reader should show it: past its window with no worker running, nobody else
     applies the window, so the reader expires it (`status`, GET /v1/batches/{id})."""
@@ -84,4 +92,4 @@ async def expire_unattended(
         return rec
     if await store.live_workers(now, settings.lease_s):
         return rec  # a worker aborts the batch's running requests, then expires it
-    return await expire(store, settings, rec.id, now=now)
+    return await expire(store, settings, rec.id, now=now, hooks=hooks)

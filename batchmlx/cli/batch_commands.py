@@ -82,6 +82,7 @@ def submit(
 def _wait(settings: Settings, batch_id: str, engine: EngineChoice, quiet: bool) -> BatchRecord:
     """Follow a batch to its end; with no live worker, run one in this process."""
     from batchmlx.cli_progress import REFRESH_S, ProgressView
+    from batchmlx.ingest import INBOX_HOOKS
     from batchmlx.store import Store
     from batchmlx.worker import WorkerOptions, run_worker
 
@@ -98,7 +99,7 @@ def _wait(settings: Settings, batch_id: str, engine: EngineChoice, quiet: bool) 
                 opts = WorkerOptions(until_idle=True, dtype=engine.dtype, engine=engine.settings)
                 task = asyncio.create_task(progress.run())
                 try:
-                    await run_worker(settings, opts, store=store)
+                    await run_worker(settings, opts, store=store, finalize_hooks=INBOX_HOOKS)
                 finally:
                     task.cancel()
             await progress.show(final=True)
@@ -121,12 +122,13 @@ def status(
         return
     from batchmlx.batches.finalize import get_batch
     from batchmlx.batches.lifecycle import expire_unattended
+    from batchmlx.ingest import INBOX_HOOKS
 
     settings = settings_of(ctx)
 
     async def current(store) -> BatchRecord:
         rec = await get_batch(store, batch_id)
-        return await expire_unattended(store, settings, rec, now=store.clock())
+        return await expire_unattended(store, settings, rec, now=store.clock(), hooks=INBOX_HOOKS)
 
     show(run_with_store(settings, current), settings, as_json)
 
@@ -182,9 +184,9 @@ def cancel(
 ) -> None:
     """Cancel a batch: running requests stop, finished results are kept."""
     from batchmlx.batches.lifecycle import cancel_unattended
+    from batchmlx.ingest import INBOX_HOOKS
 
     settings = settings_of(ctx)
-    rec = run_with_store(
-        settings, lambda store: cancel_unattended(store, settings, batch_id, now=store.clock())
-    )
+    rec = run_with_store(settings, lambda store: cancel_unattended(
+        store, settings, batch_id, now=store.clock(), hooks=INBOX_HOOKS))  # fmt: skip
     show(rec, settings, as_json)

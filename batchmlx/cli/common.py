@@ -38,7 +38,6 @@ def warn_if_slow_blas() -> None:
 
 def run_with_store(settings: Settings, coro_fn: Callable[[Any], Awaitable[Any]]) -> Any:
     """Open the store, run one coroutine on it, close the store; its errors exit cleanly."""
-    import batchmlx.ingest  # noqa: F401  (registers the inbox's finalize hook)
     from batchmlx.batches.errors import BatchError
     from batchmlx.store import Store, StoreUnavailable
 

@@ -46,6 +46,7 @@ def worker(
     import logging
 
     from batchmlx.accel import active_blas
+    from batchmlx.ingest import INBOX_HOOKS
     from batchmlx.store import StoreUnavailable
     from batchmlx.worker import WorkerOptions, run_worker
 
@@ -62,7 +63,7 @@ def worker(
         from batchmlx.ingest.inbox import Inbox
 
         box = Inbox(settings, inbox, settle_s=inbox_settle)
-    work = run_worker(settings, opts, inbox=box)
+    work = run_worker(settings, opts, inbox=box, finalize_hooks=INBOX_HOOKS)
     if metrics_port is not None:
         from batchmlx.worker.metrics import serve_metrics, with_queue_metrics
 

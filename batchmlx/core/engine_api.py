@@ -54,15 +54,30 @@ class StepError(Exception):
         self.request_ids = request_ids
 
 
-class EngineProtocol(Protocol):
-    """What the worker needs of an engine. `add` raises ValueError for a request it cannot
-    hold; `step` raises StepError naming the requests a failed step ran."""
+class EngineTelemetry(Protocol):
+    """What worker/metrics reads of an engine once per step."""
+
+    def counters(self) -> EngineCounters:
+        """Cumulative counters and current gauges (core/telemetry)."""
+        ...
+
+
+class EngineProtocol(EngineTelemetry, Protocol):
+    """What the worker needs of an engine (no probing for optional members). `add` raises
+    ValueError for a request it cannot hold; `step` raises StepError naming the requests a
+    failed step ran. Calls are synchronous; the worker makes them all from one object
+    (worker/inflight.py), the seam where the engine's own thread goes (issue 21)."""
 
     on_token: TokenCallback | None
 
     @property
     def max_context_tokens(self) -> int:
         """Prompt plus generated tokens one sequence may reach."""
+        ...
+
+    @property
+    def running_limit(self) -> int:
+        """The running width batch work is admitted up to now (the worker claims by it)."""
         ...
 
     def add(self, req: GenerationRequest) -> None: ...
@@ -74,15 +89,6 @@ class EngineProtocol(Protocol):
         ...
 
     def has_unfinished(self) -> bool: ...
-
-
-class EngineTelemetry(Protocol):
-    """What an engine may also offer for metrics (the MLX engine does; an engine without it,
-    such as a test fake, is simply not measured): read by worker/metrics once per step."""
-
-    def counters(self) -> EngineCounters:
-        """Cumulative counters and current gauges (core/telemetry)."""
-        ...
 
     def generated_so_far(self, request_id: str) -> int:
         """Tokens a running request has generated (0 once done or unknown)."""

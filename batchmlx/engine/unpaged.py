@@ -34,6 +34,7 @@ from batchmlx.core.request import (
     TokenLogprob,
 )
 from batchmlx.core.telemetry import EngineCounters
+from batchmlx.core.width import initial_width
 from batchmlx.engine.grammar import Grammars
 from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.faults import crash_point
@@ -261,6 +262,12 @@ class UnpagedEngine:
             first_token_s=ttft,
             extra={"preemptions": 0.0},
         )
+
+    @property
+    def running_limit(self) -> int:
+        """The width the worker claims by: this engine does not adapt its width, so the one a
+        fresh engine starts at (EngineProtocol)."""
+        return initial_width(self.cfg)
 
 
 @dataclass(slots=True)

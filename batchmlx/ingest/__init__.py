@@ -1,6 +1,8 @@
 """The inbox: a watched folder of batch files, and the copies of their results.
 
-Importing the package registers the finalize hook that writes those copies, so every process
-that may finalize (the worker, the CLI, the server) imports it."""
+`INBOX_HOOKS` are the finalize hooks that write those copies: every process that may finalize
+(the worker, the CLI, the server) passes them to the code that finalizes."""
 
-from batchmlx.ingest import results as results  # registers write_inbox_results
+from batchmlx.ingest.results import INBOX_HOOKS
+
+__all__ = ["INBOX_HOOKS"]

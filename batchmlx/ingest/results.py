@@ -1,18 +1,18 @@
-"""The inbox's copies of a finished batch's files, written by a finalize hook."""
+"""The inbox's copies of a finished batch's files, written by a finalize hook that the
+composition roots pass to whoever finalizes (`INBOX_HOOKS`)."""
 
 from __future__ import annotations
 
 import logging
 
 from batchmlx.batches.files import copy_file
-from batchmlx.batches.finalize import Finalized, on_finalized
+from batchmlx.batches.finalize import Finalized, FinalizeHook
 from batchmlx.ingest.layout import result_paths
 from batchmlx.store import Store
 
 log = logging.getLogger("batchmlx.inbox")
 
 
-@on_finalized
 async def write_inbox_results(store: Store, done: Finalized) -> None:
     """A batch from an inbox also gets DIR/results/NAME.BATCH_ID.output.jsonl (and
     .errors.jsonl); the names are the batch's own, so no other batch's file is touched.
@@ -31,3 +31,7 @@ async def write_inbox_results(store: Store, done: Finalized) -> None:
         log.error("batch %s: inbox result copy not written (%s); the batch's files are in "
                   "files/ (batchmlx results %s)", done.batch_id, exc, done.batch_id)  # fmt: skip
         await store.update_batch_stats(done.batch_id, {"inbox_results_error": str(exc)})
+
+
+# what every process that may finalize a batch (worker, CLI, server) passes to finalize
+INBOX_HOOKS: tuple[FinalizeHook, ...] = (write_inbox_results,)

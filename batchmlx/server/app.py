@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from batchmlx.config import Settings
 from batchmlx.core.models import resolve_model
+from batchmlx.ingest import INBOX_HOOKS
 from batchmlx.server import batches, dashboard, files, metrics, online
 from batchmlx.server.auth import BearerAuth
 from batchmlx.server.context import ServerContext, ServerOptions, Validator, log
@@ -50,7 +51,10 @@ def create_app(settings: Settings, options: ServerOptions, *, host: str) -> Star
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         store = await Store.from_settings(settings)
         validator = Validator(store, settings, options.model, options.validate_poll_s)
-        ctx = ServerContext(store, settings, options, validator, spec.name)
+        # the server finalizes (cancel, expiry with no worker; its worker): with the inbox's
+        # result copies, as every process that may finalize
+        ctx = ServerContext(store, settings, options, validator, spec.name,
+                            finalize_hooks=INBOX_HOOKS)  # fmt: skip
         app.state.ctx = ctx
         ctx.tasks.append(asyncio.create_task(validator.run()))
         supervisor = None
@@ -59,7 +63,7 @@ def create_app(settings: Settings, options: ServerOptions, *, host: str) -> Star
             from batchmlx.worker import Worker
 
             def new_worker() -> Worker:
-                worker = Worker(store, settings, options.worker)
+                worker = Worker(store, settings, options.worker, finalize_hooks=ctx.finalize_hooks)
                 t0 = time.perf_counter()
                 ctx.model_name = worker.load(options.model)  # before listening: ready = loaded
                 log.info("model %s loaded in %.1fs", ctx.model_name, time.perf_counter() - t0)

@@ -104,7 +104,9 @@ async def retrieve(request: Request) -> JSONResponse:
     ctx: ServerContext = request.app.state.ctx
     rec = await _batch(ctx, request.path_params["batch_id"])
     if not ctx.worker_alive:
-        rec = await expire_unattended(ctx.store, ctx.settings, rec, now=time.time())
+        rec = await expire_unattended(
+            ctx.store, ctx.settings, rec, now=time.time(), hooks=ctx.finalize_hooks
+        )
     return _respond(rec)
 
 
@@ -117,7 +119,8 @@ async def cancel(request: Request) -> JSONResponse:
         await ctx.validator.validate(batch_id)
     try:
         rec = await cancel_unattended(
-            ctx.store, ctx.settings, batch_id, now=time.time(), worker_alive=ctx.worker_alive
+            ctx.store, ctx.settings, batch_id, now=time.time(), worker_alive=ctx.worker_alive,
+            hooks=ctx.finalize_hooks,
         )
     except BatchError as exc:
         raise ApiError(400, str(exc), code="invalid_state") from None

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from batchmlx.batches.finalize import FinalizeHook
 from batchmlx.batches.intake import validate_batch
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
@@ -69,6 +70,7 @@ class ServerContext:
     options: ServerOptions
     validator: Validator
     model_name: str  # the name response bodies and /v1/models give the served model
+    finalize_hooks: tuple[FinalizeHook, ...] = ()  # run by each finalize this server does
     worker: Worker | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     worker_task: asyncio.Task[Any] | None = None

@@ -19,6 +19,7 @@ from batchmlx import batches
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus
 from batchmlx.core.records import RequestResult
+from batchmlx.ingest import INBOX_HOOKS
 from batchmlx.ingest.inbox import Inbox
 from batchmlx.ingest.writers import can_tell, open_for_writing
 from batchmlx.store import Store
@@ -144,7 +145,7 @@ def test_two_drops_of_one_name_keep_their_own_results(tmp_path: Path) -> None:
         # the first ends with errors only, the second clean (and later)
         for rec, ok in ((first, False), (second, True)):
             await store.finish_unfinished(rec.id, _finish(store, rec.id, ok), 5.0)
-            await batches.finalize.finalize(store, settings, rec.id, now=5.0)
+            await batches.finalize.finalize(store, settings, rec.id, now=5.0, hooks=INBOX_HOOKS)
         results = inbox / "results"
         assert sorted(p.name for p in results.iterdir()) == sorted([
             f"same.{first.id}.output.jsonl", f"same.{first.id}.errors.jsonl",

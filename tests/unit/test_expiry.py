@@ -58,7 +58,7 @@ def test_worker_expires_a_batch_past_its_window(tmp_path: Path) -> None:
 
         now = [T0 + 7199.0]
         worker = Worker(store, settings, WorkerOptions(until_idle=True), clock=lambda: now[0])
-        assert await worker._expire_batches() is False  # one second left
+        assert await worker.housekeeping.expire_batches() is False  # one second left
         assert (await store.get_batch(rec.id)).status is BatchStatus.IN_PROGRESS
 
         now[0] = T0 + 7200.0

@@ -15,6 +15,8 @@ from batchmlx.core.request import (
     GenerationOutput,
     GenerationRequest,
 )
+from batchmlx.core.telemetry import EngineCounters
+from batchmlx.core.width import initial_width
 from batchmlx.worker.build import ServingModel
 from batchmlx.worker.translate import Translator
 
@@ -128,6 +130,19 @@ class FakeEngine:
                     )
                 )
         return done
+
+    @property
+    def running_limit(self) -> int:
+        return initial_width(self.settings)  # a fake of fixed width
+
+    def generated_so_far(self, request_id: str) -> int:
+        for r in self.running:
+            if r.req.request_id == request_id:
+                return len(r.tokens)
+        return 0
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters(steps=self.steps, running=len(self.running))
 
 
 def fake_factory(engines: list[FakeEngine], settings: EngineSettings, **kw):

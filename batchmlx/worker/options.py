@@ -1,0 +1,21 @@
+"""A worker's options: what it serves and how much it holds (the CLI and the server set them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchmlx.core.engine_api import ENGINE_DEFAULTS, EngineSettings
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    until_idle: bool = False  # exit once nothing is left to do
+    model: str | None = None  # serve only batches of this model (None: whatever comes first)
+    dtype: str = "auto"
+    engine: EngineSettings = ENGINE_DEFAULTS
+    claim_factor: int = 4  # hold up to this many times max_batch_size requests
+    flush_s: float = 0.5  # results wait at most this long before their transaction
+    max_attempts: int = 3  # claims of one request before it is given up (error file)
+    # claim only batches of these models (resolved names as batches record them; "default"
+    # covers batches naming none): workers on several hosts may each serve their own models
+    only_models: tuple[str, ...] = ()

@@ -15,9 +15,6 @@ from batchmlx.core.request import SamplingParams
 from batchmlx.formats.errors import ErrorCode, json_type
 from batchmlx.formats.structured import FormatError, Grammar, chat_grammar
 
-# SamplingParams.max_tokens is an int; this one means "until the context is full" and the engine
-# clamps it to the context length left after the prompt.
-UNTIL_CONTEXT = 1 << 30
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOPS = 4
 MAX_N = 128
@@ -55,8 +52,7 @@ class ParsedRequest:
     prompt: str | None  # completions given as text
     prompt_token_ids: tuple[int, ...] | None  # completions given as token ids
     n: int  # choices to generate
-    sampling: SamplingParams  # max_tokens is UNTIL_CONTEXT when the request sets none
-    max_tokens: int | None  # as requested; None = until the context is full
+    sampling: SamplingParams  # max_tokens as requested: None = until the context is full
     logprobs: bool
     top_logprobs: int
     response_format: dict[str, Any] | None  # kept for the engine to honour what it can
@@ -381,7 +377,7 @@ def _parse(endpoint: Endpoint, body: dict[str, Any]) -> ParsedRequest:
 
     response_format, grammar = _response_format(body) if chat else (None, None)
     sampling = SamplingParams(
-        max_tokens=UNTIL_CONTEXT if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         seed=seed,
@@ -396,7 +392,6 @@ def _parse(endpoint: Endpoint, body: dict[str, Any]) -> ParsedRequest:
         prompt_token_ids=token_ids,
         n=n,
         sampling=sampling,
-        max_tokens=max_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         response_format=response_format,

@@ -14,7 +14,6 @@ from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import ChoiceResult
 from batchmlx.formats.params import (
     TEMPLATE_ROLE,
-    UNTIL_CONTEXT,
     Endpoint,
     ParsedRequest,
     Role,
@@ -168,7 +167,7 @@ def parse_responses(body: dict[str, Any]) -> ParsedRequest:
         if body.get(key) is not None and not isinstance(body[key], dict):
             raise _type_error(key, "an object", body[key])
     sampling = SamplingParams(
-        max_tokens=UNTIL_CONTEXT if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
     )
@@ -179,7 +178,6 @@ def parse_responses(body: dict[str, Any]) -> ParsedRequest:
         prompt_token_ids=None,
         n=1,
         sampling=sampling,
-        max_tokens=max_tokens,
         logprobs=False,
         top_logprobs=0,
         response_format=None,

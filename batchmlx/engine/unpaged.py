@@ -5,10 +5,10 @@ rotations that keep a prefix, attention the paged seam does not fit. mlx-lm batc
 its own per-architecture caches. What stays the same as the paged engine: each sampled token's
 post-processing step (core/postprocess.py: end of sequence, max tokens, grammar, stop strings,
 log-probs, streaming callbacks), per-request sampling keyed by (seed, token index) through the
-same sampler (engine/sampler.py), log-probs of the raw logits. What it
-has not: prefix caching, KV blocks, embeddings. Structured outputs go through an mlx-lm logits
-processor per constrained request: it feeds the matcher the token the step consumes (the one
-sampled last) and masks the logits the same way the paged engine does.
+same sampler (engine/sampler.py), log-probs of the raw logits. What it has not: prefix caching,
+KV blocks, embeddings. Structured outputs go through an mlx-lm logits processor per constrained
+request: it feeds the matcher the token the step consumes (the one sampled last) and masks the
+logits the same way the paged engine does.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class UnpagedEngine:
         sampler = None if req.params.greedy else _row_sampler(req, entropy)
         matcher = self.grammars.matcher(req.grammar) if req.grammar else None
         processors = [_grammar_processor(self.grammars, matcher)] if matcher is not None else []
-        # mlx-lm's processor feeds the matcher: the step only asks whether it has stopped
-        done = None if matcher is None else (lambda _: matcher.is_stopped() or matcher.is_error())
+        # mlx-lm's processor feeds the matcher: the step only asks whether it is complete
+        done = None if matcher is None else (lambda _: Grammars.complete(matcher))
         gen = Generation(req, rules, self.clock(), done)
         self._live[req.request_id] = _Live(gen, sampler, processors)
         # admitted by priority (online before batch work), then arrival, as the batch has room

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from batchmlx.core.engine_api import EngineSettings, TokenCallback
+from batchmlx.core.finish import max_new_tokens
 from batchmlx.core.request import CacheOutcome, FinishReason, GenerationOutput, GenerationRequest
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import initial_width
@@ -75,7 +76,9 @@ class SleepEngine:
             r.tokens.append(tok)
             if self.on_token is not None:
                 self.on_token(r.req.request_id, tok)
-            if len(r.tokens) >= r.req.params.max_tokens:
+            if len(r.tokens) >= max_new_tokens(
+                r.req.params.max_tokens, len(r.req.prompt_tokens), self.max_context_tokens
+            ):
                 self.running.remove(r)
                 done.append(GenerationOutput(
                     request_id=r.req.request_id, prompt_tokens=len(r.req.prompt_tokens),

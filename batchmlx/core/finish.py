@@ -1,10 +1,15 @@
 """Finish rules, in one place: when a sequence is done, and where its text ends.
 
-- Context length: checked once, before a request enters the engine (`fits_context`; the worker
-  answers 400 `context_length_exceeded` when the prompt, or the prompt plus the `max_tokens` the
-  request sets, does not fit); `max_new_tokens` bounds generation by what is left.
-- Per sampled token (`FinishRules.on_token`): an end-of-sequence token ends with STOP (the token
-  is not output), reaching max tokens ends with LENGTH.
+- Context length: the fit is checked once, where a request's 400 is answered (`fits_context`,
+  in worker/translate: `context_length_exceeded` when the prompt, or the prompt plus the
+  `max_tokens` the request sets, does not fit). An engine does not check it again. Its `add`
+  (`FinishRules.for_request`) only bounds generation by what the context leaves
+  (`max_new_tokens`: `max_tokens` None means until the context is full, a larger one is cut to
+  the room left), and raises ValueError for an empty prompt or one that leaves no room at all:
+  that is a caller's bug, and tests and benchmarks calling `Engine.add` directly get the same.
+- Per sampled token (`FinishRules.on_token`, run by core/postprocess.py for both engines): an
+  end-of-sequence token ends with STOP (the token is not output), reaching max tokens ends with
+  LENGTH.
 - Structured outputs (`grammar_finish`): a constrained answer whose JSON value is complete with
   the token just output ends with STOP, ahead of LENGTH.
 - Stop strings are matched on decoded text: the engine stops generating when one appears in the
@@ -18,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from batchmlx.core.request import FinishReason
+from batchmlx.core.request import FinishReason, GenerationRequest
 
 STOP_TAIL_EXTRA_TOKENS = 8  # decoded tail = longest stop string in characters + this many tokens
 
@@ -31,9 +36,11 @@ def fits_context(prompt_tokens: int, context_tokens: int, max_tokens: int | None
     return prompt_tokens + max_tokens <= context_tokens
 
 
-def max_new_tokens(requested: int, prompt_tokens: int, context_tokens: int) -> int:
-    """Tokens a request may generate: what it asked for, within the context left."""
-    return min(requested, context_tokens - prompt_tokens)
+def max_new_tokens(requested: int | None, prompt_tokens: int, context_tokens: int) -> int:
+    """Tokens a request may generate: what it asked for (None: no limit), within the context
+    left."""
+    room = context_tokens - prompt_tokens
+    return room if requested is None else min(requested, room)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +50,20 @@ class FinishRules:
     max_tokens: int  # already bounded by the context (max_new_tokens)
     stop_token_ids: Collection[int]  # end-of-sequence and friends
     stops: tuple[str, ...] = ()  # stop strings
+
+    @classmethod
+    def for_request(cls, req: GenerationRequest, context_tokens: int) -> FinishRules:
+        """The rules of a request an engine adds (the module docstring says the one rule)."""
+        n_prompt = len(req.prompt_tokens)
+        if n_prompt == 0:
+            raise ValueError("empty prompt")
+        budget = max_new_tokens(req.params.max_tokens, n_prompt, context_tokens)
+        if budget < 1:  # callers check the context first (a 400): reaching here is a bug
+            raise ValueError(
+                f"prompt of {n_prompt} tokens leaves no room in a context of "
+                f"{context_tokens} tokens"
+            )
+        return cls(budget, req.stop_token_ids, req.params.stop)
 
     def is_eos(self, token: int) -> bool:
         return token in self.stop_token_ids

@@ -21,7 +21,7 @@ class CacheOutcome(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_tokens: int = 16  # new tokens at most; the engine also stops at the context length
+    max_tokens: int | None = None  # new tokens at most; None: until the context is full
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     seed: int | None = None  # same seed, same text, whatever else runs in the batch

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from batchmlx.core.blocks import BlockPool
 from batchmlx.core.engine_api import ENGINE_DEFAULTS
 from batchmlx.core.kv_manager import KVCacheManager, blocks_for
-from batchmlx.core.request import BATCH_PRIORITY, CacheOutcome, FinishReason, GenerationRequest
+from batchmlx.core.request import BATCH_PRIORITY, CacheOutcome, GenerationRequest
 from batchmlx.core.sequence import Sequence, SequenceStatus
 from batchmlx.core.waiting import WaitingQueue
 
@@ -193,7 +193,7 @@ class Scheduler:
             if ended is None or ended.status is not SequenceStatus.RUNNING:
                 continue  # aborted, or already ended by the scheduler
             self.running.remove(ended)
-            self._finish(ended, None)
+            self._finish(ended)
             done.append(ended)
         return done
 
@@ -205,7 +205,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self._finish(seq, None)
+        self._finish(seq)
         return seq
 
     # -- mixed ------------------------------------------------------------------------------
@@ -331,7 +331,7 @@ class Scheduler:
                 if result is _Admission.BLOCKED:
                     if not self.running:  # alone in the pool and still too big: never fits
                         admitted.append(seq)
-                        self._finish(seq, FinishReason.LENGTH)
+                        self._finish(seq)  # the engine reports it with LENGTH
                         finished.append(seq)
                     blocked = True  # FIFO: nothing overtakes a sequence waiting for memory
                     break
@@ -441,7 +441,7 @@ class Scheduler:
                 n = min(n, room)
                 continue
             self.running.remove(seq)
-            self._finish(seq, FinishReason.LENGTH)
+            self._finish(seq)  # the engine reports it with LENGTH
             finished.append(seq)
             return 0
 
@@ -455,10 +455,9 @@ class Scheduler:
         self.stats.preemptions += 1
         self.waiting.push_front(seq)
 
-    def _finish(self, seq: Sequence, reason: FinishReason | None) -> None:
+    def _finish(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
         if seq.cache_outcome is None:  # ended before its first admission
             seq.cache_outcome = CacheOutcome.MISS
         del self._seqs[seq.seq_id]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from batchmlx.core.request import CacheOutcome, FinishReason, GenerationRequest
+from batchmlx.core.request import CacheOutcome, GenerationRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -36,7 +36,6 @@ class Sequence:
     cache_outcome: CacheOutcome | None = None  # set at first admission, kept across preemption
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
-    finish_reason: FinishReason | None = None  # set only when the scheduler itself ends it
 
     def __post_init__(self) -> None:
         if not self.request.prompt_tokens:
@@ -58,10 +57,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
@@ -69,10 +64,6 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """Still catching up on tokens known at admission (prompt chunks or recomputation)."""
         return self.num_computed_tokens < self.prefill_end
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     def block_tokens(self, index: int, block_size: int) -> tuple[int, ...]:
         """Tokens of block `index` (full or not)."""

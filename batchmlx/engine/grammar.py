@@ -112,6 +112,11 @@ class Grammars:
     def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
         """Feed the sampled token; True when the grammar is complete (the sequence stops)."""
         matcher.consume_token(token)
+        return Grammars.complete(matcher)
+
+    @staticmethod
+    def complete(matcher: llguidance.LLMatcher) -> bool:
+        """Whether the grammar is complete (or the matcher failed): the sequence stops."""
         return matcher.is_stopped() or matcher.is_error()
 
 

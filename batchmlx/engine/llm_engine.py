@@ -1,4 +1,4 @@
-"""The engine loop: schedule → run → sample → update, one screen.
+"""The engine loop: schedule → run → sample → postprocess (core/postprocess.py) → update.
 
 Continuous-batching mode and simple mode are the same loop; simple mode runs one sequence at a
 time (max_batch_size 1), so both give the same tokens for the same request.
@@ -9,24 +9,20 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
+from operator import attrgetter
 from typing import Any
 
 import mlx.core as mx
 
 from batchmlx.core.blocks import BlockPool
-from batchmlx.core.engine_api import EngineSettings, StepError
-from batchmlx.core.finish import FinishRules, fits_context, grammar_finish, max_new_tokens
+from batchmlx.core.engine_api import EngineSettings, StepError, TokenCallback
+from batchmlx.core.finish import FinishRules
 from batchmlx.core.kv_manager import blocks_for
-from batchmlx.core.request import (
-    CacheOutcome,
-    FinishReason,
-    GenerationOutput,
-    GenerationRequest,
-    TokenLogprob,
-)
-from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep, StepKind
+from batchmlx.core.postprocess import Generation, Postprocessor
+from batchmlx.core.request import CacheOutcome, GenerationOutput, GenerationRequest, TokenLogprob
+from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats, SchedulerStep
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import StepReport, WidthController, WidthPhase, WidthPolicy
 from batchmlx.engine.embed import Embedder
@@ -91,33 +87,36 @@ def kv_block_budget(cfg: EngineSettings, bytes_per_block: int) -> int:
 
 @dataclass(slots=True)
 class _Live:
-    request: GenerationRequest
-    rules: FinishRules
-    added_at: float
-    entropy: int
-    first_token_at: float | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    stop_hit: bool = False
+    gen: Generation  # what the post-processing step keeps (core/postprocess.py)
+    entropy: int  # stands in for the seed when the request gives none
     matcher: Any = None  # llguidance matcher of a constrained request
 
 
 @dataclass(slots=True)
 class EngineStats:
-    steps: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    mixed_steps: int = 0  # running decodes and prompt chunks in one step
-    generated_tokens: int = 0
+    """The paged engine's own measures. Step counts are the scheduler's and sampled tokens the
+    post-processing step's: kept there once, read through here."""
+
+    scheduler: SchedulerStats
+    post: Postprocessor
+    kv_bound_bytes: int
     peak_kv_bytes: int = 0  # largest KV storage actually allocated
-    peak_decode_kv_bytes: int = 0  # largest dense copy of the decodes' KV (decode_kv.py)
-    kv_bound_bytes: int = 0
+    peak_decode_kv_bytes: int = 0  # largest dense copy of the decodes' KV (kv/decode.py)
     bound_violations: int = 0  # steps where allocated KV exceeded the bound (should stay 0)
     model_s: float = 0.0  # wall time in the model forward (graph built and evaluated)
     sample_s: float = 0.0  # wall time choosing tokens from the logits
     step_s: float = 0.0  # wall time of whole steps (scheduling, layout, forward, sampling)
 
+    steps = property(attrgetter("scheduler.steps"))
+    prefill_steps = property(attrgetter("scheduler.prefill_steps"))
+    decode_steps = property(attrgetter("scheduler.decode_steps"))
+    mixed_steps = property(attrgetter("scheduler.mixed_steps"))  # decodes and prompt chunks
+    generated_tokens = property(attrgetter("post.generated_tokens"))
+
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}
+        counted = ("steps", "prefill_steps", "decode_steps", "mixed_steps", "generated_tokens")
+        own = [k for k in self.__slots__ if k not in ("scheduler", "post")]
+        return {k: getattr(self, k) for k in (*counted, *own)}
 
 
 class Engine:
@@ -148,6 +147,7 @@ class Engine:
             num_layers, n_kv, head_dim, cfg.block_size, dtype
         )
         num_blocks = kv_block_budget(cfg, per_block)
+        kv_bound = num_blocks * per_block
         self.storage = PagedKVStorage(
             num_layers=num_layers,
             n_kv_heads=n_kv,
@@ -157,7 +157,6 @@ class Engine:
             max_blocks=num_blocks,
             grow_blocks=cfg.kv_grow_blocks,
         )
-        self.stats = EngineStats(kv_bound_bytes=num_blocks * per_block)
         self.pool = BlockPool(num_blocks, cfg.block_size)
         self.pool.backed_blocks = self.storage.capacity_blocks  # reuse before growing
         self.runner = ModelRunner(model, self.storage)
@@ -167,7 +166,7 @@ class Engine:
         self.mixed_steps = cfg.mixed_steps and self.runner.packs and sliding_window is None
         # the decodes' KV kept contiguous (packed steps only), in at most half the KV bound
         self.decode_kv = (
-            DecodeKV(self.storage, budget_bytes=self.stats.kv_bound_bytes // 2)
+            DecodeKV(self.storage, budget_bytes=kv_bound // 2)
             if self.mixed_steps and cfg.dense_decode
             else None
         )
@@ -183,6 +182,8 @@ class Engine:
             ),
             self.pool,
         )
+        self.post = Postprocessor(self)  # each sampled token's one step (core/postprocess.py)
+        self.stats = EngineStats(self.scheduler.stats, self.post, kv_bound)
         # the running width of queued work, sized by measured throughput and KV memory
         self.width: WidthController | None = None
         if cfg.adaptive_width and not cfg.simple:
@@ -194,30 +195,17 @@ class Engine:
         self._embedder: Embedder | None = None
         self._live: dict[str, _Live] = {}
         # called with (request_id, token_id) for every token a request emits (streaming)
-        self.on_token: Callable[[str, int], None] | None = None
+        self.on_token: TokenCallback | None = None
 
     # -- the interface the worker uses ---------------------------------------------------------
     def add(self, req: GenerationRequest) -> None:
-        n_prompt = len(req.prompt_tokens)
-        if n_prompt == 0:
-            raise ValueError("empty prompt")
-        if not fits_context(n_prompt, self.max_context_tokens):
-            # callers check the context first (a 400): reaching here is a bug
-            raise ValueError(
-                f"prompt of {n_prompt} tokens leaves no room in a context of "
-                f"{self.max_context_tokens} tokens"
-            )
-        self._live[req.request_id] = _Live(
-            request=req,
-            rules=FinishRules(
-                max_new_tokens(req.params.max_tokens, n_prompt, self.max_context_tokens),
-                req.stop_token_ids,
-                req.params.stop,
-            ),
-            added_at=self.clock(),
-            entropy=self._rand.getrandbits(63),
-            matcher=self.grammars.matcher(req.grammar) if req.grammar else None,
-        )
+        """Raises ValueError for a prompt that leaves no room (core/finish.py's one rule)."""
+        rules = FinishRules.for_request(req, self.max_context_tokens)
+        added_at, entropy = self.clock(), self._rand.getrandbits(63)
+        matcher = self.grammars.matcher(req.grammar) if req.grammar else None
+        grammar = None if matcher is None else partial(Grammars.advance, matcher)
+        gen = Generation(req, rules, added_at, grammar)
+        self._live[req.request_id] = _Live(gen, entropy, matcher)
         self.scheduler.add(req)
 
     def has_unfinished(self) -> bool:
@@ -236,7 +224,7 @@ class Engine:
         """Read once per step by the worker's metrics."""
         st, sched, pool = self.stats, self.scheduler.stats, self.pool
         return EngineCounters(
-            steps=st.steps, step_s=st.step_s, generated_tokens=st.generated_tokens,
+            steps=sched.steps, step_s=st.step_s, generated_tokens=self.post.generated_tokens,
             preemptions=sched.preemptions, hits=sched.hits, prefix_hits=sched.prefix_hits,
             misses=sched.misses, running=len(self.scheduler.running),
             blocks_in_use=pool.num_used, blocks_cached=pool.num_cached, blocks_free=pool.num_free,
@@ -302,7 +290,7 @@ class Engine:
         if sched.waiting and self.width.phase is WidthPhase.GROWING:  # it may admit them all
             bs = self.cfg.block_size
             for seq in sched.waiting:
-                longest = seq.num_prompt_tokens + self._live[seq.seq_id].rules.max_tokens
+                longest = seq.num_prompt_tokens + self._live[seq.seq_id].gen.rules.max_tokens
                 queued += 1
                 queued_blocks += blocks_for(longest, bs)
         self.width.observe(StepReport(
@@ -314,16 +302,27 @@ class Engine:
         sched.running_limit = self.width.admission_limit(sched.online_running())
 
     def _run(self, step: SchedulerStep) -> tuple[dict[str, int], set[str]]:
-        st = self.stats
-        st.steps += 1
-        if step.kind is StepKind.PREFILL:
-            st.prefill_steps += 1
-        elif step.kind is StepKind.DECODE:
-            st.decode_steps += 1
-        else:
-            st.mixed_steps += 1
+        """Forward the step's tokens, sample the rows that sample, post-process each token."""
         if not step.seqs:
             return {}, set()
+        rows = [i for i, s in enumerate(step.seqs) if s.samples]
+        logits = self._forward(step, rows)
+        if not rows:  # a prompt chunk that samples nothing
+            return {}, set()
+        tokens, lps = self._sample(step, rows, logits)
+        now = self.clock()
+        sampled: dict[str, int] = {}
+        finished: set[str] = set()
+        for i, tok, lp in zip(rows, tokens, lps, strict=True):
+            seq_id = step.seqs[i].seq.seq_id
+            sampled[seq_id] = tok
+            if self.post(self._live[seq_id].gen, tok, lp, now) is not None:
+                finished.add(seq_id)
+        return sampled, finished
+
+    def _forward(self, step: SchedulerStep, rows: list[int]) -> mx.array:
+        """The logits of `rows` (indices into step.seqs), evaluated with the KV they wrote."""
+        st = self.stats
         chunks, starts, tables = [], [], []
         max_block = 0
         for s in step.seqs:
@@ -347,7 +346,6 @@ class Engine:
         dense = self.decode_kv
         if dense is not None:
             dense.attach(layout, [s.seq.seq_id for s in step.seqs], chunks, starts, tables)
-        rows = [i for i, s in enumerate(step.seqs) if s.samples]
         t0 = time.perf_counter()
         try:
             logits = self.runner.forward(layout, rows)
@@ -363,76 +361,30 @@ class Engine:
             st.peak_decode_kv_bytes = max(st.peak_decode_kv_bytes, dense.nbytes)
         if self.storage.nbytes > st.kv_bound_bytes:
             st.bound_violations += 1
-        if not rows:  # a prompt chunk that samples nothing
-            return {}, set()
+        return logits
 
-        sample_rows = []
-        for i in rows:
+    def _sample(
+        self, step: SchedulerStep, rows: list[int], logits: mx.array
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per sampling row, each grammar's mask applied first."""
+        sample_rows, constrained = [], []
+        for j, i in enumerate(rows):
             seq = step.seqs[i].seq
             live = self._live[seq.seq_id]
-            sample_rows.append(
-                SampleRow(live.request.params, seq.num_tokens - seq.num_prompt_tokens, live.entropy)
-            )
+            sample_rows.append(SampleRow(live.gen.request.params, seq.num_generated, live.entropy))
+            if live.matcher is not None:
+                constrained.append((live.matcher, j))
         t0 = time.perf_counter()
-        constrained = [
-            (self._live[step.seqs[i].seq.seq_id].matcher, j)
-            for j, i in enumerate(rows)
-            if self._live[step.seqs[i].seq.seq_id].matcher is not None
-        ]
         logits = self.grammars.mask(logits, constrained)
         tokens, lps = sample(logits, sample_rows)
-        st.sample_s += time.perf_counter() - t0
-
-        now = self.clock()
-        sampled: dict[str, int] = {}
-        finished: set[str] = set()
-        for i, tok, lp in zip(rows, tokens, lps, strict=True):
-            seq = step.seqs[i].seq
-            live = self._live[seq.seq_id]
-            if live.first_token_at is None:
-                live.first_token_at = now
-            sampled[seq.seq_id] = tok
-            self.stats.generated_tokens += 1
-            rules = live.rules
-            reason = rules.on_token(tok, seq.num_generated + 1)
-            if reason is FinishReason.STOP:  # end of sequence: not output
-                finished.add(seq.seq_id)
-                live.stop_hit = True
-                continue
-            if lp is not None:
-                live.logprobs.append(lp)
-            if self.on_token is not None:
-                self.on_token(seq.seq_id, tok)
-            complete = live.matcher is not None and self.grammars.advance(live.matcher, tok)
-            reason = grammar_finish(reason, complete)
-            if reason is FinishReason.STOP:  # the JSON value is complete (the token is output)
-                finished.add(seq.seq_id)
-                live.stop_hit = True
-            elif reason is FinishReason.LENGTH:
-                finished.add(seq.seq_id)
-            elif rules.stops and rules.stop_in_tail(
-                [*seq.generated_token_ids, tok], self.tokenizer.decode
-            ):
-                finished.add(seq.seq_id)
-                live.stop_hit = True
-        return sampled, finished
+        self.stats.sample_s += time.perf_counter() - t0
+        return tokens, lps
 
     def _output(self, seq) -> GenerationOutput:
-        live = self._live.pop(seq.seq_id)
-        gen = list(seq.token_ids[seq.num_prompt_tokens :])
-        if live.stop_hit and gen and live.rules.is_eos(gen[-1]):
-            gen = gen[:-1]
-        ttft = None if live.first_token_at is None else live.first_token_at - live.added_at
-        return GenerationOutput(
-            request_id=seq.seq_id,
-            prompt_tokens=seq.num_prompt_tokens,
+        return self._live.pop(seq.seq_id).gen.output(
             cached_tokens=seq.num_cached_tokens,
             cache_outcome=seq.cache_outcome or CacheOutcome.MISS,
-            token_ids=gen,
-            finish_reason=FinishReason.STOP if live.stop_hit else FinishReason.LENGTH,
-            logprobs=live.logprobs if live.request.params.logprobs else None,
-            first_token_s=ttft,
-            extra={"preemptions": float(seq.num_preemptions)},
+            preemptions=seq.num_preemptions,
         )
 
 
@@ -445,4 +397,3 @@ def _kv_dtype(model: Any) -> mx.Dtype:
     model(mx.array([[0]]), cache=cache)
     keys = cache[0].state[0]
     return keys.dtype
-

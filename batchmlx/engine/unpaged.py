@@ -2,12 +2,13 @@
 
 For models the paged engine cannot run (arch.py decides): hybrid and state-space caches,
 rotations that keep a prefix, attention the paged seam does not fit. mlx-lm batches these with
-its own per-architecture caches. What stays the same as the paged engine: finish rules (end of
-sequence, max tokens, stop strings), per-request sampling keyed by (seed, token index) through
-the same sampler (engine/sampler.py), log-probs of the raw logits, streaming callbacks. What it
-has not: prefix caching, KV blocks, embeddings. Structured outputs go through an mlx-lm logits
-processor per constrained request: it feeds the matcher the token the step consumes (the one
-sampled last) and masks the logits the same way the paged engine does.
+its own per-architecture caches. What stays the same as the paged engine: each sampled token's
+post-processing step (core/postprocess.py: end of sequence, max tokens, grammar, stop strings,
+log-probs, streaming callbacks), per-request sampling keyed by (seed, token index) through the
+same sampler (engine/sampler.py), log-probs of the raw logits. What it has not: prefix caching,
+KV blocks, embeddings. Structured outputs go through an mlx-lm logits processor per constrained
+request: it feeds the matcher the token the step consumes (the one sampled last) and masks the
+logits the same way the paged engine does.
 """
 
 from __future__ import annotations
@@ -18,21 +19,16 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.core.engine_api import EngineSettings, StepError
-from batchmlx.core.finish import FinishRules, fits_context, grammar_finish, max_new_tokens
-from batchmlx.core.request import (
-    CacheOutcome,
-    FinishReason,
-    GenerationOutput,
-    GenerationRequest,
-    TokenLogprob,
-)
+from batchmlx.core.engine_api import EngineSettings, StepError, TokenCallback
+from batchmlx.core.finish import FinishRules
+from batchmlx.core.postprocess import Generation, Postprocessor
+from batchmlx.core.request import GenerationOutput, GenerationRequest, TokenLogprob
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import initial_width
 from batchmlx.engine.grammar import Grammars
@@ -44,18 +40,10 @@ PREFILL_BATCH = 8  # prompts mlx-lm prefills together (its default)
 
 @dataclass(slots=True)
 class _Live:
-    request: GenerationRequest
-    rules: FinishRules
-    added_at: float
-    entropy: int
+    gen: Generation  # what the post-processing step keeps (core/postprocess.py)
     sampler: Any  # mlx-lm sampler (None: greedy)
     processors: list  # mlx-lm logits processors (the grammar's)
     uid: int | None = None  # mlx-lm's id once admitted into its batch
-    tokens: list[int] = field(default_factory=list)  # generated, end-of-sequence included
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    first_token_at: float | None = None
-    stop_hit: bool = False
-    matcher: Any = None  # llguidance matcher of a constrained request
 
 
 class UnpagedEngine:
@@ -88,12 +76,12 @@ class UnpagedEngine:
         self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, request id)
         self._order = itertools.count()
         self.width = self.cfg.running_bound if batched else 1
-        self._steps = 0
+        self._steps = 0  # its own counts (no scheduler); sampled tokens: the post's
         self._step_s = 0.0
-        self._generated = 0
         self._added = 0
         self._gen = self._generator()
-        self.on_token: Callable[[str, int], None] | None = None
+        self.post = Postprocessor(self)  # each sampled token's one step (core/postprocess.py)
+        self.on_token: TokenCallback | None = None
 
     def _generator(self):
         from mlx_lm.generate import BatchGenerator
@@ -114,26 +102,16 @@ class UnpagedEngine:
         return self.context_length
 
     def add(self, req: GenerationRequest) -> None:
-        n_prompt = len(req.prompt_tokens)
-        if n_prompt == 0:
-            raise ValueError("empty prompt")
-        if not fits_context(n_prompt, self.max_context_tokens):
-            raise ValueError(
-                f"prompt of {n_prompt} tokens leaves no room in a context of "
-                f"{self.max_context_tokens} tokens"
-            )
-        rules = FinishRules(
-            max_new_tokens(req.params.max_tokens, n_prompt, self.max_context_tokens),
-            req.stop_token_ids,
-            req.params.stop,
-        )
+        """Raises ValueError for a prompt that leaves no room (core/finish.py's one rule)."""
+        rules = FinishRules.for_request(req, self.max_context_tokens)
         entropy = self._rand.getrandbits(63)
         sampler = None if req.params.greedy else _row_sampler(req, entropy)
         matcher = self.grammars.matcher(req.grammar) if req.grammar else None
         processors = [_grammar_processor(self.grammars, matcher)] if matcher is not None else []
-        self._live[req.request_id] = _Live(
-            req, rules, self.clock(), entropy, sampler, processors, matcher=matcher
-        )
+        # mlx-lm's processor feeds the matcher: the step only asks whether it is complete
+        done = None if matcher is None else (lambda _: Grammars.complete(matcher))
+        gen = Generation(req, rules, self.clock(), done)
+        self._live[req.request_id] = _Live(gen, sampler, processors)
         # admitted by priority (online before batch work), then arrival, as the batch has room
         heapq.heappush(self._waiting, (req.priority, next(self._order), req.request_id))
         self._added += 1
@@ -166,7 +144,8 @@ class UnpagedEngine:
             self._gen = self._generator()  # its batches are in an unknown state
             raise StepError(ids, exc) from exc
         self._steps += 1
-        done = [o for r in responses if (o := self._on_response(r)) is not None]
+        now = self.clock()
+        done = [o for r in responses if (o := self._on_response(r, now)) is not None]
         self._step_s += time.perf_counter() - t0
         return done
 
@@ -183,13 +162,13 @@ class UnpagedEngine:
     # -- EngineTelemetry -----------------------------------------------------------------------
     def counters(self) -> EngineCounters:
         return EngineCounters(
-            steps=self._steps, step_s=self._step_s, generated_tokens=self._generated,
+            steps=self._steps, step_s=self._step_s, generated_tokens=self.post.generated_tokens,
             misses=self._added, running=len(self._by_uid),
         )  # fmt: skip
 
     def generated_so_far(self, request_id: str) -> int:
         live = self._live.get(request_id)
-        return 0 if live is None else len(live.tokens)
+        return 0 if live is None else len(live.gen.tokens)
 
     @property
     def embedder(self) -> Any:
@@ -205,63 +184,25 @@ class UnpagedEngine:
             if live is None:  # aborted while waiting
                 continue
             (live.uid,) = self._gen.insert(
-                [list(live.request.prompt_tokens)], max_tokens=[live.rules.max_tokens],
+                [list(live.gen.request.prompt_tokens)], max_tokens=[live.gen.rules.max_tokens],
                 samplers=[live.sampler], logits_processors=[live.processors],
             )  # fmt: skip
             self._by_uid[live.uid] = rid
 
-    def _on_response(self, r: Any) -> GenerationOutput | None:
+    def _on_response(self, r: Any, now: float) -> GenerationOutput | None:
         rid = self._by_uid.get(r.uid)
         if rid is None:  # aborted meanwhile
             return None
         live = self._live[rid]
-        tok = int(r.token)
-        self._generated += 1
-        if live.first_token_at is None:
-            live.first_token_at = self.clock()
-        live.tokens.append(tok)
-        rules = live.rules
-        reason = rules.on_token(tok, len(live.tokens))
-        finished = r.finish_reason is not None
-        if reason is FinishReason.STOP:  # end of sequence: not output
-            live.stop_hit = True
-            finished = True
-        else:
-            p = live.request.params
-            if p.logprobs:
-                live.logprobs.append(_logprob(r.logprobs, tok, p.top_logprobs))
-            if self.on_token is not None:
-                self.on_token(rid, tok)
-            # the processor fed `tok` to the matcher when the step after it ran (before this)
-            m = live.matcher
-            reason = grammar_finish(reason, m is not None and (m.is_stopped() or m.is_error()))
-            if reason is FinishReason.STOP:  # the JSON value is complete (the token is output)
-                live.stop_hit = True
-                finished = True
-            elif reason is FinishReason.LENGTH:
-                finished = True
-            elif rules.stops and rules.stop_in_tail(live.tokens, self.tokenizer.decode):
-                live.stop_hit = True
-                finished = True
-        if not finished:
+        tok, p = int(r.token), live.gen.request.params
+        lp = _logprob(r.logprobs, tok, p.top_logprobs) if p.logprobs else None
+        if self.post(live.gen, tok, lp, now) is None and r.finish_reason is None:
             return None
         if r.finish_reason is None:  # ended here, not by mlx-lm: take it out of its batch
             self._gen.remove([live.uid])
         del self._live[rid]
         del self._by_uid[live.uid]
-        gen = live.tokens[:-1] if live.stop_hit and rules.is_eos(live.tokens[-1]) else live.tokens
-        ttft = None if live.first_token_at is None else live.first_token_at - live.added_at
-        return GenerationOutput(
-            request_id=rid,
-            prompt_tokens=len(live.request.prompt_tokens),
-            cached_tokens=0,
-            cache_outcome=CacheOutcome.MISS,
-            token_ids=list(gen),
-            finish_reason=FinishReason.STOP if live.stop_hit else FinishReason.LENGTH,
-            logprobs=live.logprobs if live.request.params.logprobs else None,
-            first_token_s=ttft,
-            extra={"preemptions": 0.0},
-        )
+        return live.gen.output()
 
     @property
     def running_limit(self) -> int:

@@ -158,7 +158,6 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
         messages=messages,
         n=fields.n,
         sampling=fields.params(max_tokens, logprobs, top_logprobs),
-        max_tokens=max_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         response_format=response_format,

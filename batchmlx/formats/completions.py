@@ -110,7 +110,6 @@ def parse_completions(body: dict[str, Any]) -> ParsedRequest:
         prompt_token_ids=token_ids,
         n=fields.n,
         sampling=fields.params(max_tokens, logprobs, top_logprobs),
-        max_tokens=max_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         echo=echo,

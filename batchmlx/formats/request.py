@@ -12,10 +12,6 @@ from batchmlx.core.request import SamplingParams
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.structured import Grammar
 
-# SamplingParams.max_tokens is an int; this one means "until the context is full" and the engine
-# clamps it to the context length left after the prompt.
-UNTIL_CONTEXT = 1 << 30
-
 
 class Endpoint(enum.StrEnum):
     CHAT = "/v1/chat/completions"
@@ -32,8 +28,7 @@ class ParsedRequest:
     prompt: str | None = None  # completions given as text
     prompt_token_ids: tuple[int, ...] | None = None  # completions given as token ids
     n: int = 1  # choices to generate
-    sampling: SamplingParams  # max_tokens is UNTIL_CONTEXT when the request sets none
-    max_tokens: int | None  # as requested; None = until the context is full
+    sampling: SamplingParams  # max_tokens as requested: None = until the context is full
     logprobs: bool = False
     top_logprobs: int = 0
     response_format: dict[str, Any] | None = None  # kept for the engine to honour what it can
@@ -72,7 +67,7 @@ def sampling_params(
 ) -> SamplingParams:
     """The engine's sampling settings from the values a body gave (None: absent)."""
     return SamplingParams(
-        max_tokens=UNTIL_CONTEXT if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         seed=seed,

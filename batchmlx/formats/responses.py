@@ -145,7 +145,6 @@ def parse_responses(body: dict[str, Any]) -> ParsedRequest:
         endpoint=Endpoint.RESPONSES,
         messages=messages,
         sampling=sampling_params(max_tokens, temperature, top_p),
-        max_tokens=max_tokens,
         grammar=_text_grammar(body),
     )
 

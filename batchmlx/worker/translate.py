@@ -105,9 +105,11 @@ class Translator:
         except Exception as exc:  # a template that rejects these messages, say
             err = RequestError(400, ErrorCode.INVALID_VALUE.value, f"Invalid prompt: {exc}", None)
             return None, [], error_result(err)
-        if not fits_context(len(tokens), self.context_length, parsed.max_tokens):
+        # the one context check: the engine only bounds generation by the room left
+        max_tokens = parsed.sampling.max_tokens
+        if not fits_context(len(tokens), self.context_length, max_tokens):
             err = context_length_error(
-                self.context_length, len(tokens), parsed.endpoint, parsed.max_tokens
+                self.context_length, len(tokens), parsed.endpoint, max_tokens
             )
             return None, [], error_result(err)
         pending = PendingRequest(claimed, parsed, tokens, text, {})

@@ -27,6 +27,7 @@ def test_context_leaves_room_for_one_token_at_least():
     assert not fits_context(90, 100, max_tokens=11)
     assert max_new_tokens(16, 90, 100) == 10  # the context bounds what was asked
     assert max_new_tokens(16, 10, 100) == 16
+    assert max_new_tokens(None, 10, 100) == 90  # None: until the context is full
 
 
 def test_end_of_sequence_stops_before_max_tokens_ends_with_length():

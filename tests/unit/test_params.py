@@ -6,7 +6,6 @@ from batchmlx.core.request import SamplingParams
 from batchmlx.formats.completions import COMPLETIONS_DEFAULT_MAX_TOKENS
 from batchmlx.formats.params import parse_request
 from batchmlx.formats.request import (
-    UNTIL_CONTEXT,
     Endpoint,
     ParsedRequest,
     RequestError,
@@ -54,7 +53,7 @@ def test_chat_defaults():
         prompt_token_ids=None,
         n=1,
         sampling=SamplingParams(
-            max_tokens=UNTIL_CONTEXT,
+            max_tokens=None,
             temperature=1.0,
             top_p=1.0,
             seed=None,
@@ -62,7 +61,6 @@ def test_chat_defaults():
             logprobs=False,
             top_logprobs=0,
         ),
-        max_tokens=None,
         logprobs=False,
         top_logprobs=0,
         response_format=None,
@@ -76,18 +74,16 @@ def test_completions_defaults():
     assert p.messages is None
     assert p.prompt == "hi"
     assert p.prompt_token_ids is None
-    assert p.max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS == 16
-    assert p.sampling.max_tokens == 16
+    assert p.sampling.max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS == 16
     assert p.sampling.temperature == 1.0
     assert (p.logprobs, p.top_logprobs, p.echo, p.n) == (False, 0, False, 1)
 
 
 def test_max_tokens_and_max_completion_tokens():
-    assert chat(max_tokens=5).max_tokens == 5
     assert chat(max_tokens=5).sampling.max_tokens == 5
     assert chat(max_completion_tokens=7).sampling.max_tokens == 7
-    assert chat(max_tokens=5, max_completion_tokens=9).max_tokens == 9
-    assert chat(max_tokens=None).sampling.max_tokens == UNTIL_CONTEXT
+    assert chat(max_tokens=5, max_completion_tokens=9).sampling.max_tokens == 9
+    assert chat(max_tokens=None).sampling.max_tokens is None  # until the context is full
     assert compl(max_tokens=40).sampling.max_tokens == 40
     e = compl_error(max_completion_tokens=5)
     assert (e.code, e.param) == ("unknown_parameter", "max_completion_tokens")

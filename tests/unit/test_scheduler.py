@@ -15,7 +15,7 @@ import weakref
 import pytest
 
 from batchmlx.core.blocks import BlockPool
-from batchmlx.core.request import CacheOutcome, FinishReason, GenerationRequest, SamplingParams
+from batchmlx.core.request import CacheOutcome, GenerationRequest, SamplingParams
 from batchmlx.core.scheduler import Scheduler, SchedulerConfig, SchedulerStep, StepKind
 from batchmlx.core.sequence import Sequence, SequenceStatus
 from benchmarks.prefix_trie import block_prefix_lower_bound
@@ -323,7 +323,7 @@ def test_preemption_under_a_tiny_pool_recomputes_the_same_tokens():
     assert sum(s.num_preemptions for s in seqs.values()) == sched.stats.preemptions
     assert any(step.preempted for step in steps)
     assert all(s.cache_outcome is CacheOutcome.MISS for s in seqs.values())
-    assert all(s.finish_reason is None for s in seqs.values())
+    assert not any(step.finished for step in steps)  # none ended by the scheduler itself
     assert sched.stats.peak_blocks_in_use <= 4
     assert_all_free(sched)
 
@@ -361,8 +361,8 @@ def test_a_sequence_the_pool_cannot_hold_alone_ends_with_length():
     sched = Scheduler(SchedulerConfig(block_size=4, num_blocks=3))  # 8 token slots
     seq = sched.add(request("big", [1, 2, 3, 4, 5, 6], max_tokens=10))
     outputs, steps = drive(sched)
-    assert steps[-1].finished == [seq]
-    assert seq.finish_reason is FinishReason.LENGTH
+    assert steps[-1].finished == [seq]  # ended by the scheduler: the engine reports LENGTH
+    assert seq.status is SequenceStatus.FINISHED
     # Positions 0..7 fed; the tokens sampled at 5, 6 and 7 are kept.
     assert outputs["big"] == alone([1, 2, 3, 4, 5, 6], 10)[:3]
     assert_all_free(sched)
@@ -373,7 +373,7 @@ def test_a_prompt_longer_than_the_pool_is_chunked_then_ends_with_length():
     seq = sched.add(request("huge", list(range(1, 21)), max_tokens=3))
     outputs, steps = drive(sched)
     assert ids(steps[0]) == [("huge", 0, 8, False)]
-    assert seq.finish_reason is FinishReason.LENGTH
+    assert steps[-1].finished == [seq]  # ended by the scheduler: the engine reports LENGTH
     assert outputs["huge"] == []
     assert_all_free(sched)
 

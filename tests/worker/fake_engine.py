@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batchmlx.core.engine_api import EngineSettings, TokenCallback
+from batchmlx.core.finish import max_new_tokens
 from batchmlx.core.request import (
     CacheOutcome,
     FinishReason,
@@ -117,7 +118,8 @@ class FakeEngine:
                 r.tokens.clear()
                 self.waiting.append(r)
                 continue
-            if len(r.tokens) >= (r.req.params.max_tokens or 16):
+            limit = max_new_tokens(r.req.params.max_tokens, len(prompt), self.context)
+            if len(r.tokens) >= limit:
                 self.running.remove(r)
                 done.append(
                     GenerationOutput(

@@ -165,7 +165,6 @@ class DecodeKV:
         budget or would be mostly padding (MAX_PADDING).
         prefix: block ids every row shares ahead of the positions and tables given (attended
         once for all, kept apart)."""
-        bs, h = self.block_size, self.n_kv_heads
         if prefix != self.prefix_blocks:
             self.reset()  # the keys after a prefix start elsewhere: every slot is refilled
         need = max(positions) + 1
@@ -174,11 +173,6 @@ class DecodeKV:
         for s, sid in enumerate(self.slots):
             if sid is not None and sid not in stepping:
                 self.slots[s] = None  # finished, preempted or left out: its slot is free
-        # sequences to fill from the pool: new ones (a sequence left out of a step lost its
-        # slot above) take a free slot; one whose copy lags its position (steps that gathered
-        # kept the copy as it was) refills its own
-        stale = [i for i, sid in enumerate(seq_ids)
-                 if sid in where and self.held[where[sid]] != positions[i]]  # fmt: skip
         new = [i for i, sid in enumerate(seq_ids) if sid not in where]
         free = [s for s, sid in enumerate(self.slots) if sid is None]
         rebuild = (
@@ -187,61 +181,96 @@ class DecodeKV:
             or len(new) > len(free)
             or (len(free) - len(new)) > MAX_FREE_FRACTION * len(self.slots)
         )
+        join_rows = join_src = rebuild_runs = None
         if rebuild:
-            step = GROWTH_BLOCKS * bs
-            cap = -(-need // step) * step
-            held = sum(positions) + len(positions)
-            too_big = (len(seq_ids) * cap + len(prefix) * bs) * self._slot_bytes > self.budget_bytes
-            if too_big or len(seq_ids) * need > MAX_PADDING * held:
-                # this step gathers; the copy is kept as it is (its slots refill or it is
-                # rebuilt later): dropped, its buffers would sit in MLX's cache, useless to the
-                # gathers (measured: 1.2 GB taken fresh every such step)
+            rebuilt = self._rebuild(seq_ids, positions, tables, prefix)
+            if rebuilt is None:
                 return None
-            self.reset()
-            self.rebuilds += 1
-            self.keys = [None] * self.num_layers  # filled layer by layer by the step
-            self.values = [None] * self.num_layers
-            self.capacity = cap
-            self.slots = list(seq_ids)
-            self.held = [p + 1 for p in positions]
-            slot_of_row = np.arange(len(seq_ids))
-            nkb = cap // bs
-            table = np.zeros((len(seq_ids), nkb), dtype=np.int64)  # block 0: scratch, masked
-            for r, t in enumerate(tables):
-                used = min(len(t), nkb)
-                table[r, :used] = t[:used]
-            runs = table[:, None, :] * h + np.arange(h)[None, :, None]
-            rebuild_runs = mx.array(runs.astype(np.int32))
-            join_rows = join_src = None
+            slot_of_row, rebuild_runs = rebuilt
         else:
-            rebuild_runs = None
-            slot_of_row = np.array([where.get(sid, 0) for sid in seq_ids], dtype=np.int64)
-            for i, s in zip(new, free, strict=False):
-                slot_of_row[i] = s
-                self.slots[s] = seq_ids[i]
-            self.joins += len(new)
-            self.refills += len(stale)
-            dst, src = [], []
-            for i in [*stale, *new]:
-                s = int(slot_of_row[i])
-                n = positions[i]  # keys before this step's: copied from the pool
-                if n:
-                    pos = np.arange(n)
-                    blk = np.asarray(tables[i], dtype=np.int64)[pos // bs]
-                    heads = np.arange(h)[:, None]
-                    src.append(((blk[None, :] * h + heads) * bs + (pos % bs)[None, :]).ravel())
-                    dst.append(((s * h + heads) * self.capacity + pos[None, :]).ravel())
-            for i in range(len(seq_ids)):
-                self.held[slot_of_row[i]] = positions[i] + 1
-            join_rows = mx.array(np.concatenate(dst).astype(np.int32)) if dst else None
-            join_src = mx.array(np.concatenate(src).astype(np.int32)) if src else None
+            slot_of_row, join_rows, join_src = self._join(seq_ids, positions, tables, where)
+        return self._plan(slot_of_row, positions, prefix, rebuild_runs, join_rows, join_src)
 
-        slots = len(self.slots)
+    def _rebuild(
+        self, seq_ids: list[str], positions: list[int], tables: list[list[int]],
+        prefix: tuple[int, ...],
+    ) -> tuple[np.ndarray, mx.array] | None:  # fmt: skip
+        """A whole new copy, row i in slot i: (slot of each row, the pool runs it is gathered
+        from); None when it would not fit the budget or would be mostly padding."""
+        bs, h = self.block_size, self.n_kv_heads
+        need = max(positions) + 1
+        step = GROWTH_BLOCKS * bs
+        cap = -(-need // step) * step
+        held = sum(positions) + len(positions)
+        too_big = (len(seq_ids) * cap + len(prefix) * bs) * self._slot_bytes > self.budget_bytes
+        if too_big or len(seq_ids) * need > MAX_PADDING * held:
+            # this step gathers; the copy is kept as it is (its slots refill or it is
+            # rebuilt later): dropped, its buffers would sit in MLX's cache, useless to the
+            # gathers (measured: 1.2 GB taken fresh every such step)
+            return None
+        self.reset()
+        self.rebuilds += 1
+        self.keys = [None] * self.num_layers  # filled layer by layer by the step
+        self.values = [None] * self.num_layers
+        self.capacity = cap
+        self.slots = list(seq_ids)
+        self.held = [p + 1 for p in positions]
+        nkb = cap // bs
+        table = np.zeros((len(seq_ids), nkb), dtype=np.int64)  # block 0: scratch, masked
+        for r, t in enumerate(tables):
+            used = min(len(t), nkb)
+            table[r, :used] = t[:used]
+        runs = table[:, None, :] * h + np.arange(h)[None, :, None]
+        return np.arange(len(seq_ids)), mx.array(runs.astype(np.int32))
+
+    def _join(
+        self, seq_ids: list[str], positions: list[int], tables: list[list[int]],
+        where: dict[str, int],
+    ) -> tuple[np.ndarray, mx.array | None, mx.array | None]:  # fmt: skip
+        """The copy kept: (slot of each row, rows of the copy filled from the pool, the pool
+        rows they come from). New sequences (a sequence left out of a step lost its slot)
+        take a free slot; one whose copy lags its position (steps that gathered kept the copy
+        as it was) refills its own. `where`: the slot of each sequence the copy held."""
+        bs, h = self.block_size, self.n_kv_heads
+        stale = [i for i, sid in enumerate(seq_ids)
+                 if sid in where and self.held[where[sid]] != positions[i]]  # fmt: skip
+        new = [i for i, sid in enumerate(seq_ids) if sid not in where]
+        free = [s for s, sid in enumerate(self.slots) if sid is None]
+        slot_of_row = np.array([where.get(sid, 0) for sid in seq_ids], dtype=np.int64)
+        for i, s in zip(new, free, strict=False):
+            slot_of_row[i] = s
+            self.slots[s] = seq_ids[i]
+        self.joins += len(new)
+        self.refills += len(stale)
+        dst, src = [], []
+        for i in [*stale, *new]:
+            s = int(slot_of_row[i])
+            n = positions[i]  # keys before this step's: copied from the pool
+            if n:
+                pos = np.arange(n)
+                blk = np.asarray(tables[i], dtype=np.int64)[pos // bs]
+                heads = np.arange(h)[:, None]
+                src.append(((blk[None, :] * h + heads) * bs + (pos % bs)[None, :]).ravel())
+                dst.append(((s * h + heads) * self.capacity + pos[None, :]).ravel())
+        for i in range(len(seq_ids)):
+            self.held[slot_of_row[i]] = positions[i] + 1
+        join_rows = mx.array(np.concatenate(dst).astype(np.int32)) if dst else None
+        join_src = mx.array(np.concatenate(src).astype(np.int32)) if src else None
+        return slot_of_row, join_rows, join_src
+
+    def _plan(
+        self, slot_of_row: np.ndarray, positions: list[int], prefix: tuple[int, ...],
+        rebuild_runs: mx.array | None, join_rows: mx.array | None, join_src: mx.array | None,
+    ) -> DecodePlan:  # fmt: skip
+        """The plan over the slots as placed: new-row writes, slot <-> row maps, mask, and the
+        shared prefix to gather when the copy does not hold it yet."""
+        h = self.n_kv_heads
+        slots, n_rows = len(self.slots), len(positions)
         pos = np.asarray(positions, dtype=np.int64)
         write = (slot_of_row[:, None] * h + np.arange(h)[None, :]) * self.capacity + pos[:, None]
-        identity = slots == len(seq_ids) and bool((slot_of_row == np.arange(slots)).all())
+        identity = slots == n_rows and bool((slot_of_row == np.arange(slots)).all())
         row_of_slot = np.zeros(slots, dtype=np.int64)  # a free slot attends as row 0 (dropped)
-        row_of_slot[slot_of_row] = np.arange(len(seq_ids))
+        row_of_slot[slot_of_row] = np.arange(n_rows)
         lengths = np.zeros(slots, dtype=np.int64)
         lengths[slot_of_row] = pos + 1
         mask = np.arange(self.capacity)[None, :] < lengths[:, None]

@@ -310,6 +310,14 @@ def _write_tokenizer(meta: dict[str, Any], dest: Path, *, context_length: int) -
         "pad_token": token_at("padding_token_id"),
     }
     special_map = {k: v for k, v in special_map.items() if v is not None}
+    _write_tokenizer_config(meta, dest, special_map, add_bos, context_length)
+
+
+def _write_tokenizer_config(
+    meta: dict[str, Any], dest: Path, special_map: dict[str, str], add_bos: bool,
+    context_length: int,
+) -> None:  # fmt: skip
+    """tokenizer_config.json and special_tokens_map.json, next to tokenizer.json."""
     tokenizer_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special_map,

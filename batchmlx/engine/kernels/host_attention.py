@@ -41,7 +41,7 @@ MIN_HOST_DECODE_SCORES = 1 << 16
 THREADS = max(1, min(2, os.cpu_count() or 1))
 
 # The pool's thread names: idle between steps (a step waits for its jobs), so the CLI may end
-# the process with them alive (cli._exit)
+# the process with them alive (cli.entry._exit)
 THREAD_NAME = "host-attention"
 _pool: ThreadPoolExecutor | None = None
 

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchmlx.database_url import Target, parse_target
+from batchmlx.database_url import Target, parse_target, read_password_file
 
 DEFAULT_HOME = Path("~/.batchmlx")
 DEFAULT_LEASE_S = 60.0
 DATABASE_URL_ENV = "BATCHMLX_DATABASE_URL"  # the queue, for users; the CLI's --database-url wins
+# a file holding the PostgreSQL password, so that no command line (`ps`) shows it; libpq's
+# PGPASSWORD and PGPASSFILE (~/.pgpass) work too, for a URL without a password (asyncpg reads them)
+PASSWORD_FILE_ENV = "BATCHMLX_DATABASE_PASSWORD_FILE"
+# days a finished batch is kept (then purged: rows and files); unset: kept until deleted
+RETENTION_DAYS_ENV = "BATCHMLX_RETENTION_DAYS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +35,9 @@ class Settings:
     host: str | None = None
     # $BATCHMLX_FILE_STORAGE: "local" or "database"; None: local on SQLite, database otherwise
     file_storage: str | None = None
+    database_password_file: Path | None = None  # $BATCHMLX_DATABASE_PASSWORD_FILE
+    # $BATCHMLX_RETENTION_DAYS: finished batches older than this are purged; None: kept
+    retention_days: float | None = None
 
     @property
     def db_path(self) -> Path:
@@ -40,8 +49,11 @@ class Settings:
 
     @property
     def target(self) -> Target:
-        """The database URL parsed: ask it for the dialect."""
-        return parse_target(self.database_url)
+        """The database URL parsed (with the password file's password): ask it for the
+        dialect. Raises DatabaseUrlError (no password in its message)."""
+        pw = self.database_password_file
+        password = None if pw is None else read_password_file(pw)
+        return parse_target(self.database_url, password=password)
 
     @property
     def files_dir(self) -> Path:
@@ -61,24 +73,44 @@ class Settings:
 
 
 def load_settings(
-    env: Mapping[str, str] | None = None, *, database_url: str | None = None
+    env: Mapping[str, str] | None = None,
+    *,
+    database_url: str | None = None,
+    password_file: Path | None = None,
 ) -> Settings:
-    """Settings from the environment (default: this process's); `database_url`, parsed from
-    the command line, is passed down in them rather than through the environment."""
+    """Settings from the environment (default: this process's); `database_url` and
+    `password_file`, parsed from the command line, are passed down in them rather than through
+    the environment. A value that is no number raises ValueError naming its variable."""
     env = os.environ if env is None else env
     home = Path(env.get("BATCHMLX_HOME") or DEFAULT_HOME).expanduser()
     cache = Path(env.get("BATCHMLX_CACHE_DIR") or home / "cache").expanduser()
-    busy = env.get("BATCHMLX_BUSY_TIMEOUT_S")
-    lease = float(env.get("BATCHMLX_LEASE_S") or DEFAULT_LEASE_S)
+    pw = password_file or env.get(PASSWORD_FILE_ENV) or None
     return Settings(
         home=home,
         cache_dir=cache,
-        lease_s=lease,
+        lease_s=_number(env, "BATCHMLX_LEASE_S", positive=True) or DEFAULT_LEASE_S,
         database=database_url or env.get(DATABASE_URL_ENV) or None,
         host=env.get("BATCHMLX_WORKER_HOST") or None,
         file_storage=env.get("BATCHMLX_FILE_STORAGE") or None,
-        busy_timeout_s=float(busy) if busy else None,
+        busy_timeout_s=_number(env, "BATCHMLX_BUSY_TIMEOUT_S"),
+        database_password_file=None if pw is None else Path(pw),
+        retention_days=_number(env, RETENTION_DAYS_ENV),
     )
+
+
+def _number(env: Mapping[str, str], name: str, *, positive: bool = False) -> float | None:
+    """The variable `name` as a number (None when unset or empty)."""
+    text = env.get(name)
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"${name} must be a {'positive' if positive else 'non-negative'} "
+                         f"number, not {text!r}")  # fmt: skip
+    return value
 
 
 # The database and files/ hold every prompt and answer: the data directory is the user's alone.

@@ -112,17 +112,21 @@ async def copy_file(store: Store, file_id: str | None, path: Path) -> int:
 
 
 async def delete_file(store: Store, file_id: str) -> bool:
-    """Forget a file and remove its bytes; False when there is no such file."""
+    """Forget a file and remove its bytes, and the request contents of a finished batch it
+    held (its prompts, responses or errors: the rows keep counts and usage); False when there
+    is no such file."""
     rec = await store.delete_file(file_id)
     if rec is None:
         return False
     await store.delete_file_bytes(rec)
+    await store.forget_contents(await store.orphaned_contents(file_ids=[file_id]))
     return True
 
 
 async def delete_expired_files(store: Store, *, now: float) -> list[str]:
-    """Delete every file past its `expires_at`, record and bytes, wherever the bytes are stored
-    (the worker's housekeeping); returns their ids."""
+    """Delete every file past its `expires_at`, record and bytes, wherever the bytes are stored,
+    with the contents it held in the database (see `delete_file`; the worker's housekeeping);
+    returns their ids."""
     gone = []
     for f in await store.expired_files(now):
         if await delete_file(store, f.id):

@@ -20,6 +20,7 @@ from batchmlx.core.records import BatchRecord
 from batchmlx.formats.openai import batch_object
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the OpenAI Batch object(s)")]
+LimitOpt = Annotated[int, typer.Option(min=1, help="Batches to list at most")]
 
 
 @engine_options
@@ -114,7 +115,7 @@ def status(
     ctx: typer.Context,
     batch_id: Annotated[str | None, typer.Argument(help="One batch; all when omitted")] = None,
     as_json: JsonOpt = False,
-    limit: int = 20,
+    limit: LimitOpt = 20,
 ) -> None:
     """Show batches: a table, or one batch in detail."""
     if batch_id is None:
@@ -133,7 +134,7 @@ def status(
     show(run_with_store(settings, current), settings, as_json)
 
 
-def list_(ctx: typer.Context, as_json: JsonOpt = False, limit: int = 20) -> None:
+def list_(ctx: typer.Context, as_json: JsonOpt = False, limit: LimitOpt = 20) -> None:
     """List batches, newest first."""
     recs = run_with_store(settings_of(ctx), lambda store: store.list_batches(limit=limit))
     if as_json:

@@ -1,6 +1,6 @@
-"""The console script's entry: `--database-url` moved before the command, a command that may run
-a model moved onto a fast BLAS (a re-execution of this same command line), then the app, then a
-quick exit."""
+"""The console script's entry: the global options moved before the command, a command that may
+run a model moved onto a fast BLAS (a re-execution of this same command line), then the app (any
+error it ends with told in one line), then a quick exit."""
 
 from __future__ import annotations
 
@@ -9,26 +9,32 @@ import os
 import sys
 import threading
 
+import typer
+
 from batchmlx.cli.app import app
+from batchmlx.cli.common import fail, report_error
+
+# the app's own options, each with a value; any command takes them, before or after its name
+GLOBAL_OPTIONS = ("--database-url", "--database-password-file")
 
 
 def _hoist_database_url(argv: list[str]) -> list[str]:
-    """`--database-url` may come after the command too (`batchmlx worker --database-url …`):
-    move it before the command, where the app's callback takes it."""
+    """The global options may come after the command too (`batchmlx worker --database-url …`):
+    move them before the command, where the app's callback takes them."""
     rest, front, i = [], [], 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--database-url" and i + 1 < len(argv):
+        if arg in GLOBAL_OPTIONS and i + 1 < len(argv):
             front += argv[i : i + 2]
             i += 2
             continue
-        (front if arg.startswith("--database-url=") else rest).append(arg)
+        (front if arg.startswith(tuple(f"{o}=" for o in GLOBAL_OPTIONS)) else rest).append(arg)
         i += 1
     return front + rest
 
 
 # commands that never load a model: no re-execution onto the fast BLAS (about 0.5 s each)
-_NO_MODEL_COMMANDS = frozenset({"status", "list", "results", "cancel", "watch"})
+_NO_MODEL_COMMANDS = frozenset({"status", "list", "results", "cancel", "watch", "purge"})
 
 
 def runs_model(argv: list[str]) -> bool:
@@ -36,7 +42,7 @@ def runs_model(argv: list[str]) -> bool:
     the server, doctor, `submit --wait`. No command (help): no; an unknown one: yes."""
     i = 0
     while i < len(argv) and argv[i].startswith("-"):
-        i += 2 if argv[i] == "--database-url" else 1
+        i += 2 if argv[i] in GLOBAL_OPTIONS else 1
     if i >= len(argv):
         return False
     command, rest = argv[i], argv[i + 1 :]
@@ -55,18 +61,42 @@ def main() -> None:  # pragma: no cover - the console script
     # ~20 ms of a results command, measured)
     gc.set_threshold(10_000, 10, 10)
     argv = _hoist_database_url(sys.argv[1:])
-    if runs_model(argv):
-        from batchmlx.accel import ensure_fast_blas
-
-        # reruns this interpreter's own command line (sys.orig_argv): the options, the
-        # database URL among them, travel in argv, and this same parse runs again there
-        ensure_fast_blas()
     try:
-        app(args=argv)
-        code: int | str | None = 0
+        if runs_model(argv):
+            from batchmlx.accel import ensure_fast_blas
+
+            # reruns this interpreter's own command line (sys.orig_argv): the options, the
+            # database URL among them, travel in argv, and this same parse runs again there
+            ensure_fast_blas()
+        code: int | str | None = run(argv)
     except SystemExit as exc:
         code = exc.code
     _exit(code)
+
+
+def run(argv: list[str]) -> int | str | None:
+    """The app on `argv`; its exit status. Every error it ends with, a bad option value among
+    them, is one line on stderr, not click's usage box nor a traceback."""
+    try:
+        result = app(args=argv, prog_name="batchmlx", standalone_mode=False)
+    except typer.Abort:
+        fail("aborted")
+        return 1
+    except typer.TyperException as exc:  # click's usage errors (typer's copy of click)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # no command: its message is the help
+            exc.show()  # type: ignore[attr-defined]
+        else:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
+            fail(exc.format_message().rstrip(".") + hint)  # type: ignore[attr-defined]
+        return getattr(exc, "exit_code", 2)
+    except BrokenPipeError:  # the reader went away (`… | head`): nothing more to say
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        return report_error(exc)
+    return result if isinstance(result, int) else 0
 
 
 def _exit(code: int | str | None) -> None:  # pragma: no cover - ends the process

@@ -5,15 +5,34 @@ worker, ingest or server package."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from batchmlx.cli.common import fail, print_json, settings_of, warn_if_slow_blas
+from batchmlx.cli.common import (
+    check_port_free,
+    fail,
+    print_json,
+    run_with_store,
+    settings_of,
+    warn_if_slow_blas,
+)
 from batchmlx.cli.engine_options import EngineChoice, engine_options
+from batchmlx.config import RETENTION_DAYS_ENV, Settings
 
 LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
+
+RetentionOpt = Annotated[
+    float | None,
+    typer.Option(min=0, metavar="DAYS", help="Purge batches that finished more than DAYS ago "
+                 f"(rows and files; ${RETENTION_DAYS_ENV}); default: kept until deleted"),
+]
+
+
+def _with_retention(settings: Settings, days: float | None) -> Settings:
+    return settings if days is None else dataclasses.replace(settings, retention_days=days)
 
 
 @engine_options
@@ -22,16 +41,18 @@ def worker(
     until_idle: Annotated[bool, typer.Option(help="Exit when nothing is left to do")] = False,
     model: Annotated[str | None, typer.Option(help="Serve every batch with this model")] = None,
     max_attempts: Annotated[
-        int, typer.Option(help="Runs of one request (each ended by a crash) before giving up")
+        int, typer.Option(min=1, help="Runs of one request (each ended by a crash) before "
+                          "giving up")
     ] = 3,
     inbox: Annotated[
         Path | None, typer.Option(help="Also watch this folder: each *.jsonl becomes a batch")
     ] = None,
     inbox_settle: Annotated[
-        float, typer.Option(help="Seconds an inbox file must stay unchanged to be complete")
+        float, typer.Option(min=0, help="Seconds an inbox file must stay unchanged to be complete")
     ] = 1.0,
     metrics_port: Annotated[
-        int | None, typer.Option(help="Serve Prometheus metrics at http://HOST:PORT/metrics")
+        int | None,
+        typer.Option(min=1, max=65535, help="Serve Prometheus metrics at http://HOST:PORT/metrics")
     ] = None,
     metrics_host: Annotated[str, typer.Option(help="Address for --metrics-port")] = "127.0.0.1",
     only_model: Annotated[
@@ -39,6 +60,7 @@ def worker(
         typer.Option(help="Claim only batches of this model (repeatable); others are left to "
                      "workers that serve them"),
     ] = None,
+    retention_days: RetentionOpt = None,
     *,
     engine: EngineChoice,
 ) -> None:
@@ -50,10 +72,12 @@ def worker(
     from batchmlx.store import StoreUnavailable
     from batchmlx.worker import WorkerOptions, run_worker
 
+    settings = _with_retention(settings_of(ctx), retention_days)
+    if metrics_port is not None:  # a port in use fails here, in one line, before any work
+        _serve_metrics(metrics_port, metrics_host)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     logging.getLogger("batchmlx.worker").info("BLAS: %s", active_blas().note)
     warn_if_slow_blas()
-    settings = settings_of(ctx)
     opts = WorkerOptions(
         until_idle=until_idle, model=model, dtype=engine.dtype, engine=engine.settings,
         max_attempts=max_attempts, only_models=tuple(only_model or ()),
@@ -65,9 +89,8 @@ def worker(
         box = Inbox(settings, inbox, settle_s=inbox_settle)
     work = run_worker(settings, opts, inbox=box, finalize_hooks=INBOX_HOOKS)
     if metrics_port is not None:
-        from batchmlx.worker.metrics import serve_metrics, with_queue_metrics
+        from batchmlx.worker.metrics import with_queue_metrics
 
-        serve_metrics(metrics_port, metrics_host)
         work = with_queue_metrics(settings, work)
     try:
         asyncio.run(work)
@@ -75,11 +98,25 @@ def worker(
         raise fail(str(exc)) from None
 
 
+def _serve_metrics(port: int, host: str) -> None:
+    from batchmlx.worker.metrics import serve_metrics
+
+    try:
+        serve_metrics(port, host)
+    except OSError as exc:  # in use, no such address
+        why = exc.strerror or str(exc)
+        raise fail(f"cannot listen on {host}:{port} (--metrics-port): {why}") from None
+
+
+async def _opened(store: object) -> None:
+    """Nothing: the store opened (and migrated) is the check."""
+
+
 def watch(
     ctx: typer.Context,
     folder: Annotated[Path, typer.Argument(help="The inbox folder (created if missing)")],
     settle: Annotated[
-        float, typer.Option(help="Seconds a file must stay unchanged to be complete")
+        float, typer.Option(min=0, help="Seconds a file must stay unchanged to be complete")
     ] = 1.0,
     force: Annotated[bool, typer.Option(help="Submit files whose content was seen before")] = False,
     model: Annotated[str | None, typer.Option(help="Submit every file with this model")] = None,
@@ -124,7 +161,7 @@ def doctor(
 def serve(
     ctx: typer.Context,
     host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind")] = 8000,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to bind")] = 8000,
     api_key: Annotated[
         str | None,
         typer.Option(envvar="BATCHMLX_API_KEY", help="Require 'Authorization: Bearer KEY'"),
@@ -146,6 +183,7 @@ def serve(
         int, typer.Option(min=1, help="Streamed tokens per chunk (1: every token)")
     ] = 1,
     max_upload_mb: Annotated[int, typer.Option(min=1, help="Largest file upload")] = 200,
+    retention_days: RetentionOpt = None,
     *,
     engine: EngineChoice,
 ) -> None:
@@ -157,6 +195,11 @@ def serve(
         check_bind(host, api_key, allow_remote)
     except RemoteBindError as exc:
         raise fail(str(exc)) from None
+    settings = _with_retention(settings_of(ctx), retention_days)
+    # the port and the database checked here, so that either fails in one line, not in the
+    # server's start-up traceback
+    check_port_free(host, port, "--port")
+    run_with_store(settings, _opened)
     from batchmlx.server.app import serve as run_server
     from batchmlx.server.context import ServerOptions
     from batchmlx.worker import WorkerOptions
@@ -171,6 +214,6 @@ def serve(
         worker=in_process if worker else None,
     )
     try:
-        run_server(settings_of(ctx), options, host=host, port=port)
+        run_server(settings, options, host=host, port=port)
     except ValueError as exc:
         raise fail(str(exc)) from None

@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from batchmlx.config import Settings, private_dir, private_file
-from batchmlx.database_url import parse_target
+from batchmlx.database_url import Target, parse_target
 from batchmlx.store.batches import BatchesPart
 from batchmlx.store.connection import DEFAULT_BUSY_TIMEOUT_S
 from batchmlx.store.dialects import create_engine
@@ -32,18 +32,19 @@ from batchmlx.store.enqueue import Enqueue, EnqueuePart
 from batchmlx.store.files import FilesPart
 from batchmlx.store.migrate import upgrade_to_head
 from batchmlx.store.queue import QueuePart
+from batchmlx.store.retention import RetentionPart
 from batchmlx.store.types import FileStorage, StoreUnavailable
 
 __all__ = ["Enqueue", "Store"]
 
 
-class Store(QueuePart, FilesPart, BatchesPart, EnqueuePart):
+class Store(QueuePart, FilesPart, BatchesPart, EnqueuePart, RetentionPart):
     """The seam between batchmlx and its database. Open with `await Store.open(path or URL)`."""
 
     @classmethod
     async def open(
         cls,
-        target: str | Path,
+        target: str | Path | Target,
         *,
         files_dir: Path | None = None,
         files: FileStorage | None = None,
@@ -78,7 +79,7 @@ class Store(QueuePart, FilesPart, BatchesPart, EnqueuePart):
         timeout = settings.busy_timeout_s
         busy = {} if timeout is None else {"busy_timeout_s": timeout}
         return await cls.open(
-            settings.database_url, files_dir=settings.files_dir, files=files, **busy
+            settings.target, files_dir=settings.files_dir, files=files, **busy
         )
 
     async def close(self) -> None:

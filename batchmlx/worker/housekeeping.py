@@ -18,6 +18,7 @@ from typing import Any
 from batchmlx.batches.files import delete_expired_files
 from batchmlx.batches.finalize import FinalizeHooks, finalize
 from batchmlx.batches.lifecycle import expire, settle_cancelling
+from batchmlx.batches.retention import RetentionSweep
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, is_expired
 from batchmlx.core.records import BatchRecord
@@ -42,6 +43,7 @@ class Housekeeping:
     _last_beat: float = field(default=-math.inf, init=False)  # the first tick registers us
     # batch -> (retry at, its backoff)
     _parked: dict[str, tuple[float, Backoff]] = field(default_factory=dict, init=False)
+    _retention: RetentionSweep = field(default_factory=RetentionSweep, init=False)
 
     # -- this worker's lease -------------------------------------------------------------------
     async def heartbeat(self, force: bool = False) -> None:
@@ -67,6 +69,7 @@ class Housekeeping:
         settled = await self.settle_batches()
         expired = await self.expire_batches()
         await delete_expired_files(self.store, now=self.clock())
+        await self._retention.run(self.store, self.settings, self.clock())
         return settled or expired
 
     async def settle_batches(self) -> bool:

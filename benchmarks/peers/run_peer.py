@@ -286,10 +286,10 @@ def run_llama(wl: Workload, model: str = "default", quant: str | None = None, *,
 
 
 def _batch_lines(reqs: list[tuple[str, list[dict[str, str]]]], wl: Workload,
-                 extra: dict[str, Any]) -> str:  # fmt: skip
+                 extra: dict[str, Any], model: str = "default") -> str:  # fmt: skip
     lines = []
     for cid, m in reqs:
-        body = {"model": "default", "messages": m, "max_tokens": wl.max_tokens,
+        body = {"model": model, "messages": m, "max_tokens": wl.max_tokens,
                 "temperature": 0, **extra}  # fmt: skip
         lines.append(json.dumps({"custom_id": cid, "method": "POST",
                                  "url": "/v1/chat/completions", "body": body}))  # fmt: skip
@@ -373,6 +373,20 @@ def run_openvino(wl: Workload, model: str = "default", quant: str | None = None,
     )  # fmt: skip
 
 
+def run_batchmlx_same(wl: Workload, model: str = "default") -> ProcessRun:
+    """batchmlx (whole_process.run_batchmlx: `submit --wait` + `results`, its defaults) on the
+    very requests the peers get, for the parity column."""
+    from benchmarks.whole_process import run_batchmlx
+
+    reqs = requests_of(wl, _tokenizer(model))
+    data = _batch_lines(reqs, wl, {}, model=str(path_for(model, "mlx")))
+    return run_batchmlx(data.encode(), "batchmlx (defaults)")
+
+
+def same_texts(a: dict[str, str], b: dict[str, str]) -> str:
+    return f"{sum(1 for k, v in a.items() if b.get(k) == v)}/{len(a)}"
+
+
 RUNNERS = {"llama": run_llama, "openvino": run_openvino, "vllm": run_vllm}
 
 
@@ -398,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-dtype", default="float32")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="default: on for random-weight models")  # fmt: skip
+    p.add_argument("--parity", action="store_true",
+                   help="also run batchmlx on the same requests and count equal texts")  # fmt: skip
     p.add_argument("--json", help="write the runs here")
     args = p.parse_args(argv)
     wl = workload(args.workload, args.requests, args.max_tokens, args.quick)
@@ -418,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         runs.append(r)
         print(r.summary(), flush=True)
+    if args.parity and runs:
+        ref = run_batchmlx_same(wl, args.model)
+        print(f"batchmlx (defaults): {ref.wall_s:.1f} s whole process, {ref.output_tokens} "
+              f"tokens, {ref.tok_s:.1f} tok/s", flush=True)  # fmt: skip
+        for r in runs:
+            print(f"  same texts as batchmlx: {r.system}: {same_texts(ref.texts, r.texts)}")
     if args.json:
         Path(args.json).write_text(json.dumps([
             {"system": r.system, "peer": r.peer, "model": r.model, "precision": r.precision,

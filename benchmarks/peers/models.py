@@ -180,32 +180,33 @@ def random_mlx_folder(shape: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".random-{shape}-", dir=MODELS))
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    params = tree_flatten(model.parameters())
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
-    for key, w in params:
+    model.set_dtype(mx.bfloat16)  # lazy: the float32 inits are freed as each shard evaluates
+    params = dict(tree_flatten(model.parameters()))
+    del model  # the dict holds the only references: a saved shard leaves memory
+    shards: list[list[str]] = [[]]
+    size = total = 0
+    for key, w in params.items():
         nbytes = w.size * 2
         if shards[-1] and size + nbytes > _SHARD_BYTES:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][key] = w
+        shards[-1].append(key)
         size += nbytes
+        total += nbytes
     index: dict[str, str] = {}
-    for i, shard in enumerate(shards):
+    for i, keys in enumerate(shards):
         name = (f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
                 else "model.safetensors")  # fmt: skip
-        arrays = {k: v.astype(mx.bfloat16) for k, v in shard.items()}
+        arrays = {k: params.pop(k) for k in keys}
         mx.eval(arrays)
         mx.save_safetensors(str(tmp / name), arrays, metadata={"format": "pt"})
-        index |= dict.fromkeys(shard, name)
+        index |= dict.fromkeys(keys, name)
         del arrays
         log(f"random {shape}: shard {i + 1}/{len(shards)} written")
     if len(shards) > 1:
-        total = sum(w.size * 2 for _, w in params)
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=2)
         )
-    del model, params, shards
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _copy_tokenizer(default_mlx_folder(), tmp)
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -230,9 +231,9 @@ def _tensor_order(folder: Path) -> list[tuple[str, str]]:
     if index.is_file():
         items = list(json.loads(index.read_text())["weight_map"].items())
     else:
-        import mlx.core as mx
-
-        items = [(k, "model.safetensors") for k in mx.load(str(folder / "model.safetensors"))]
+        items = [
+            (k, "model.safetensors") for k in _safetensors_shapes(folder / "model.safetensors")
+        ]
 
     def rank(key: str) -> tuple[int, int, str]:
         parts = key.split(".")
@@ -286,14 +287,16 @@ def write_bf16_gguf(folder: Path, out: Path) -> Path:
             return np.array(w.astype(mx.float32))
         return np.array(w.astype(mx.bfloat16).view(mx.uint16))
 
-    for key, file in order:  # the headers first: shapes and types, no data
-        w = files.setdefault(file, mx.load(str(folder / file)))[key]
-        norm = w.ndim == 1
+    shapes: dict[str, list[int]] = {}
+    for file in {f for _, f in order}:
+        shapes |= _safetensors_shapes(folder / file)
+    for key, _ in order:  # the headers first: shapes and types, no data
+        shape = shapes[key]
+        norm = len(shape) == 1
         kind = gguf.GGMLQuantizationType.F32 if norm else gguf.GGMLQuantizationType.BF16
         dtype = np.dtype(np.float32 if norm else np.uint16)
-        writer.add_tensor_info(_gguf_name(key), list(w.shape), dtype, w.size * dtype.itemsize,
-                               raw_dtype=kind)  # fmt: skip
-        files.clear()
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        writer.add_tensor_info(_gguf_name(key), shape, dtype, nbytes, raw_dtype=kind)
     writer.write_header_to_file(out)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -301,6 +304,14 @@ def write_bf16_gguf(folder: Path, out: Path) -> Path:
         writer.write_tensor_data(tensor(key, file))
     writer.close()
     return out
+
+
+def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Each tensor's shape from a safetensors file's JSON header (no data read)."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
 
 
 def _gguf_module() -> Any:

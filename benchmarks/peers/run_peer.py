@@ -1,0 +1,453 @@
+"""Run one workload on one CPU peer as a whole process, timed from spawn to exit (load included).
+
+Each function returns a `PeerRun`: wall (spawn to exit), load (spawn to ready for work),
+steady-state tok/s (completion tokens over the time from ready to the last token: load
+excluded, prefill included), peak RSS of the process tree (sampled every 0.2 s), completion
+tokens, the texts by custom_id (for parity checks) and the precision the peer computes in.
+
+- `run_llama`: `llama-server -np N -c N*(per-slot ctx) --cont-batching` on 127.0.0.1, threads =
+  the CPUs this process may use; the requests go concurrently to /v1/chat/completions,
+  temperature 0. Precision: the GGUF's weight types.
+- `run_vllm`: `python -m vllm.entrypoints.openai.run_batch` on an OpenAI Batch JSONL (usage
+  stats off, hub offline). Ready = its "Reading batch" log line. Precision: `--dtype`.
+- `run_openvino`: `ov_worker.py` in OpenVINO GenAI's venv: `LLMPipeline(gguf, "CPU",
+  scheduler_config=...)` with max_num_seqs = the request count and prefix caching on, one
+  greedy `generate` over the chat-templated prompts. Precision: the CPU plugin's
+  INFERENCE_PRECISION_HINT (bf16 on AVX512_BF16 CPUs) over the GGUF's weight types.
+
+    python -m benchmarks.peers.run_peer --peer llama --workload unique --requests 8 --model default
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.peers.models import gguf_type, model_files, path_for
+from benchmarks.peers.setup import ensure
+from benchmarks.whole_process import QUICK, WORKLOADS, ProcessRun, Workload
+
+HERE = Path(__file__).resolve().parent
+PEERS = ("llama", "openvino", "vllm")
+_SAMPLE_S = 0.2
+_REQUEST_TIMEOUT_S = 3600
+
+
+def log(msg: str) -> None:
+    print(f"[peers-run] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRun:
+    """One whole-process run of a peer; `as_process_run()` gives whole_process.py's row."""
+
+    system: str  # e.g. "llama.cpp server (64 slots)"
+    peer: str  # llama | openvino | vllm
+    model: str  # default | 360m | 1.7b | 8b
+    precision: str  # what it computes in
+    wall_s: float  # spawn to exit
+    load_s: float  # spawn to ready for work
+    steady_tok_s: float  # completion tokens / (last token - ready)
+    output_tokens: int
+    peak_rss_mb: float  # the process tree's, sampled
+    texts: dict[str, str] = field(default_factory=dict)  # custom_id -> text
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+    def as_process_run(self) -> ProcessRun:
+        extra = {"precision": self.precision, "load_s": self.load_s,
+                 "steady_tok_s": self.steady_tok_s, "peak_rss_mb": self.peak_rss_mb,
+                 **self.extra}  # fmt: skip
+        return ProcessRun(self.system, self.wall_s, dict(self.texts), self.output_tokens, extra)
+
+    def summary(self) -> str:
+        return (f"{self.system} [{self.model}, {self.precision}]: {self.wall_s:.1f} s whole "
+                f"process, {self.output_tokens} tokens, {self.tok_s:.1f} tok/s; load "
+                f"{self.load_s:.1f} s, steady {self.steady_tok_s:.1f} tok/s; peak RSS "
+                f"{self.peak_rss_mb:.0f} MB")  # fmt: skip
+
+
+# -- the process tree: peak RSS ---------------------------------------------------------------
+
+
+def tree_rss(root: int) -> int:
+    """Resident bytes of `root` and all its descendants, from /proc."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(d))
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, ()))
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+class Watched:
+    """A spawned process, its tree's peak RSS sampled in a thread, its stderr (and stdout)
+    lines kept with the moment each arrived (seconds since spawn)."""
+
+    def __init__(self, cmd: list[str], *, env: dict[str, str] | None = None,
+                 cwd: Path | None = None, log_path: Path | None = None) -> None:  # fmt: skip
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            errors="replace",
+        )  # fmt: skip
+        self.lines: list[tuple[float, str]] = []
+        self.peak = 0
+        self._log = open(log_path, "w") if log_path else None  # noqa: SIM115
+        self._done = threading.Event()
+        self._threads = [threading.Thread(target=self._read, daemon=True),
+                         threading.Thread(target=self._sample, daemon=True)]  # fmt: skip
+        for t in self._threads:
+            t.start()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((self.now(), line.rstrip("\n")))
+            if self._log:
+                self._log.write(line)
+        self._done.set()
+
+    def _sample(self) -> None:
+        while self.proc.poll() is None:
+            self.peak = max(self.peak, tree_rss(self.proc.pid))
+            time.sleep(_SAMPLE_S)
+
+    def first(self, needle: str) -> float | None:
+        return next((t for t, line in list(self.lines) if needle in line), None)
+
+    def wait(self, timeout: float | None = None) -> float:
+        """Wait for exit; the wall from spawn to exit."""
+        self.proc.wait(timeout=timeout)
+        wall = self.now()
+        self._done.wait(5)
+        if self._log:
+            self._log.close()
+        return wall
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(line for _, line in self.lines[-n:])
+
+    def stop(self) -> float:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                return self.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.wait()
+
+
+# -- the workload -----------------------------------------------------------------------------
+
+
+def requests_of(wl: Workload, tokenizer: Any) -> list[tuple[str, list[dict[str, str]]]]:
+    return [(f"r{i}", m) for i, m in enumerate(wl.messages(tokenizer))]
+
+
+def _prompt_lengths(tokenizer: Any, reqs: list[tuple[str, list[dict[str, str]]]]) -> list[int]:
+    out = []
+    for _, m in reqs:
+        ids = tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True)
+        out.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def _tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_files(model).tokenizer))
+
+
+def _default_quant(model: str) -> str:
+    return "Q4_1" if model == "default" else "Q8_0"
+
+
+def _threads() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ignore_eos(model: str, ignore_eos: bool | None) -> bool:
+    # Random weights emit no eos by chance only; ignoring it makes every count exactly max_tokens.
+    return model_files(model).random if ignore_eos is None else ignore_eos
+
+
+# -- llama.cpp --------------------------------------------------------------------------------
+
+
+def _post(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=_REQUEST_TIMEOUT_S)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"llama-server {path}: HTTP {resp.status}: {data[:500]!r}")
+        return json.loads(data)
+    finally:
+        conn.close()
+
+
+def _wait_healthy(w: Watched, port: int, timeout: float = 600) -> float:
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        if w.proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited ({w.proc.returncode}):\n{w.tail()}")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        try:
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return w.now()
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        time.sleep(0.05)
+    raise TimeoutError(f"llama-server not healthy after {timeout} s:\n{w.tail()}")
+
+
+def run_llama(wl: Workload, model: str = "default", quant: str | None = None, *,
+              slots: int | None = None, ignore_eos: bool | None = None) -> PeerRun:  # fmt: skip
+    inst = ensure("llama")
+    gguf = Path(path_for(model, quant or _default_quant(model)))
+    tok = _tokenizer(model)
+    reqs = requests_of(wl, tok)
+    n = slots or len(reqs)
+    per_slot = max(_prompt_lengths(tok, reqs)) + wl.max_tokens + 64
+    port, threads = _free_port(), _threads()
+    cmd = [inst.server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(n), "-c", str(n * per_slot), "--cont-batching", "-t", str(threads),
+           "-tb", str(threads), "--no-webui"]  # fmt: skip
+    skip_eos = _ignore_eos(model, ignore_eos)
+    w = Watched(cmd, log_path=Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1]))
+    try:
+        ready = _wait_healthy(w, port)
+
+        def one(req: tuple[str, list[dict[str, str]]]) -> tuple[str, str, int, float]:
+            body = {"model": "default", "messages": req[1], "max_tokens": wl.max_tokens,
+                    "temperature": 0, "cache_prompt": True, "ignore_eos": skip_eos}  # fmt: skip
+            out = _post(port, "/v1/chat/completions", body)
+            return (req[0], out["choices"][0]["message"]["content"],
+                    int(out["usage"]["completion_tokens"]), w.now())  # fmt: skip
+
+        with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
+            done = list(pool.map(one, reqs))
+    finally:
+        wall = w.stop()
+    tokens = sum(d[2] for d in done)
+    last = max(d[3] for d in done)
+    return PeerRun(
+        f"llama.cpp server ({n} slots)", "llama", model, gguf_type(gguf), wall, ready,
+        tokens / (last - ready), tokens, w.peak / 2**20, {d[0]: d[1] for d in done},
+        {"gguf": gguf.name, "threads": threads, "ctx": n * per_slot, "version": inst.version},
+    )  # fmt: skip
+
+
+# -- vLLM CPU ---------------------------------------------------------------------------------
+
+
+def _batch_lines(reqs: list[tuple[str, list[dict[str, str]]]], wl: Workload,
+                 extra: dict[str, Any], model: str = "default") -> str:  # fmt: skip
+    lines = []
+    for cid, m in reqs:
+        body = {"model": model, "messages": m, "max_tokens": wl.max_tokens,
+                "temperature": 0, **extra}  # fmt: skip
+        lines.append(json.dumps({"custom_id": cid, "method": "POST",
+                                 "url": "/v1/chat/completions", "body": body}))  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def peer_env(**more: str) -> dict[str, str]:
+    """The environment a peer runs in: no hub, no usage reports, nothing leaves the machine."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PYTHONPATH")}
+    env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1", "VLLM_DO_NOT_TRACK": "1", **more}  # fmt: skip
+    return env
+
+
+def run_vllm(wl: Workload, model: str = "default", *, dtype: str = "float32",
+             ignore_eos: bool | None = None, kv_gb: int = 4) -> PeerRun:  # fmt: skip
+    inst = ensure("vllm")
+    folder = Path(path_for(model, "hf"))
+    tok = _tokenizer(model)
+    reqs = requests_of(wl, tok)
+    ctx = max(_prompt_lengths(tok, reqs)) + wl.max_tokens + 64
+    work = Path(tempfile.mkdtemp(prefix="peer-vllm-"))
+    extra = {"ignore_eos": True} if _ignore_eos(model, ignore_eos) else {}
+    (work / "in.jsonl").write_text(_batch_lines(reqs, wl, extra))
+    cmd = [inst.python, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(work / "in.jsonl"),
+           "-o", str(work / "out.jsonl"), "--model", str(folder), "--served-model-name",
+           "default", "--dtype", dtype, "--max-model-len", str(ctx), "--max-num-seqs",
+           str(len(reqs)), "--disable-log-stats"]  # fmt: skip
+    # its torch.compile cache stays in the bench cache, beside the install
+    env = peer_env(
+        VLLM_CPU_KVCACHE_SPACE=str(kv_gb), VLLM_CACHE_ROOT=str(Path(inst.root) / "cache")
+    )
+    w = Watched(cmd, env=env, cwd=work, log_path=work / "vllm.log")
+    wall = w.wait()
+    if w.proc.returncode != 0 or not (work / "out.jsonl").is_file():
+        raise RuntimeError(f"vLLM run_batch failed ({w.proc.returncode}):\n{w.tail()}")
+    texts, tokens = {}, 0
+    for line in (work / "out.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        body = (rec.get("response") or {}).get("body") or {}
+        if not body.get("choices"):
+            raise RuntimeError(f"vLLM request {rec.get('custom_id')} failed: {rec.get('error')}")
+        texts[rec["custom_id"]] = body["choices"][0]["message"]["content"]
+        tokens += int(body["usage"]["completion_tokens"])
+    ready = w.first("Reading batch from") or 0.0
+    last = w.first("Writing outputs") or wall
+    return PeerRun(
+        "vLLM CPU run_batch", "vllm", model, dtype, wall, ready, tokens / (last - ready), tokens,
+        w.peak / 2**20, texts, {"version": inst.version, "log": str(work / "vllm.log")},
+    )  # fmt: skip
+
+
+# -- OpenVINO GenAI ---------------------------------------------------------------------------
+
+
+def run_openvino(wl: Workload, model: str = "default", quant: str | None = None, *,
+                 ignore_eos: bool | None = None, cache_gb: int = 2) -> PeerRun:  # fmt: skip
+    inst = ensure("openvino")
+    gguf = Path(path_for(model, quant or _default_quant(model)))
+    reqs = requests_of(wl, _tokenizer(model))
+    work = Path(tempfile.mkdtemp(prefix="peer-openvino-"))
+    job = {"gguf": str(gguf), "messages": [m for _, m in reqs], "max_tokens": wl.max_tokens,
+           "ignore_eos": _ignore_eos(model, ignore_eos), "max_num_seqs": len(reqs),
+           "threads": _threads(), "cache_gb": cache_gb}  # fmt: skip
+    (work / "in.json").write_text(json.dumps(job))
+    cmd = [inst.python, str(HERE / "ov_worker.py"), str(work / "in.json"), str(work / "out.json")]
+    w = Watched(cmd, env=peer_env(), cwd=work, log_path=work / "openvino.log")
+    wall = w.wait()
+    if w.proc.returncode != 0 or not (work / "out.json").is_file():
+        raise RuntimeError(f"OpenVINO GenAI failed ({w.proc.returncode}):\n{w.tail()}")
+    res = json.loads((work / "out.json").read_text())
+    tokens = int(res["generated_tokens"])
+    ready = w.first("[ov_worker] loaded") or res["t_loaded"]
+    last = w.first("[ov_worker] generated") or res["t_done"]
+    return PeerRun(
+        f"OpenVINO GenAI ({len(reqs)} seqs, prefix caching)", "openvino", model,
+        f"{res['precision'].lower()} activations, {gguf_type(gguf)} weights", wall,
+        ready, tokens / (last - ready), tokens,
+        w.peak / 2**20, {cid: t for (cid, _), t in zip(reqs, res["texts"], strict=True)},
+        {"gguf": gguf.name, "version": inst.version, "token_counts": res["token_counts"]},
+    )  # fmt: skip
+
+
+def run_batchmlx_same(wl: Workload, model: str = "default") -> ProcessRun:
+    """batchmlx (whole_process.run_batchmlx: `submit --wait` + `results`, its defaults) on the
+    very requests the peers get, for the parity column."""
+    from benchmarks.whole_process import run_batchmlx
+
+    reqs = requests_of(wl, _tokenizer(model))
+    data = _batch_lines(reqs, wl, {}, model=str(path_for(model, "mlx")))
+    return run_batchmlx(data.encode(), "batchmlx (defaults)")
+
+
+def same_texts(a: dict[str, str], b: dict[str, str]) -> str:
+    return f"{sum(1 for k, v in a.items() if b.get(k) == v)}/{len(a)}"
+
+
+RUNNERS = {"llama": run_llama, "openvino": run_openvino, "vllm": run_vllm}
+
+
+def run(peer: str, wl: Workload, model: str = "default", **kw: Any) -> PeerRun:
+    return RUNNERS[peer](wl, model, **kw)
+
+
+def workload(name: str, requests: int | None = None, max_tokens: int | None = None,
+             quick: bool = False) -> Workload:  # fmt: skip
+    wl = (QUICK if quick else WORKLOADS)[name]
+    return replace(wl, requests=requests or wl.requests, max_tokens=max_tokens or wl.max_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peer", action="append", choices=[*PEERS, "all"], default=[])
+    p.add_argument("--workload", default="unique", choices=sorted(WORKLOADS))
+    p.add_argument("--requests", type=int, help="default: the workload's (64)")
+    p.add_argument("--max-tokens", type=int, help="default: the workload's (128 / 32)")
+    p.add_argument("--quick", action="store_true", help="whole_process.py's quick workloads")
+    p.add_argument("--model", default="default", help="default | 360m | 1.7b | 8b")
+    p.add_argument("--quant", help="GGUF type for llama/openvino (default: Q4_1 / Q8_0)")
+    p.add_argument("--vllm-dtype", default="float32")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: on for random-weight models")  # fmt: skip
+    p.add_argument("--parity", action="store_true",
+                   help="also run batchmlx on the same requests and count equal texts")  # fmt: skip
+    p.add_argument("--json", help="write the runs here")
+    args = p.parse_args(argv)
+    wl = workload(args.workload, args.requests, args.max_tokens, args.quick)
+    peers = PEERS if "all" in args.peer or not args.peer else tuple(args.peer)
+    runs, failed = [], 0
+    for peer in peers:
+        kw: dict[str, Any] = {"ignore_eos": args.ignore_eos}
+        if peer == "vllm":
+            kw["dtype"] = args.vllm_dtype
+        elif args.quant:
+            kw["quant"] = args.quant
+        log(f"{peer}: {wl.name}, {wl.requests} x {wl.max_tokens} tokens, model {args.model}")
+        try:
+            r = run(peer, wl, args.model, **kw)
+        except Exception as exc:  # one peer failing must not stop the others
+            failed += 1
+            log(f"{peer}: FAILED: {exc}")
+            continue
+        runs.append(r)
+        print(r.summary(), flush=True)
+    if args.parity and runs:
+        ref = run_batchmlx_same(wl, args.model)
+        print(f"batchmlx (defaults): {ref.wall_s:.1f} s whole process, {ref.output_tokens} "
+              f"tokens, {ref.tok_s:.1f} tok/s", flush=True)  # fmt: skip
+        for r in runs:
+            print(f"  same texts as batchmlx: {r.system}: {same_texts(ref.texts, r.texts)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([
+            {"system": r.system, "peer": r.peer, "model": r.model, "precision": r.precision,
+             "wall_s": r.wall_s, "load_s": r.load_s, "steady_tok_s": r.steady_tok_s,
+             "tok_s": r.tok_s, "output_tokens": r.output_tokens, "peak_rss_mb": r.peak_rss_mb,
+             "texts": r.texts, "extra": r.extra} for r in runs], indent=2))  # fmt: skip
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

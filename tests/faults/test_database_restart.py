@@ -13,7 +13,7 @@ import pytest
 
 from tests.e2e.helpers import chat_body, request_line
 from tests.faults.pg_restart import down, start_postgres, up
-from tests.server.helpers import jsonl, start_server
+from tests.server.helpers import jsonl, start_server, wait_validated
 
 ROUTES = ("/v1/batches", "/v1/files", "/v1/files/file-x", "/v1/batches/batch_x",
           "/dashboard/api/summary", "/dashboard/api/batches/batch_x", "/metrics")  # fmt: skip
@@ -82,10 +82,7 @@ def test_the_validator_survives_a_database_restart(api, own_pg):
     f = client.files.create(file=("in.jsonl", _good_file()), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")  # fmt: skip
-    deadline = time.monotonic() + 60
-    while (batch := client.batches.retrieve(batch.id)).status == "validating":
-        assert time.monotonic() < deadline, "the validator died: still validating after 60 s"
-        time.sleep(0.2)
+    batch = wait_validated(client, batch.id)  # it stayed validating: the validator had died
     assert batch.status == "in_progress", batch.errors
     log = api.log.read_text()
     assert "the validator: the database is unavailable" in log and "retrying in" in log, log

@@ -34,9 +34,21 @@ def _causes(exc: BaseException, depth: int = 4) -> list[BaseException]:
     return seen
 
 
+def _raised_by_driver(e: BaseException) -> bool:
+    """Whether `e` came out of SQLAlchemy or asyncpg (not out of, say, a client's socket)."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__", "").startswith(("sqlalchemy", "asyncpg")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _away(e: BaseException) -> bool:
-    if isinstance(e, StoreUnavailable | PoolTimeout | ConnectionError | TimeoutError):
-        return True  # refused, reset, no connection left in the pool within its timeout
+    if isinstance(e, StoreUnavailable | PoolTimeout):
+        return True  # cannot be opened; no connection left in the pool within its timeout
+    if isinstance(e, ConnectionError | TimeoutError):
+        return _raised_by_driver(e)  # asyncpg's connect refused, reset or timed out: raw
     if isinstance(e, DBAPIError) and e.connection_invalidated:
         return True  # SQLAlchemy saw the connection die (and dropped it from the pool)
     state = getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)

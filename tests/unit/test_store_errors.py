@@ -27,6 +27,19 @@ def _wrapped_in_handling(inner: BaseException) -> BaseException:
         return exc
 
 
+def _refused_connect() -> BaseException:
+    import asyncpg
+
+    async def connect() -> None:
+        await asyncpg.connect(host="127.0.0.1", port=1, user="x", timeout=5)
+
+    try:
+        asyncio.run(connect())
+    except OSError as exc:
+        return exc
+    raise AssertionError("port 1 accepted a connection")
+
+
 def _transient_cases() -> list[tuple[BaseException, bool]]:
     asyncpg = pytest.importorskip("asyncpg")
     closed = InterfaceError("SELECT 1", {}, Exception("connection is closed"),
@@ -34,7 +47,8 @@ def _transient_cases() -> list[tuple[BaseException, bool]]:
     return [
         (OperationalError("UPDATE", {}, sqlite3.OperationalError("database is locked")), True),
         (closed, True),  # SQLAlchemy saw the connection die under a query
-        (ConnectionRefusedError(111, "Connect call failed"), True),  # asyncpg's connect, raw
+        (_refused_connect(), True),  # asyncpg's connect raises the OSError itself
+        (ConnectionRefusedError(111, "not from a driver"), False),  # e.g. a client's socket
         (asyncpg.CannotConnectNowError("the database system is starting up"), True),
         (asyncpg.AdminShutdownError("terminating connection"), True),
         (asyncpg.TooManyConnectionsError("too many clients"), True),
@@ -53,7 +67,8 @@ def test_which_database_errors_are_transient() -> None:
 
 
 def test_keep_running_logs_each_fault_and_goes_on(caplog) -> None:
-    faults = [ConnectionRefusedError(111, "refused"), RuntimeError("a bug")]
+    locked = OperationalError("UPDATE", {}, sqlite3.OperationalError("database is locked"))
+    faults = [locked, RuntimeError("a bug")]
     runs: list[int] = []
 
     async def step() -> float:

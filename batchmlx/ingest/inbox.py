@@ -7,8 +7,10 @@ so a writer may also write `.name.jsonl.part` and rename it. The same content as
 ran or runs (sha256) is not submitted again unless `force`; the content of a failed, cancelled
 or expired batch is. A file that cannot be taken (a symlink, a name that is not UTF-8, an
 unreadable file, one the store refuses) goes to failed/ with a reason, so no file is ever
-copied twice. The file is moved aside only after its batch is committed; the batch's `source`
-names the drop, so a restart after a crash in between moves the file instead of resubmitting.
+copied twice; a database that is busy or away refuses nothing: the file stays and is tried
+again at the next scan. The file is moved aside only after its batch is committed; the batch's
+`source` names the drop, so a restart after a crash in between moves the file instead of
+resubmitting.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from batchmlx.formats.errors import ErrorCode, errors_object
 from batchmlx.ingest.layout import DONE, FAILED, RESULTS, Drop
 from batchmlx.ingest.writers import open_for_writing
 from batchmlx.store import Store
+from batchmlx.store.errors import is_transient_db_error
 
 log = logging.getLogger("batchmlx.inbox")
 
@@ -75,13 +78,19 @@ class Inbox:
         for sub in (DONE, FAILED, RESULTS):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
         log.info("watching %s", self.folder)
-        await self.scan(store)
+        await self._scan_logged(store)
         tick_ms = max(50, int(self.settle_s * 500))
         async for _ in awatch(
             self.folder, stop_event=stop, recursive=False, debounce=tick_ms,
             rust_timeout=tick_ms, yield_on_timeout=True,
         ):  # fmt: skip
+            await self._scan_logged(store)
+
+    async def _scan_logged(self, store: Store) -> None:
+        try:  # the watch outlives a scan that fails (each file's faults are caught in scan)
             await self.scan(store)
+        except Exception:
+            log.exception("scanning %s failed; tried again at the next change", self.folder)
 
     async def scan(self, store: Store) -> list[BatchRecord]:
         """One pass over the folder: ingest every complete file; returns the batches made."""
@@ -123,8 +132,13 @@ class Inbox:
                 continue  # its writer may only be pausing
             try:
                 rec = await self.ingest(store, path, st)
-            except Exception:  # one bad file never stops the inbox
-                log.exception("cannot ingest %s", text_name(path.name))
+            except Exception as exc:  # one bad file never stops the inbox
+                if is_transient_db_error(exc):  # the file stays; the next scan takes it
+                    log.warning("%s: the database is unavailable (%s); the file stays in the "
+                                "inbox and is tried again", text_name(path.name),
+                                getattr(exc, "orig", None) or exc)  # fmt: skip
+                else:
+                    log.exception("cannot ingest %s", text_name(path.name))
                 continue
             self._seen.pop(path, None)
             if rec is not None:
@@ -179,6 +193,8 @@ class Inbox:
                 log.error("%s: %s", name, exc)
                 return None
             except Exception as exc:  # submit left nothing behind; the file must not come back
+                if is_transient_db_error(exc):
+                    raise  # nothing wrong with the file: left in place, tried again
                 log.exception("%s: cannot be submitted", name)
                 _refuse(path, f"it cannot be submitted: {exc}")
                 return None

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +15,8 @@ from batchmlx.batches.intake import validate_batch
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.store import Store
+from batchmlx.store.errors import is_transient_db_error
+from batchmlx.worker.resilience import Backoff
 
 if TYPE_CHECKING:
     from batchmlx.worker import Worker, WorkerOptions
@@ -35,10 +39,31 @@ class ServerOptions:
     validate_poll_s: float = 1.0  # how often batches created elsewhere are looked for
 
 
+async def keep_running(name: str, step: Callable[[], Awaitable[float]], backoff: Backoff) -> None:
+    """Run `step` again and again (it returns how long to wait before the next run) for as
+    long as the server runs. A fault does not end the task: it is logged in one line (a
+    database that is away: no traceback) and the step runs again after a growing delay."""
+    while True:
+        try:
+            pause = await step()
+        except Exception as exc:
+            delay = backoff.next()
+            if is_transient_db_error(exc):
+                log.warning("%s: the database is unavailable (%s); retrying in %.1fs",
+                            name, getattr(exc, "orig", None) or exc, delay)  # fmt: skip
+            else:
+                log.exception("%s failed; retrying in %.1fs", name, delay)
+            await asyncio.sleep(delay)
+            continue
+        backoff.reset()
+        await asyncio.sleep(pause)
+
+
 class Validator:
     """Validates `validating` batches after their create call has answered, as OpenAI does.
 
-    Woken at once by a create in this server; polls for batches other servers created."""
+    Woken at once by a create in this server; polls for batches other servers created. Runs
+    under `keep_running`: a database restart delays validation, never ends it."""
 
     def __init__(self, store: Store, settings: Settings, model: str, poll_s: float) -> None:
         self.store, self.settings, self.model, self.poll_s = store, settings, model, poll_s
@@ -49,18 +74,22 @@ class Validator:
             await validate_batch(
                 self.store, self.settings, batch_id, now=time.time(), model=self.model
             )
-        except Exception:
+        except Exception as exc:
+            if is_transient_db_error(exc):
+                raise  # the batch stays validating; the whole pass is retried after a backoff
             log.exception("validating %s failed", batch_id)
 
+    async def pass_once(self) -> float:
+        """Validate every `validating` batch, then wait for a wake-up or the next poll."""
+        self.wake.clear()
+        for ref in await self.store.batches_with_status(BatchStatus.VALIDATING):
+            await self.validate(ref.id)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), self.poll_s)
+        return 0.0
+
     async def run(self) -> None:
-        while True:
-            self.wake.clear()
-            for ref in await self.store.batches_with_status(BatchStatus.VALIDATING):
-                await self.validate(ref.id)
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.poll_s)
-            except TimeoutError:
-                pass
+        await keep_running("the validator", self.pass_once, Backoff(first=0.5, cap=10.0))
 
 
 @dataclass

@@ -17,7 +17,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from batchmlx.batches.files import iter_file_content
 from batchmlx.core.progress import RateMeter, batch_meter, estimate_batch
 from batchmlx.core.records import BatchRecord
 from batchmlx.formats.openai import batch_object
@@ -130,26 +129,45 @@ async def batch_detail(request: Request) -> JSONResponse:
         raise not_found("batch", batch_id)
     meter = None if rec.status.terminal else _meters(request).get(rec)
     view = batch_view(rec, time.time(), meter, inflight_tokens())
-    view["error_lines"] = await _error_lines(ctx, rec)
+    head = await _error_head(ctx, rec)
+    # a batch whose error file was deleted or expired still has its page, saying so
+    view["error_file_missing"] = head is None
+    view["error_lines"] = _error_lines(head or b"")
     return JSONResponse(view)
 
 
-async def _error_lines(ctx: ServerContext, rec: BatchRecord) -> list[dict[str, Any]]:
-    """The first ERROR_LINES lines of the error file, as custom_id, status and message."""
+async def _error_head(ctx: ServerContext, rec: BatchRecord) -> bytes | None:
+    """The start of the error file, up to its ERROR_LINES-th line (b"" when the batch has
+    none); None when the file or its bytes are gone."""
     if rec.error_file_id is None:
-        return []
-    out = []
+        return b""
+    f = await ctx.store.get_file(rec.error_file_id)
+    if f is None:
+        return None
     data = bytearray()
-    chunks = iter_file_content(ctx.store, rec.error_file_id)
+    chunks = ctx.store.read_file(f)
     try:
         async for chunk in chunks:
             data += chunk  # only as far as the lines shown: an error file may be 200 MB
             if data.count(b"\n") >= ERROR_LINES:
                 break
+    except FileNotFoundError:  # deleted meanwhile, or its bytes gone from files/
+        return None
     finally:
         await chunks.aclose()
-    for raw in bytes(data).splitlines()[:ERROR_LINES]:
-        line = orjson.loads(raw)
+    return bytes(data)
+
+
+def _error_lines(data: bytes) -> list[dict[str, Any]]:
+    """The first ERROR_LINES lines of an error file, as custom_id, status and message."""
+    out = []
+    for raw in data.splitlines()[:ERROR_LINES]:
+        try:
+            line = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue  # not one of ours (a file replaced by hand): shown as absent
+        if not isinstance(line, dict):
+            continue
         err = line.get("error") or {}
         resp = line.get("response") or {}
         body_err = (resp.get("body") or {}).get("error") or {}

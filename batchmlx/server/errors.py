@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+
+from batchmlx.store import StoreUnavailable
+from batchmlx.store.errors import is_transient_db_error, unwrapped_driver_errors
 
 log = logging.getLogger("batchmlx.server")
 
@@ -61,14 +64,22 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(ApiError(exc.status_code, msg, code=code))
 
 
-async def _store_unavailable(request: Request, exc: Exception) -> JSONResponse:
-    # SQLite's "database is locked" after the busy timeout, a lost PostgreSQL connection, a
-    # full disk: the request may well succeed later, so 503 (which clients retry), not 500
-    log.warning("%s %s: the database is unavailable: %s", request.method, request.url.path,
-                getattr(exc, "orig", exc))  # fmt: skip
+def database_unavailable() -> JSONResponse:
     err = ApiError(503, "The database is busy or unavailable; retry the request shortly.",
                    code="database_unavailable")  # fmt: skip
     return error_response(err, {"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+
+async def _store_error(request: Request, exc: Exception) -> JSONResponse:
+    # SQLite's "database is locked" after the busy timeout, PostgreSQL down or restarting, a
+    # pool with no connection left, a full disk: the request may well succeed later, so 503
+    # (which clients retry), not 500. Any other database error is a bug: re-raised, it is
+    # answered by _unexpected, and the server logs its traceback.
+    if not is_transient_db_error(exc):
+        raise exc
+    log.warning("%s %s: the database is unavailable: %s", request.method, request.url.path,
+                getattr(exc, "orig", None) or exc)  # fmt: skip
+    return database_unavailable()
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -81,6 +92,12 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 EXCEPTION_HANDLERS = {
     ApiError: _api_error,
     HTTPException: _http_error,
-    OperationalError: _store_unavailable,
+    # every route, whatever the driver raises: SQLAlchemy's errors, asyncpg's refused
+    # connect (an OSError), the store's own
+    SQLAlchemyError: _store_error,
+    StoreUnavailable: _store_error,
+    ConnectionError: _store_error,
+    TimeoutError: _store_error,
+    **dict.fromkeys(unwrapped_driver_errors(), _store_error),
     Exception: _unexpected,  # last resort: OpenAI's envelope, never a bare text page
 }

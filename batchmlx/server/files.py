@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from batchmlx.batches.files import CHUNK_BYTES, delete_file, iter_file_content, store_file
+from batchmlx.batches.files import CHUNK_BYTES, delete_file, store_file
 from batchmlx.core.records import FileRecord
 from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
 from batchmlx.formats.openai import file_deleted_object, file_object
@@ -121,16 +121,24 @@ async def retrieve(request: Request) -> JSONResponse:
 
 
 async def content(request: Request) -> Response:
+    ctx: ServerContext = request.app.state.ctx
     rec = await _file(request)
-    chunks = iter_file_content(request.app.state.ctx.store, rec.id)
-    try:  # the first chunk before any header: bytes gone from the data directory are a 410
-        first = await anext(chunks, b"")
+    chunks = ctx.store.read_file(rec)
+    try:  # the first chunk before any header: bytes gone are a 404 or a 410, never a 500
+        first: bytes | None = await anext(chunks, b"")
     except FileNotFoundError:
+        first = None
+    if first is None or (not first and rec.bytes):
+        await chunks.aclose()
+        if await ctx.store.get_file(rec.id) is None:  # deleted since we looked it up
+            raise not_found("file", rec.id)
         raise ApiError(410, f"The content of file '{rec.id}' is gone: its bytes are missing "
-                       "from the data directory.", code="file_content_missing") from None
+                       "from the data directory.", code="file_content_missing")  # fmt: skip
+
+    head: bytes = first
 
     async def body() -> AsyncIterator[bytes]:
-        yield first
+        yield head
         async for chunk in chunks:
             yield chunk
 

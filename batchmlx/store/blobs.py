@@ -13,10 +13,11 @@ import os
 import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from sqlalchemy import delete, insert, select
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import delete, func, insert, literal, literal_column, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.sql import ColumnElement
 
 from batchmlx.config import private_dir
 from batchmlx.store.models import FILE_CHUNKS
@@ -46,6 +47,19 @@ async def rechunk(chunks: Chunks, size: int = CHUNK_BYTES) -> AsyncIterator[byte
             del buf[:size]
     if buf:
         yield bytes(buf)
+
+
+class FileChanged(FileNotFoundError):
+    """A file's bytes were deleted or replaced while they were read (between two chunks)."""
+
+
+def _version(conn: AsyncConnection) -> ColumnElement[Any]:
+    """What tells one write of a file's chunks from the next: on PostgreSQL the writing
+    transaction (xmin), the same for every chunk of one `put`. SQLite keeps file bytes on
+    disk (a database copy is for tests), and its rowids are reused: no check there."""
+    if conn.dialect.name == "postgresql":
+        return literal_column("xmin::text")
+    return literal(None)
 
 
 class Blobs(Protocol):
@@ -113,25 +127,29 @@ class DatabaseBlobs:
 
     async def read(self, file_id: str, location: str) -> AsyncIterator[bytes]:
         # one chunk per query: a streamed result would not do, asyncpg's cursor under
-        # SQLAlchemy fetches 50 rows (50 MiB here) at a time whatever yield_per says
-        async with self._reader.connect() as conn:
-            if conn.dialect.name == "postgresql":
-                # one snapshot for every query: a replace while we read cannot mix old and new
-                # (SQLite's read transaction is one already)
-                await conn.execution_options(isolation_level="REPEATABLE READ")
-            seq = 0
-            while True:
-                data = (
-                    await conn.execute(
-                        select(FILE_CHUNKS.c.data).where(
-                            FILE_CHUNKS.c.file_id == file_id, FILE_CHUNKS.c.seq == seq
-                        )
-                    )
-                ).scalar()
-                if data is None:
-                    return
-                yield data
-                seq += 1
+        # SQLAlchemy fetches 50 rows (50 MiB here) at a time whatever yield_per says. And one
+        # short transaction per chunk: a reader that takes minutes (a slow client) must not
+        # hold a pooled connection all that time, or 16 of them starve every other request.
+        # A replace between two chunks is caught by the version of the chunk rows (the one
+        # transaction that wrote them all): the read fails rather than mixing old and new.
+        count, version = None, None
+        seq = 0
+        while count is None or seq < count:
+            async with self._reader.connect() as conn:
+                if count is None:
+                    count = (await conn.execute(select(func.count()).where(
+                        FILE_CHUNKS.c.file_id == file_id))).scalar_one()  # fmt: skip
+                    if not count:
+                        return
+                row = (await conn.execute(
+                    select(FILE_CHUNKS.c.data, _version(conn)).where(
+                        FILE_CHUNKS.c.file_id == file_id, FILE_CHUNKS.c.seq == seq)
+                )).first()  # fmt: skip
+            if row is None or (version is not None and row[1] != version):
+                raise FileChanged(f"file {file_id} was deleted or replaced while it was read")
+            version = row[1]
+            yield row[0]
+            seq += 1
 
     async def delete(self, file_id: str, location: str) -> None:
         async with self._engine.begin() as conn:

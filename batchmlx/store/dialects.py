@@ -42,7 +42,11 @@ def create_engine(target: Target, busy_timeout_s: float) -> AsyncEngine:
         engine = create_async_engine(target.url)
         install_sqlite_setup(engine.sync_engine, busy_timeout_s)
         return engine
-    return create_async_engine(target.url, connect_args={"server_settings": _PG_SESSION})
+    # pre-ping: a pooled connection that died with a server restart is replaced at checkout,
+    # so the first request after the database comes back does not fail on it
+    return create_async_engine(
+        target.url, connect_args={"server_settings": _PG_SESSION}, pool_pre_ping=True
+    )
 
 
 class SQLiteSQL:

@@ -3,6 +3,7 @@ results land in DIR/results/ when each batch ends. A real worker process, a real
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -312,3 +313,34 @@ def test_open_for_writing_sees_write_handles_only(tmp_path: Path) -> None:
     with a.open("a"), b.open("rb"), c.open("r+b"):
         assert open_for_writing([a, b, c]) == {a, c}
     assert open_for_writing([a, b, c]) == set()
+
+
+def test_a_busy_database_leaves_the_file_in_the_inbox(tmp_path: Path) -> None:
+    """Another writer holds SQLite's write lock past the busy timeout while a valid file is
+    dropped: the file stays where it is (it used to go to failed/ for good, "database is
+    locked") and becomes a batch at the first scan after the lock is let go."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    settings = Settings(home=tmp_path / "home", cache_dir=tmp_path / "cache")
+    (inbox / "good.jsonl").write_text(_line("g0") + _line("g1"))
+
+    async def main() -> None:
+        store = await Store.open(settings.db_path, busy_timeout_s=0.2)
+        box = Inbox(settings, inbox, clock=_later())
+        try:
+            with closing(sqlite3.connect(settings.db_path, isolation_level=None)) as other:
+                other.execute("BEGIN IMMEDIATE")  # the other writer
+                for _ in range(2):  # scan after scan while it writes: nothing is refused
+                    assert await box.scan(store) == []
+                    assert (inbox / "good.jsonl").exists()
+                    assert not any((inbox / "failed").iterdir())
+                other.execute("ROLLBACK")
+            [rec] = await box.scan(store)
+            assert rec.status is BatchStatus.IN_PROGRESS and rec.request_counts.total == 2
+            assert sorted(os.listdir(inbox / "done")) == ["good.jsonl"]
+            assert len([f for f in await store.list_files_page() if f.purpose == "batch"]) == 1
+        finally:
+            await store.close()
+
+    (inbox / "failed").mkdir()
+    asyncio.run(main())

@@ -114,3 +114,13 @@ def wait_batch(client, batch_id: str, timeout: float = 180):
         if time.monotonic() > deadline:
             raise AssertionError(f"batch {batch_id} still {b.status} after {timeout}s")
         time.sleep(0.3)
+
+
+def wait_validated(client, batch_id: str, timeout: float = 60):
+    """The batch once it is no longer `validating` (the server's validator took it)."""
+    deadline = time.monotonic() + timeout
+    while (b := client.batches.retrieve(batch_id)).status == "validating":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"batch {batch_id} still validating after {timeout}s")
+        time.sleep(0.2)
+    return b

@@ -167,7 +167,7 @@ function renderDetail(b) {
   ];
   $("detail-facts").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
   $("download-output").hidden = !b.output_file_id;
-  $("download-errors").hidden = !b.error_file_id;
+  $("download-errors").hidden = !b.error_file_id || b.error_file_missing;
   $("cancel").hidden = !cancellable(b);
 
   const end = b.completed_at ? ["completed", b.completed_at] : b.failed_at ? ["failed", b.failed_at]
@@ -191,6 +191,9 @@ function renderDetail(b) {
   }
   for (const e of b.error_lines) {
     items.push(el("li", {}, `${e.custom_id}: ${e.status_code ?? ""} ${e.code ?? ""}: ${e.message ?? ""}`));
+  }
+  if (b.error_file_missing) {
+    items.push(el("li", { class: "muted" }, `error file ${b.error_file_id} was deleted or expired`));
   }
   if (!items.length) items.push(el("li", { class: "muted" }, "none"));
   $("errors").replaceChildren(...items);

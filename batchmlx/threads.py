@@ -92,7 +92,8 @@ def choose_threads(
         try:
             requested = int(environ[ENV])
         except ValueError:
-            raise ValueError(f"{ENV} must be a whole number of threads, not {environ[ENV]!r}")
+            msg = f"{ENV} must be a whole number of threads, not {environ[ENV]!r}"
+            raise ValueError(msg) from None
         how = f"{ENV}={requested}"
     else:
         how = f"--threads {requested}"

@@ -5,9 +5,10 @@ The CPUs a process may use are the fewer of its affinity mask (`os.sched_getaffi
 cpusets) and its cgroup v2 CPU quota (`/sys/fs/cgroup/cpu.max`: a container's `--cpus`). Of
 those the engine takes all but one, and at least one: OpenBLAS's threads meet at a barrier in
 every matmul and busy-wait there, so one descheduled thread stalls the rest for a time slice.
-With nothing else running, 2 threads on 2 cores were barely faster than 1; with two busy
-neighbours, a 32-token chat took 35-46 s at 2 threads and 3.8-4.0 s at 1 (issue 21). The core
-left over serves the event loop, the database and other processes on the host.
+Measured on 2 cores shared with other work (benchmarks/threads_neighbours.py, a 32-token chat
+on the default model): 2 threads 32.2 s, 1 thread 6.5 s; with two more busy neighbours 59.7 s
+and 10.8 s (issue 21 saw 35-46 s against 3.8-4.0 s). The core left over serves the event loop,
+the database and the other processes of the host.
 
 `--threads N` (or BATCHMLX_THREADS) overrides the choice; `batchmlx doctor` shows it. The count
 goes to the BLAS MLX's CPU backend calls (OpenBLAS or MKL, set at run time through the preloaded

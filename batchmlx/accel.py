@@ -393,6 +393,8 @@ def doctor_report(*, measure: bool = True) -> dict[str, object]:
     """Platform, MLX version and device, the active BLAS and its measured matmul speed."""
     import mlx.core as mx
 
+    from batchmlx.threads import threads_report
+
     blas = active_blas()
     available = find_fast_blas()
     return {
@@ -407,6 +409,7 @@ def doctor_report(*, measure: bool = True) -> dict[str, object]:
         "active_blas": asdict(blas),
         "note": blas.note,
         "fast_blas_available": asdict(available) if available else None,
+        "engine_threads": threads_report(),
         "matmul_gflops_1024_f32": round(measure_matmul_gflops(), 1) if measure else None,
     }
 

@@ -55,13 +55,19 @@ def engine_choice(
         int, _option("Block bound without memory awareness")
     ] = D.cache_max_blocks,
     dtype: Annotated[str, _option(DTYPE_HELP)] = "auto",
+    threads: Annotated[
+        int | None,
+        typer.Option(min=1, envvar="BATCHMLX_THREADS", rich_help_panel=PANEL,
+                     help="Compute threads (BLAS, host kernels); default: the CPUs this process "
+                     "may use (affinity, cgroup quota) less one; `batchmlx doctor` shows it"),
+    ] = D.threads,
 ) -> EngineChoice:
     """The engine options into what they decide."""
     settings = EngineSettings(
         simple=simple, max_batch_size=max_batch_size, adaptive_width=adaptive_width,
         block_size=block_size, use_paged_cache=use_paged_cache, cache_memory_mb=cache_memory_mb,
         cache_memory_percent=cache_memory_percent, memory_aware=memory_aware_cache,
-        cache_max_blocks=cache_max_blocks,
+        cache_max_blocks=cache_max_blocks, threads=threads,
     )  # fmt: skip
     return EngineChoice(settings, dtype=dtype)
 

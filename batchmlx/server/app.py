@@ -62,16 +62,17 @@ def create_app(settings: Settings, options: ServerOptions, *, host: str) -> Star
             from batchmlx.server.supervisor import Supervisor
             from batchmlx.worker import Worker
 
-            def new_worker() -> Worker:
+            async def new_worker() -> Worker:
                 worker = Worker(store, settings, options.worker, finalize_hooks=ctx.finalize_hooks)
                 t0 = time.perf_counter()
-                ctx.model_name = worker.load(options.model)  # before listening: ready = loaded
+                # on the worker's engine thread (the loop stays free); before listening at
+                # start, so ready means loaded
+                ctx.model_name = await worker.load_async(options.model)
                 log.info("model %s loaded in %.1fs", ctx.model_name, time.perf_counter() - t0)
                 return worker
 
-            supervisor = Supervisor(
-                new_worker(), new_worker, on_give_up=getattr(app.state, "shutdown", lambda: None)
-            )
+            give_up = getattr(app.state, "shutdown", lambda: None)
+            supervisor = Supervisor(await new_worker(), new_worker, on_give_up=give_up)
             app.state.supervisor = supervisor
             ctx.worker = _CurrentWorker(supervisor)
             ctx.worker_task = asyncio.create_task(supervisor.run())
@@ -114,7 +115,8 @@ def serve(settings: Settings, options: ServerOptions, *, host: str, port: int) -
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(settings, options, host=host)
-    # one process, one event loop: the worker's engine steps and the handlers share it
+    # one process, one event loop for the handlers and the worker's database work; the engine
+    # steps on the worker's own thread (worker/engine_thread.py)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
         lifespan="on",

@@ -5,9 +5,10 @@ new one, and after too many restarts shuts the server down to exit non-zero."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from batchmlx.worker.resilience import Backoff
@@ -37,7 +38,7 @@ class Supervisor:
     def __init__(
         self,
         worker: Worker,
-        make_worker: Callable[[], Worker],
+        make_worker: Callable[[], Worker | Awaitable[Worker]],  # `serve`'s loads off the loop
         *,
         on_give_up: Callable[[], None] = lambda: None,  # `serve`: shut the server down
         first_delay: float = 0.5,
@@ -80,15 +81,16 @@ class Supervisor:
                 if self.stopping:
                     return
                 try:
-                    self.worker = self._replacement()
+                    self.worker = await self._replacement()
                     break
                 except Exception as exc:
                     log.error("restarting the worker failed", exc_info=exc)
             log.info("worker restarted (%d of at most %d in a row)", restarts, MAX_RESTARTS)
 
-    def _replacement(self) -> Worker:
+    async def _replacement(self) -> Worker:
         old = self.worker
-        new = self.make_worker()
+        made = self.make_worker()
+        new = await made if inspect.isawaitable(made) else made
         new.online = old.online  # tickets sent meanwhile wait for the new worker
         return new
 

@@ -38,14 +38,22 @@ class QueuePart(StoreBase):
             return False
         return await self._listener.wait(timeout)
 
-    async def next_lease_end(self) -> float | None:
+    async def next_lease_end(
+        self, models: Sequence[str] = (), default_model: str = "default"
+    ) -> float | None:
         """When the first running lease of an in-progress batch ends (None: none runs): an idle
-        worker wakes then to take over a dead worker's requests."""
+        worker wakes then to take over a dead worker's requests. `models`: only batches of
+        these (a worker's --only-model; a batch naming none counts as `default_model`), so a
+        worker never wakes for leases it would not take."""
         query = (
             select(func.min(R.c.lease_expires_at))
             .join(B, B.c.id == R.c.batch_id)
             .where(R.c.status == RUNNING, B.c.status == BatchStatus.IN_PROGRESS.value)
         )
+        if models:
+            mine = B.c.model.in_(list(models))
+            query = query.where(or_(mine, B.c.model.is_(None)) if default_model in models
+                                else mine)  # fmt: skip
         async with self._reader.connect() as conn:
             return (await conn.execute(query)).scalar()
 

@@ -1,7 +1,10 @@
 """Admission: which work enters the engine. Claimed batch requests and the HTTP API's online
 tickets both become a ClaimedRequest and enter through `InFlight.start`, the one path; what
 differs is where they come from (the store's queue, with leases and attempts; the online queue,
-ahead of batch work) and what a request that cannot start gets instead."""
+ahead of batch work) and what a request that cannot start gets instead.
+
+`claim` runs on the event loop (the store); `admit_tickets`, `admit_claimed` and `load` touch
+the engine, so the worker runs them on the engine's thread."""
 
 from __future__ import annotations
 
@@ -39,12 +42,12 @@ class Admission:
         return self.inflight.ensure_model(self.model_for(model)).translator.model_name
 
     # -- online tickets ------------------------------------------------------------------------
-    def admit_online(self) -> bool:
-        """Admit the server's tickets (priority over batch work); drop abandoned ones."""
+    def admit_tickets(self, tickets: list[OnlineTicket], live: set[int]) -> bool:
+        """Admit the server's tickets (priority over batch work); drop abandoned ones (those
+        not in `live`). On the engine thread."""
         fl = self.inflight
         if fl.loaded is not None:
-            fl.drop_abandoned()
-        tickets = fl.online.drain()
+            fl.drop_abandoned(live)
         if not tickets:
             return False
         try:
@@ -62,29 +65,35 @@ class Admission:
         return True
 
     # -- batch work ----------------------------------------------------------------------------
-    async def claim(self) -> bool:
-        """Top the engine up from the oldest in-progress batches this engine can serve."""
+    async def claim(self) -> list[ClaimedRequest]:
+        """Lease what tops the engine up, from the oldest in-progress batches this engine can
+        serve, all of one model (`admit_claimed` then starts them on the engine thread)."""
         fl = self.inflight
         width = fl.max_batch
         room = self.opts.claim_factor * width - len(fl.pending)
         if room < width:
-            return False
-        did = False
+            return []
+        out: list[ClaimedRequest] = []
+        model: str | None = None  # what this round claimed for: one engine holds one model
         for b in await self.store.active_batches():
-            if not self._serves(b):
+            if not self._serves(b) or model not in (None, self.model_for(b.model)):
                 continue
             claimed = await self.store.claim(
                 self.worker_id, room, self.clock(), self.settings.lease_s, batch_id=b.id
             )
             if claimed:
                 crash_point("after_claim")
-            for c in claimed:
-                self._admit_claimed(c)
+                model = self.model_for(b.model)
+            out += claimed
             room -= len(claimed)
-            did |= bool(claimed)
             if room <= 0:
                 break
-        return did
+        return out
+
+    def admit_claimed(self, claimed: list[ClaimedRequest]) -> None:
+        """Start claimed requests in the engine (on the engine thread)."""
+        for c in claimed:
+            self._admit_claimed(c)
 
     def _serves(self, b: BatchRef) -> bool:
         """Whether to claim from `b` now: a model this worker serves, and the loaded one unless

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,8 @@ from typing import Any
 
 from batchmlx.core.engine_api import EmbedderProtocol, EngineProtocol, EngineSettings
 from batchmlx.worker.translate import Translator
+
+log = logging.getLogger("batchmlx.worker")
 
 
 @dataclass(slots=True)
@@ -32,10 +35,16 @@ def mlx_engine_factory(*, cache_dir: Path, dtype: str, engine: EngineSettings) -
 def build_engine(
     name: str, *, cache_dir: Path, dtype: str = "auto", settings: EngineSettings
 ) -> ServingModel:
-    """Load the model `name` and wrap it in an Engine and the Translator that feeds it."""
+    """Load the model `name` and wrap it in an Engine and the Translator that feeds it. The
+    engine's thread count is set first (batchmlx/threads.py), before anything computes."""
     from batchmlx.core.models import resolve_model
     from batchmlx.engine.arch import make_engine
     from batchmlx.engine.models.loader import load_model
+    from batchmlx.threads import apply_threads, choose_threads
+
+    threads = choose_threads(settings.threads)
+    how = apply_threads(threads)
+    log.info("engine threads: %d (%s; %s)", threads.threads, threads.why, ", ".join(how))
 
     spec = resolve_model(name, cache_dir=cache_dir)
     if spec is None:

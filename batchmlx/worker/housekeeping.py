@@ -37,7 +37,7 @@ class Housekeeping:
     settings: Settings
     worker_id: str
     clock: Callable[[], float]
-    stop_batch: Callable[[str], None]  # drop a batch's requests from the engine
+    stop_batch: Callable[[str], Awaitable[None]]  # drop a batch's requests (on the engine thread)
     flush: Callable[[], Awaitable[None]]  # write every ready result now
     hooks: FinalizeHooks = ()  # run by each finalize (the inbox's result copies)
     _last_beat: float = field(default=-math.inf, init=False)  # the first tick registers us
@@ -96,7 +96,7 @@ class Housekeeping:
         self, batch_id: str, what: str, op: _BatchOp, *, now: float | None = None
     ) -> Any:
         """Stop the batch's requests here, write the results already ready, then `op` it."""
-        self.stop_batch(batch_id)
+        await self.stop_batch(batch_id)
         await self.flush()
         return await self._for_batch(batch_id, what, op, self.clock() if now is None else now)
 

@@ -2,8 +2,10 @@
 
 Every call into the engine (building it, add, abort, step, the embeddings pass) is made by
 `InFlight`, and none of its methods awaits. The async worker (worker/loop.py: the database, the
-HTTP API's tickets, timers) calls it between its own work; issue 21 moves these calls onto the
-engine's own thread, with `ready` and the online queue as the hand-offs back.
+HTTP API's tickets, timers) runs them on the engine's own thread (worker/engine_thread.py), one
+call at a time, and touches `pending` and `ready` only between those calls. What the online
+queue must hear meanwhile (tokens, finished tickets: asyncio objects of the loop) goes through
+`post`, which hands it to the loop's thread.
 
 Requests are keyed by row id: queue rows (> 0) and online tickets (< 0, OnlineQueue.owns) share
 one engine; choice i of a request is the engine request `choice_id(row, i)`.
@@ -20,6 +22,7 @@ from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.faults import crash_point
 from batchmlx.worker.build import EngineFactory, ServingModel
 from batchmlx.worker.embeddings import EmbeddingJobs, is_embeddings
+from batchmlx.worker.engine_thread import Poster
 from batchmlx.worker.metrics import EngineMetrics
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
 from batchmlx.worker.translate import (
@@ -50,6 +53,7 @@ class InFlight:
         self.ready: list[tuple[int, RequestResult]] = []  # batch results waiting for a flush
         self.ready_tokens: dict[str, int] = {}  # batch id -> completion tokens in `ready`
         self.metrics = EngineMetrics()  # this process's registry and chart series
+        self.post = Poster()  # engine thread -> the loop that owns `online`
 
     # -- the model -----------------------------------------------------------------------------
     def ensure_model(self, name: str) -> ServingModel:
@@ -112,7 +116,7 @@ class InFlight:
     def deliver(self, row: int, result: RequestResult) -> None:
         """A request's end: its ticket answered (online) or its result kept for the next flush."""
         if OnlineQueue.owns(row):
-            self.online.done(row, result.status_code, result.body)
+            self.post(self.online.done, row, result.status_code, result.body)
         else:
             self.ready.append((row, result))
 
@@ -128,9 +132,9 @@ class InFlight:
         for row in [r for r, p in self.pending.items() if p.claimed.batch_id == batch_id]:
             self.abort(row)
 
-    def drop_abandoned(self) -> None:
-        """Abort the online requests whose client went away (their tickets are no longer live)."""
-        live = set(self.online.live_ids)
+    def drop_abandoned(self, live: set[int]) -> None:
+        """Abort the online requests whose client went away (their tickets are not in `live`,
+        the online queue's live ids, read on the loop)."""
         for row in [r for r in self.online_pending if r not in live]:
             self.abort(row)
 
@@ -178,11 +182,13 @@ class InFlight:
 
     def inflight_tokens(self) -> dict[str, int]:
         """Tokens generated so far by batch requests not yet in the store, per batch."""
+        # read on the loop while the engine thread may step: copies (one C call each, so the
+        # GIL makes them whole), and a figure a step changed meanwhile is only a moment old
         out = dict(self.ready_tokens)
         if self.loaded is None:
             return out
         so_far = self.loaded.engine.generated_so_far
-        for row, p in self.pending.items():
+        for row, p in list(self.pending.items()):
             n = sum(so_far(rid) for rid in _unfinished_choices(row, p))
             out[p.claimed.batch_id] = out.get(p.claimed.batch_id, 0) + n
         return out
@@ -204,7 +210,7 @@ class InFlight:
     def _on_token(self, request_id: str, token_id: int) -> None:
         row, idx = parse_choice_id(request_id)
         if OnlineQueue.owns(row):
-            self.online.token(row, idx, token_id)
+            self.post(self.online.token, row, idx, token_id)
 
     def _table(self, row: int) -> dict[int, PendingRequest]:
         return self.online_pending if OnlineQueue.owns(row) else self.pending

@@ -1,45 +1,71 @@
 """The worker: claim many → engine steps → record results → finalize. The composition root.
 
-One asyncio loop, one engine. The Worker composes three parts: admission (worker/admission.py:
-claimed batch requests and online tickets, through one path), the requests in flight
-(worker/inflight.py: the only caller of the engine, all synchronous) and housekeeping
-(worker/housekeeping.py: leases, cancels, expiry, finalize). Between engine steps the loop renews
-leases, writes finished results in one transaction per flush (not one per request), claims more
-work while the running batch has room, and settles cancelled batches.
+One asyncio loop, one engine thread. The Worker composes three parts: admission
+(worker/admission.py: claimed batch requests and online tickets, through one path), the requests
+in flight (worker/inflight.py: the only caller of the engine, all synchronous) and housekeeping
+(worker/housekeeping.py: leases, cancels, expiry, finalize). Between engine steps the loop writes
+finished results in one transaction per flush (not one per request), claims more work while the
+running batch has room, and settles cancelled batches.
 
-The seam to the engine is `self.inflight`: `tick` awaits only the store and the online queue,
-and calls `inflight` synchronously (admitting, stepping). Issue 21 moves those calls onto the
-engine's own thread so that the event loop (HTTP, database) never waits on a step.
+The seam to the engine is `self.inflight`, and every call into it that touches the engine runs
+on `self.engine`, the engine's own thread (worker/engine_thread.py): a tick hands it one round
+(admit what was claimed, run the embeddings pass, step) and awaits the round, so the event loop
+(HTTP handlers, the database, signals) never waits on a step. While a round runs the loop keeps
+this worker's leases renewed, and a stop is seen at once: the round's results are written, then
+the leases given back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from batchmlx.batches.finalize import FinalizeHooks
 from batchmlx.config import Settings
+from batchmlx.core.records import ClaimedRequest
 from batchmlx.core.width import initial_width
 from batchmlx.faults import crash_point
 from batchmlx.ingest.inbox import Inbox
 from batchmlx.store import Store
 from batchmlx.worker.admission import Admission
 from batchmlx.worker.build import EngineFactory, ServingModel, mlx_engine_factory
+from batchmlx.worker.engine_thread import EngineThread
 from batchmlx.worker.housekeeping import Housekeeping
 from batchmlx.worker.inflight import InFlight
 from batchmlx.worker.metrics import register_worker
-from batchmlx.worker.online import OnlineQueue
+from batchmlx.worker.online import OnlineQueue, OnlineTicket
 from batchmlx.worker.options import WorkerOptions
 from batchmlx.worker.resilience import Backoff, is_transient
 from batchmlx.worker.translate import PendingRequest
 
 log = logging.getLogger("batchmlx.worker")
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Round:
+    """What the loop hands the engine thread for one round."""
+
+    tickets: list[OnlineTicket] = field(default_factory=list)  # online requests to admit
+    live: set[int] = field(default_factory=set)  # tickets still wanted (the rest are aborted)
+    claimed: list[ClaimedRequest] = field(default_factory=list)  # leased rows to start
+
+
+@dataclass(frozen=True, slots=True)
+class _Ran:
+    """What one round did."""
+
+    embedded: bool  # an embeddings pass ran
+    stepped: bool  # an engine step ran
 
 
 class Worker:
@@ -66,6 +92,7 @@ class Worker:
         build = engine_factory or mlx_engine_factory(
             cache_dir=settings.cache_dir, dtype=options.dtype, engine=options.engine
         )
+        self.engine = EngineThread()  # every call into the engine runs there
         self.inflight = InFlight(build, initial_width=initial_width(options.engine),
                                  clock=self.clock)  # fmt: skip
         self.admission = Admission(
@@ -74,10 +101,11 @@ class Worker:
         )  # fmt: skip
         self.housekeeping = Housekeeping(
             store=store, settings=settings, worker_id=self.worker_id, clock=self.clock,
-            stop_batch=self.inflight.abort_batch, flush=lambda: self._flush(force=True),
+            stop_batch=lambda b: self.engine.call(self.inflight.abort_batch, b),
+            flush=lambda: self._flush(force=True),
             hooks=tuple(finalize_hooks),
         )  # fmt: skip
-        self.stop_requested = False
+        self._stop = asyncio.Event()  # set by a stop: wakes the idle wait and backoffs at once
         register_worker(self)  # the dashboard and `submit --wait` read inflight_tokens()
         self._last_flush = 0.0
         self._backoff = Backoff()  # between ticks that failed
@@ -104,23 +132,45 @@ class Worker:
         return self.inflight.pending
 
     def load(self, model: str | None = None) -> str:
-        """Load the serving model now (the server does, before it listens); returns the name
-        response bodies give it."""
-        return self.admission.load(model)
+        """Load the serving model now, on the engine thread, blocking the caller (benchmarks,
+        before the worker runs); returns the name response bodies give it."""
+        return self.engine.call_blocking(self.admission.load, model)
+
+    async def load_async(self, model: str | None = None) -> str:
+        """`load` without blocking the event loop (the server loads before it listens)."""
+        return await self.engine.call(self.admission.load, model)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    @stop_requested.setter
+    def stop_requested(self, value: bool) -> None:
+        """A stop (SIGTERM, the server's shutdown): the running round ends, its results are
+        written, the leases given back. Set on the event loop's thread."""
+        if value:
+            self._stop.set()
+        else:
+            self._stop.clear()
 
     def inflight_tokens(self) -> dict[str, int]:
         return self.inflight.inflight_tokens()
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def run(self) -> None:
-        """Tick until stopped. A tick that fails (locked database, full disk, a bug) is logged
-        and retried after a backoff: one bad thing never ends the worker."""
+        """Tick until stopped. A tick that fails (locked database, full disk, a bug), or an
+        idle wait that does, is logged and retried after a backoff: one bad thing never ends
+        the worker."""
         try:
             while not self.stop_requested:
                 if self.inflight.online_pending:
                     crash_point("worker_loop")
                 try:
                     busy = await self.tick()
+                    if not busy:
+                        if self.opts.until_idle:
+                            break
+                        await self._idle()
                 except Exception as exc:
                     await self._pause_after(exc)
                     continue
@@ -128,17 +178,12 @@ class Worker:
                 # a tick between housekeeping rounds may never suspend: let the server's
                 # handlers (dashboard polls, API calls) run between engine steps
                 await asyncio.sleep(0)
-                if not busy:
-                    if self.opts.until_idle:
-                        break
-                    await self._idle()
         finally:
             await self._persist("write results", lambda: self._flush(force=True))
-            if self.pending:
-                ids = list(self.pending)
-                await self._persist("give back leases", lambda: self.store.release(
-                    self.worker_id, ids))  # fmt: skip
+            # every lease still held: requests in the engine, embeddings not yet run
+            await self._persist("give back leases", lambda: self.store.release(self.worker_id))
             await self._persist("deregister", lambda: self.store.remove_worker(self.worker_id))
+            self.engine.close()
 
     async def tick(self) -> bool:
         """One round: returns False when there was nothing to do.
@@ -154,22 +199,53 @@ class Worker:
         if housekeeping:
             self._next_housekeeping = now + self.settings.poll_s
             did |= await self.housekeeping.end_batches()
-        did |= self.admission.admit_online()
-        if housekeeping or (len(fl.pending) < fl.max_batch and not self._queue_dry):
-            claimed = await self.admission.claim()
-            self._queue_dry = not claimed
-            did |= claimed
-        running = fl.running
-        if fl.embeddings:
-            fl.run_embeddings()
-            did = True
-        if running:
-            fl.step()
+        work = _Round()
+        if not self.stop_requested:  # a stopping worker takes nothing new
+            work.tickets = fl.online.drain()
+            more = len(fl.pending) < fl.max_batch and not self._queue_dry
+            if housekeeping or more:
+                work.claimed = await self.admission.claim()
+                self._queue_dry = not work.claimed
+        work.live = set(fl.online.live_ids)
+        ran = _Ran(embedded=False, stepped=False)
+        if work.tickets or work.claimed or fl.embeddings or fl.running or fl.online_pending:
+            ran = await self._on_engine(self._engine_round, work)
+        did |= bool(work.tickets or work.claimed) or ran.embedded
         # nothing left to step: write what is ready now rather than wait for the timer
-        await self._flush(force=not running)
-        if housekeeping or not running:
+        await self._flush(force=not ran.stepped)
+        if housekeeping or not ran.stepped:
             did |= await self.housekeeping.finalize_ready()
-        return did or running
+        return did or ran.stepped
+
+    def _engine_round(self, work: _Round) -> _Ran:
+        """On the engine thread: admit, run the embeddings pass, step."""
+        fl = self.inflight
+        self.admission.admit_tickets(work.tickets, work.live)
+        self.admission.admit_claimed(work.claimed)
+        stepped, embedded = fl.running, bool(fl.embeddings)
+        if embedded:
+            fl.run_embeddings()
+        if stepped:
+            fl.step()
+        return _Ran(embedded=embedded, stepped=stepped)
+
+    async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` on the engine thread; meanwhile keep this worker's leases renewed (a long
+        step or embeddings pass must not let them run out and the rows be claimed again)."""
+        self.inflight.post.bind()
+        call = asyncio.ensure_future(self.engine.call(fn, *args))
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=self.settings.lease_s / 6)
+                if done:
+                    return call.result()
+                try:
+                    await self.housekeeping.heartbeat()
+                except Exception as exc:  # the next beat may succeed; the lease has slack
+                    log.warning("heartbeat during an engine step failed: %s", exc)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
 
     async def _flush(self, force: bool = False) -> None:
         now = self.clock()
@@ -196,9 +272,8 @@ class Worker:
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep, but wake for a stop request (a backoff must not delay SIGTERM)."""
-        end = time.monotonic() + seconds
-        while not self.stop_requested and (left := end - time.monotonic()) > 0:
-            await asyncio.sleep(min(left, 0.1))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
 
     async def _persist(self, what: str, op: Callable[[], Any], tries: int = 5) -> None:
         """At shutdown: retry a transient failure a few times; past that, leases run out."""
@@ -214,22 +289,27 @@ class Worker:
                 await asyncio.sleep(backoff.next())
 
     async def _idle(self) -> None:
-        """Nothing to do: wait for an online request or new work. On PostgreSQL a NOTIFY
-        wakes the worker (no polling); it also wakes when the first running lease ends (a dead
-        worker's requests to take over) and to heartbeat."""
-        if not self.store.listens:
-            await self.online.wait(self.settings.poll_s)
-            return
-        timeout = self.settings.lease_s / 3
-        lease_end = await self.store.next_lease_end()
-        if lease_end is not None:
-            timeout = min(timeout, max(lease_end - self.clock(), 0.0) + 0.05)
+        """Nothing to do: wait for an online request, new work or a stop. On PostgreSQL a
+        NOTIFY wakes the worker (no polling); it also wakes when the first running lease of a
+        batch it serves ends (a dead worker's requests to take over) and to heartbeat."""
+        timeout = self.settings.poll_s
+        if self.store.listens:
+            timeout = self.settings.lease_s / 3
+            lease_end = await self.store.next_lease_end(
+                self.opts.only_models, self.settings.default_model
+            )
+            if lease_end is not None:
+                left = lease_end - self.clock()
+                # already ended: the claim just made could not take it, so do not spin on it
+                timeout = min(timeout, left + 0.05 if left > 0 else self.settings.poll_s)
         waits = [
             asyncio.ensure_future(self.online.wait(timeout)),
-            asyncio.ensure_future(self.store.wait_for_work(timeout)),
+            asyncio.ensure_future(self._stop.wait()),
         ]
+        if self.store.listens:
+            waits.append(asyncio.ensure_future(self.store.wait_for_work(timeout)))
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
                 w.cancel()

@@ -121,7 +121,8 @@ class Series:
         end = int(now)  # the current second is still filling: leave it out
         running = 0
         by_t: dict[int, Point] = {}
-        for p in self.points:
+        # a copy: the engine thread adds points while the loop reads (list() is one C call)
+        for p in list(self.points):
             if p.t < end - seconds:
                 running = p.end_running  # the batch size the window starts with
             elif p.t < end:

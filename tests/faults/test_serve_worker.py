@@ -7,6 +7,9 @@ run, outside the tick's own fault handling)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -56,3 +59,37 @@ def test_server_exits_nonzero_when_the_worker_keeps_stopping(
     finally:
         server.stop()
     assert "shutting the server down" in server.log.read_text()
+
+
+def test_the_api_answers_while_an_engine_step_runs(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine steps on its own thread: a step that takes long (held here at the fault
+    point) leaves the HTTP loop free. The base server answered nothing until the step ended."""
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    monkeypatch.setenv("BATCHMLX_PAUSE_AT", "engine_step:1")
+    monkeypatch.setenv("BATCHMLX_PAUSE_DIR", str(pause))
+    server = start_server(tmp_path, "--model", str(tiny_model_dir))
+    answers: list[tuple[int, object]] = []
+    chat = threading.Thread(target=lambda: answers.append(_chat(server)))
+    try:
+        chat.start()
+        deadline = time.monotonic() + 60
+        while not (pause / "engine_step.reached").exists():
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log
+            time.sleep(0.05)
+        url = f"{server.base_url}/models"
+        for _ in range(3):  # the step is still held: each answer comes from the free loop
+            t0 = time.monotonic()
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                assert resp.status == 200
+            assert time.monotonic() - t0 < 2.0
+        assert not answers  # the chat still waits on its step
+        (pause / "engine_step.go").touch()
+        chat.join(60)
+        ((status, body),) = answers
+        assert status == 200, body
+    finally:
+        (pause / "engine_step.go").touch()
+        server.stop()

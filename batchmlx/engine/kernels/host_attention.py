@@ -37,7 +37,9 @@ TILE_QUERIES = 64
 MIN_HOST_SCORES = 1 << 17
 MIN_HOST_DECODE_SCORES = 1 << 16
 # Threads the tiles (or a decode step's sequences) are split over: numpy releases the GIL in
-# its kernels, and the softmax passes are single-threaded otherwise.
+# its kernels, and the softmax passes are single-threaded otherwise. At most 2 (measured on 2
+# cores) and at most the engine's thread count (BATCHMLX_THREADS, which batchmlx/threads.py
+# sizes from the CPUs this process may use), read when the pool starts.
 THREADS = max(1, min(2, os.cpu_count() or 1))
 
 # The pool's thread names: idle between steps (a step waits for its jobs), so the CLI may end
@@ -57,11 +59,20 @@ def pays(queries: mx.array, keys_per_query: int) -> bool:
 def workers() -> ThreadPoolExecutor:
     """The tile threads; numpy's own BLAS goes single-threaded first, so two tiles' matmuls
     do not each start a BLAS thread team on the same two cores."""
-    global _pool
+    global _pool, THREADS
     if _pool is None:
         _single_threaded_numpy_blas()
+        THREADS = _pool_size()
         _pool = ThreadPoolExecutor(THREADS, thread_name_prefix=THREAD_NAME)
     return _pool
+
+
+def _pool_size() -> int:
+    try:
+        engine_threads = int(os.environ.get("BATCHMLX_THREADS") or THREADS)
+    except ValueError:
+        engine_threads = THREADS
+    return max(1, min(THREADS, engine_threads))
 
 
 def _single_threaded_numpy_blas() -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-SLICE_TOKENS = 1024  # padded new tokens per forward pass: one slice between generation steps
+SLICE_TOKENS = 256  # padded new tokens per forward pass: one slice between generation steps
 BLOCK_SIZE = 16
 MAX_CACHED_BLOCKS = 256  # about 0.7 MB a block for SmolLM2-135M in float32
 

@@ -6,7 +6,7 @@ fake. Each default is written here once: the CLI's options and the scheduler rea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -110,4 +110,9 @@ class EmbedderProtocol(Protocol):
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[Any]:
         """One unit-length vector (a 1-D numpy array) per input, in input order."""
+        ...
+
+    def slices(self, inputs: Sequence[Sequence[int]]) -> Iterator[list[tuple[int, Any]]]:
+        """The work of `embed` in bounded slices, one forward pass per `next`, each giving the
+        (input index, vector) pairs it finished: the worker steps generation between them."""
         ...

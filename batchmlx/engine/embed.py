@@ -10,19 +10,25 @@ rest runs, on top of the prefix's keys and values.
 
 Inputs with the same number of cached blocks run together, sorted by length and right-padded:
 causal attention means a real token never sees the padding after it. No generation loop.
+
+Slices: `slices` runs the work one forward pass at a time, each of at most `SLICE_TOKENS` new
+tokens (padding counted), yielding after each, so the worker can put generation steps between
+them: one request of 2,048 long inputs never holds the engine for more than one pass. An input
+longer than a slice runs in chunks of whole blocks across passes, on top of its own keys and
+values (as chunked prefill does), its hidden-state sum carried along.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-MAX_BATCH_TOKENS = 4096  # padded new tokens per forward pass
+SLICE_TOKENS = 256  # padded new tokens per forward pass: one slice between generation steps
 BLOCK_SIZE = 16
 MAX_CACHED_BLOCKS = 256  # about 0.7 MB a block for SmolLM2-135M in float32
 
@@ -58,23 +64,37 @@ class Embedder:
         self._body = inner  # mlx-lm's inner model returns the final-normed hidden states
         args = getattr(model, "args", None)
         self.dimensions = int(getattr(args, "hidden_size", 0) or inner.embed_tokens.weight.shape[1])
+        self.vocab_size = int(inner.embed_tokens.weight.shape[0])  # rows: valid ids are below
         self.block_size = block_size
         self.max_blocks = max_blocks
         self._blocks: OrderedDict[tuple[int, ...], _Block] = OrderedDict()
         self.stats = EmbedStats()
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """One unit-length float32 vector per token list, in input order."""
+        """One unit-length float32 vector per token list, in input order (every slice run)."""
+        out: list[np.ndarray | None] = [None] * len(inputs)
+        for done in self.slices(inputs):
+            for i, vec in done:
+                out[i] = vec
+        return out  # type: ignore[return-value]
+
+    def slices(
+        self, inputs: Sequence[Sequence[int]], budget: int = SLICE_TOKENS
+    ) -> Iterator[list[tuple[int, np.ndarray]]]:
+        """The work of `embed`, one forward pass of at most `budget` new tokens per `next`:
+        each yields the (input index, vector) pairs that pass finished (often none).
+
+        Raises ValueError up front for a token id the embedding table has no row for: MLX
+        does not check a gather's indices, and reading past the table is a segfault."""
+        for ids in inputs:
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is outside the vocabulary ({self.vocab_size})")
         bs = self.block_size
+        width = max(bs, budget // bs * bs)  # whole blocks per chunk, so cached blocks line up
         groups: dict[int, list[int]] = {}
         for i, ids in enumerate(inputs):
-            # keep at least one token to run, so every pass has a row to compute
-            limit = (len(ids) - 1) // bs
-            p = 0
-            while p < limit and tuple(ids[: (p + 1) * bs]) in self._blocks:
-                p += 1
-            groups.setdefault(p, []).append(i)
-        out: list[np.ndarray | None] = [None] * len(inputs)
+            groups.setdefault(self._cached_blocks(ids), []).append(i)
         for p, members in groups.items():
             members.sort(key=lambda i: len(inputs[i]))
             start = 0
@@ -82,28 +102,38 @@ class Embedder:
                 end = start + 1
                 while end < len(members) and (len(inputs[members[end]]) - p * bs) * (
                     end + 1 - start
-                ) <= MAX_BATCH_TOKENS:
+                ) <= budget:
                     end += 1
                 chunk = members[start:end]
-                for i, vec in zip(chunk, self._pool([inputs[i] for i in chunk], p), strict=True):
-                    out[i] = vec
+                rows = [inputs[i] for i in chunk]
+                # blocks may have been evicted since grouping (other passes kept theirs)
+                p_now = min(p, *(self._cached_blocks(ids) for ids in rows))
+                for vectors in self._pool(rows, p_now, width):
+                    yield list(zip(chunk, vectors, strict=True)) if vectors else []
                 start = end
-        return out  # type: ignore[return-value]
 
-    def _pool(self, group: list[Sequence[int]], p: int) -> list[np.ndarray]:
-        """Rows that share `p` cached leading blocks: run the rest on top of their KV."""
+    def _cached_blocks(self, ids: Sequence[int]) -> int:
+        """Leading blocks of `ids` in the cache; at least one token is left to run, so every
+        pass has a row to compute."""
+        bs, limit = self.block_size, (len(ids) - 1) // self.block_size
+        p = 0
+        while p < limit and tuple(ids[: (p + 1) * bs]) in self._blocks:
+            p += 1
+        return p
+
+    def _pool(
+        self, group: list[Sequence[int]], p: int, width: int
+    ) -> Iterator[list[np.ndarray] | None]:
+        """Rows that share `p` cached leading blocks: run the rest on top of their KV, in
+        chunks of `width` columns, one forward pass per `next`; None until the last pass,
+        which gives the rows' vectors."""
         from mlx_lm.models.cache import make_prompt_cache
 
         bs, skip = self.block_size, p * self.block_size
         rest = [list(ids[skip:]) for ids in group]
         longest = max(len(t) for t in rest)
-        tokens = np.zeros((len(group), longest), dtype=np.int32)
-        valid = np.zeros((len(group), longest, 1), dtype=np.float32)
-        for r, ids in enumerate(rest):
-            tokens[r, : len(ids)] = ids
-            valid[r, : len(ids)] = 1.0
         caches = make_prompt_cache(self._model)
-        prefix_sum = mx.zeros((len(group), self.dimensions), dtype=mx.float32)
+        total = mx.zeros((len(group), self.dimensions), dtype=mx.float32)
         if p:
             blocks = [[self._hit(tuple(ids[: (j + 1) * bs])) for j in range(p)] for ids in group]
             for layer, c in enumerate(caches):
@@ -114,38 +144,48 @@ class Embedder:
                     [mx.concatenate([b.values[layer] for b in row], axis=1) for row in blocks]
                 )
                 c.offset = skip
-            prefix_sum = mx.stack([sum(b.hidden_sum for b in row) for row in blocks])
+            total = mx.stack([sum(b.hidden_sum for b in row) for row in blocks])
             self.stats.reused_tokens += skip * len(group)
-        hidden = self._body(mx.array(tokens), cache=caches).astype(mx.float32)  # [B, L, H]
-        mask = mx.array(valid)
-        total = prefix_sum + (hidden * mask).sum(axis=1)
+        for a in range(0, longest, width):
+            b = min(a + width, longest)
+            tokens = np.zeros((len(group), b - a), dtype=np.int32)
+            valid = np.zeros((len(group), b - a, 1), dtype=np.float32)
+            for r, ids in enumerate(rest):
+                part = ids[a:b]
+                tokens[r, : len(part)] = part
+                valid[r, : len(part)] = 1.0
+            hidden = self._body(mx.array(tokens), cache=caches).astype(mx.float32)  # [B, L, H]
+            total = total + (hidden * mx.array(valid)).sum(axis=1)
+            mx.eval(total, hidden)
+            self.stats.computed_tokens += int(valid.sum())
+            self._keep(group, skip + a, hidden, caches)
+            if b < longest:
+                yield None
         lengths = mx.array([[float(len(ids))] for ids in group])
         mean = total / lengths
         unit = mean / mx.maximum(mx.linalg.norm(mean, axis=-1, keepdims=True), 1e-12)
-        mx.eval(unit, hidden)
-        self.stats.computed_tokens += sum(len(t) for t in rest)
-        self._keep(group, p, hidden, caches)
         host = np.array(unit)
-        return [host[r] for r in range(len(group))]
+        yield [host[r] for r in range(len(group))]
 
     def _hit(self, key: tuple[int, ...]) -> _Block:
         self._blocks.move_to_end(key)
         return self._blocks[key]
 
-    def _keep(self, group: list[Sequence[int]], p: int, hidden: mx.array, caches: list) -> None:
-        """Remember the new full blocks of each row (least recently used evicted)."""
+    def _keep(self, group: list[Sequence[int]], at: int, hidden: mx.array, caches: list) -> None:
+        """Remember the new full blocks of each row that this pass computed (it ran positions
+        `at` onwards, a block boundary; least recently used evicted)."""
         if self.max_blocks <= 0:
             return
         bs = self.block_size
         for r, ids in enumerate(group):
-            for j in range(p, len(ids) // bs):
+            for j in range(at // bs, min(len(ids), at + hidden.shape[1]) // bs):
                 key = tuple(ids[: (j + 1) * bs])
                 if key in self._blocks:
                     continue
                 lo, hi = j * bs, (j + 1) * bs
                 # own copies: a slice would keep the whole pass's arrays alive
                 block = _Block(
-                    hidden_sum=mx.contiguous(hidden[r, lo - p * bs : hi - p * bs].sum(axis=0)),
+                    hidden_sum=mx.contiguous(hidden[r, lo - at : hi - at].sum(axis=0)),
                     keys=[mx.contiguous(c.keys[r, :, lo:hi, :]) for c in caches],
                     values=[mx.contiguous(c.values[r, :, lo:hi, :]) for c in caches],
                 )

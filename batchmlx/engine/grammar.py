@@ -1,16 +1,21 @@
 """Grammar-constrained decoding with llguidance: a JSON schema → a token mask per step.
 
-Each distinct schema is compiled once (keyed by its canonical text) into a template matcher;
-every request gets a cheap deep copy of it, so its state is its own. One step's masks are
+Each distinct schema is compiled once (keyed by a hash of its canonical text) into a template
+matcher; every request gets a cheap deep copy of it, so its state is its own. The cache of
+templates is bounded by count and by an estimate of their bytes (llguidance does not say what a
+compiled grammar holds; measured on SmolLM2's 49,152-token vocabulary, about 100 bytes of memory
+per byte of schema text), and the schemas that failed to compile are remembered in a bounded LRU
+of their own, so neither grows with the number of distinct schemas ever sent. One step's masks are
 filled for all constrained rows in a single `LLExecutor` call (parallel, outside the GIL), and
 applied to the logits on the device; unconstrained rows are left untouched.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import llguidance
 import llguidance.hf
@@ -20,7 +25,12 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 # Compact JSON the way json.dumps writes it: small models do not wander off into whitespace.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MAX_CACHED_GRAMMARS = 256
+MAX_CACHED_GRAMMARS = 256  # compiled schemas kept, at most (least recently used dropped)
+MAX_GRAMMAR_CACHE_BYTES = 128 * 1024 * 1024  # their estimated memory, at most (the newest stays)
+GRAMMAR_BYTES_PER_SCHEMA_BYTE = 100  # the estimate: memory per byte of canonical schema text
+GRAMMAR_BASE_BYTES = 64 * 1024  # ... plus this per compiled schema
+MAX_CACHED_ERRORS = 256  # schemas remembered as failing to compile (least recently used dropped)
+MAX_ERROR_CHARS = 2000  # of one remembered compile error
 
 
 class GrammarError(ValueError):
@@ -31,6 +41,23 @@ class GrammarError(ValueError):
 class GrammarStats:
     compiled: int = 0  # distinct schemas compiled (cache misses)
     matchers: int = 0  # matchers handed out (one per constrained sequence)
+    cached_bytes: int = 0  # the estimated memory of the templates in the cache now
+
+
+@dataclass(slots=True)
+class _Template:
+    matcher: llguidance.LLMatcher
+    cost: int  # estimated bytes (estimated_bytes)
+
+
+def estimated_bytes(schema: str) -> int:
+    """What a compiled schema is taken to cost in the cache's byte budget."""
+    return GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_SCHEMA_BYTE * len(schema.encode())
+
+
+def _key(schema: str) -> bytes:
+    # a digest, not the text: a cache entry must not keep a large schema's text alive
+    return hashlib.sha256(schema.encode()).digest()
 
 
 class Grammars:
@@ -42,8 +69,8 @@ class Grammars:
         self.vocab_size = vocab_size
         self._lltok: llguidance.LLTokenizer | None = None  # built on first use (about 1 s)
         self._executor: llguidance.LLExecutor | None = None
-        self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._errors: dict[str, str] = {}
+        self._templates: OrderedDict[bytes, _Template] = OrderedDict()
+        self._errors: OrderedDict[bytes, str] = OrderedDict()
         self.stats = GrammarStats()
 
     @property
@@ -68,12 +95,14 @@ class Grammars:
         return self._template(schema).deep_copy()
 
     def _template(self, schema: str) -> llguidance.LLMatcher:
-        if schema in self._errors:
-            raise GrammarError(self._errors[schema])
-        template = self._templates.get(schema)
+        key = _key(schema)
+        if key in self._errors:
+            self._errors.move_to_end(key)
+            raise GrammarError(self._errors[key])
+        template = self._templates.get(key)
         if template is not None:
-            self._templates.move_to_end(schema)
-            return template
+            self._templates.move_to_end(key)
+            return template.matcher
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 schema, overrides=_JSON_OPTIONS
@@ -84,17 +113,36 @@ class Grammars:
         except ValueError as exc:  # not a JSON object at all
             is_error, messages = True, [str(exc)]
         if is_error:
-            self._errors[schema] = "; ".join(messages) or "the schema cannot be compiled"
-            raise GrammarError(self._errors[schema])
-        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if template.is_error():
-            self._errors[schema] = template.get_error()
-            raise GrammarError(self._errors[schema])
+            self._failed(key, "; ".join(messages) or "the schema cannot be compiled")
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            self._failed(key, matcher.get_error())
         self.stats.compiled += 1
-        self._templates[schema] = template
-        if len(self._templates) > MAX_CACHED_GRAMMARS:
-            self._templates.popitem(last=False)
-        return template
+        self._keep(key, _Template(matcher, estimated_bytes(schema)))
+        return matcher
+
+    def _keep(self, key: bytes, template: _Template) -> None:
+        """Cache a template, dropping the least recently used past either bound."""
+        self._templates[key] = template
+        self.stats.cached_bytes += template.cost
+        while len(self._templates) > 1 and (
+            len(self._templates) > MAX_CACHED_GRAMMARS
+            or self.stats.cached_bytes > MAX_GRAMMAR_CACHE_BYTES
+        ):
+            _, old = self._templates.popitem(last=False)
+            self.stats.cached_bytes -= old.cost
+
+    def _failed(self, key: bytes, message: str) -> NoReturn:
+        """Remember a schema's compile error (bounded) and raise it."""
+        self._errors[key] = message[:MAX_ERROR_CHARS]
+        while len(self._errors) > MAX_CACHED_ERRORS:
+            self._errors.popitem(last=False)
+        raise GrammarError(self._errors[key])
+
+    @property
+    def cached(self) -> tuple[int, int]:
+        """(templates, remembered errors) in the caches now."""
+        return len(self._templates), len(self._errors)
 
     def mask(self, logits: mx.array, rows: list[tuple[llguidance.LLMatcher, int]]) -> mx.array:
         """logits [S, V] with each listed row (matcher, row index) limited to the tokens its

@@ -1,7 +1,9 @@
 """/v1/embeddings: a request body → `EmbeddingsRequest` (or OpenAI's 400), and the list object.
 
 OpenAI takes `input` as a string, an array of strings, an array of token ids or an array of
-token-id arrays; at most 2,048 inputs per request and 50,000 across one batch.
+token-id arrays; at most 2,048 inputs per request and 50,000 across one batch, 8,192 tokens per
+input and 300,000 tokens per request. The body's shape is judged here (`parse_embeddings`); its
+tokens once the model is known (`check_tokens`: the worker tokenizes, this says what is refused).
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from typing import Any
 
 from batchmlx.core.records import BatchErrorRecord
 from batchmlx.formats.errors import ErrorCode
-from batchmlx.formats.fields import InputShape, input_shape, is_int
+from batchmlx.formats.fields import InputShape, input_shape, is_int, token_id_problem
 from batchmlx.formats.request import Endpoint
 
 EMBEDDINGS_URL = Endpoint.EMBEDDINGS.value
 MAX_EMBEDDING_INPUTS = 50_000  # across one batch (OpenAI's cap)
 MAX_INPUTS_PER_REQUEST = 2048  # OpenAI's cap per request
+MAX_TOKENS_PER_INPUT = 8192  # OpenAI's cap on one input (less where the model's context is)
+MAX_TOKENS_PER_REQUEST = 300_000  # OpenAI's cap on the tokens of all inputs of one request
+INVALID_REQUEST = "invalid_request_error"  # the `type` of most 400s
 _KEYS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 
 
@@ -44,11 +49,14 @@ class EmbeddingsRequest:
 class EmbeddingsError(Exception):
     """A body OpenAI would answer with a 400; the worker renders it as its error body."""
 
-    def __init__(self, code: ErrorCode, message: str, param: str | None) -> None:
+    def __init__(
+        self, code: ErrorCode, message: str, param: str | None, kind: str = INVALID_REQUEST
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
+        self.kind = kind  # the error body's `type`
 
 
 def count_inputs(value: Any) -> int:
@@ -117,10 +125,9 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingsRequest:
         raise EmbeddingsError(
             ErrorCode.INVALID_VALUE, "Invalid 'input': input cannot be an empty string.", "input"
         )
-    if ids is not None and any(t < 0 for v in ids for t in v):
-        raise EmbeddingsError(
-            ErrorCode.INVALID_VALUE, "Invalid 'input': token ids must be >= 0.", "input"
-        )
+    problem = None if ids is None else next(filter(None, map(token_id_problem, ids)), None)
+    if problem is not None:
+        raise EmbeddingsError(ErrorCode.INVALID_VALUE, f"Invalid 'input': {problem}.", "input")
     fmt = body.get("encoding_format")
     try:
         encoding = EncodingFormat(fmt if fmt is not None else EncodingFormat.FLOAT)
@@ -144,6 +151,41 @@ def parse_embeddings(body: dict[str, Any]) -> EmbeddingsRequest:
             ErrorCode.INVALID_TYPE, "Invalid type for 'user': expected a string.", "user"
         )
     return EmbeddingsRequest(texts, ids, encoding, dims)
+
+
+def check_tokens(
+    tokens: Sequence[Sequence[int]], context: int, vocab_size: int | None
+) -> EmbeddingsError | None:
+    """The refusal of one request's tokenized inputs, in OpenAI's words, or None: an empty
+    input, one over `MAX_TOKENS_PER_INPUT` (or the model's context), all of them over
+    `MAX_TOKENS_PER_REQUEST`, a token id the model has no embedding for (`vocab_size` rows)."""
+    limit = min(context, MAX_TOKENS_PER_INPUT)
+    longest = max(len(t) for t in tokens)
+    if longest > limit or min(len(t) for t in tokens) == 0:
+        return EmbeddingsError(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"This model's maximum context length is {limit} tokens, however you requested "
+            f"{longest} tokens in your input. Please reduce your input.",
+            "input",
+        )
+    total = sum(len(t) for t in tokens)
+    if total > MAX_TOKENS_PER_REQUEST:
+        return EmbeddingsError(
+            ErrorCode.MAX_TOKENS_PER_REQUEST,
+            f"Requested {total} tokens, max {MAX_TOKENS_PER_REQUEST} tokens per request",
+            None,
+            ErrorCode.MAX_TOKENS_PER_REQUEST.value,  # OpenAI's type for this one
+        )
+    if vocab_size is not None:
+        bad = next((t for ids in tokens for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            return EmbeddingsError(
+                ErrorCode.INVALID_VALUE,
+                f"Invalid 'input': token id {bad} is out of range; this model's vocabulary has "
+                f"{vocab_size} tokens (ids 0 to {vocab_size - 1}).",
+                "input",
+            )
+    return None
 
 
 def dimensions_error(asked: int, size: int) -> EmbeddingsError:

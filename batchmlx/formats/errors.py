@@ -39,6 +39,7 @@ class ErrorCode(enum.StrEnum):
     UNSUPPORTED_PARAMETER = "unsupported_parameter"
     MISSING_REQUIRED_PARAMETER = "missing_required_parameter"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    MAX_TOKENS_PER_REQUEST = "max_tokens_per_request"  # embeddings: over 300,000 tokens in all
 
 
 def error_dict(err: BatchErrorRecord) -> dict[str, Any]:

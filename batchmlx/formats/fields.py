@@ -19,8 +19,10 @@ from batchmlx.formats.errors import ErrorCode, json_type
 from batchmlx.formats.request import RequestError, sampling_params
 from batchmlx.formats.structured import FormatError, Grammar
 
-MAX_STOPS = 4
-MAX_N = 128
+MAX_STOPS = 4  # stop sequences per request (OpenAI's cap)
+MAX_STOP_CHARS = 1024  # characters of one stop sequence: each token's tail decode covers it
+MAX_N = 128  # choices per request (OpenAI's cap)
+MAX_TOKEN_ID = 2**31 - 1  # token ids must fit the engine's int32 arrays (the vocab is smaller)
 
 
 class Reject(Exception):
@@ -122,7 +124,24 @@ def stops(body: dict[str, Any]) -> tuple[str, ...]:
         raise fail(
             ErrorCode.INVALID_VALUE, "Invalid 'stop': stop sequences must not be empty.", "stop"
         )
+    if any(len(s) > MAX_STOP_CHARS for s in items):
+        raise fail(
+            ErrorCode.INVALID_VALUE,
+            f"Invalid 'stop': a stop sequence may be at most {MAX_STOP_CHARS} characters long.",
+            "stop",
+        )
     return tuple(items)
+
+
+def token_id_problem(ids: Any) -> str | None:
+    """Why a list of token ids cannot be run whatever the model (a negative id, or one past
+    int32), or None. The model's own vocabulary is checked where the model is known."""
+    for t in ids:
+        if t < 0:
+            return "token ids must be >= 0"
+        if t > MAX_TOKEN_ID:
+            return f"token id {t} is out of range (token ids fit in 32 bits)"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,8 +96,7 @@ class InFlight:
                 return server_error_result(
                     f"The model {loaded.name!r} computes no embeddings here."
                 )
-            tr = loaded.translator
-            return self.embeddings.add(c, tr.tok, tr.context_length, loaded.embedder.dimensions)
+            return self.embeddings.add(c, loaded.translator, loaded.embedder.dimensions)
         pending, gens, error = loaded.translator.prepare(c)
         if error is not None:
             return error
@@ -174,7 +173,7 @@ class InFlight:
         crash_point("mid_generation")
 
     def run_embeddings(self) -> None:
-        """Every waiting embeddings request in one batched pass, before the next engine step."""
+        """One bounded slice of the waiting embeddings requests, before the next engine step."""
         loaded = self.loaded
         assert loaded is not None and loaded.embedder is not None  # set when they were added
         for key, result in self.embeddings.run(loaded.embedder, loaded.translator.model_name):

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import orjson
+
 from batchmlx.core.finish import cut_at_stop, fits_context
 from batchmlx.core.lifecycle import RequestStatus
 from batchmlx.core.records import ClaimedRequest, RequestResult
@@ -39,6 +41,14 @@ class PendingRequest:
     @property
     def done(self) -> bool:
         return len(self.outputs) == self.parsed.n
+
+
+def _is_json(text: str) -> bool:
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def choice_id(row_id: int, index: int) -> str:
@@ -158,7 +168,7 @@ class Translator:
         for i in range(p.parsed.n):
             out = p.outputs[i]
             completion_tokens += len(out.token_ids)
-            text, finish = self._text(out, p.parsed.sampling.stop)
+            text, finish = self._text(out, p.parsed)
             if p.parsed.echo:
                 text = p.prompt_text + text
             lps = self._logprobs(out.logprobs) if p.parsed.logprobs else None
@@ -195,9 +205,15 @@ class Translator:
             cache_outcome=first.cache_outcome.value,
         )
 
-    def _text(self, out: GenerationOutput, stops: tuple[str, ...]) -> tuple[str, str]:
-        text, stopped = cut_at_stop(self.tok.decode(out.token_ids), stops)
-        return text, FinishReason.STOP.value if stopped else out.finish_reason.value
+    def _text(self, out: GenerationOutput, parsed: ParsedRequest) -> tuple[str, str]:
+        text, stopped = cut_at_stop(self.tok.decode(out.token_ids), parsed.sampling.stop)
+        finish = FinishReason.STOP if stopped else out.finish_reason
+        if finish is FinishReason.STOP and parsed.grammar is not None and not _is_json(text):
+            # a constrained answer cut short (a stop string, a grammar that failed) is not a
+            # finished value: `length` is what OpenAI reports for a cut-off structured answer,
+            # the finish its clients check before they parse
+            finish = FinishReason.LENGTH
+        return text, finish.value
 
     def _logprobs(self, lps: list[TokenLogprob] | None) -> list[TokenLogprobText]:
         out = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from batchmlx.engine.embed import Embedder
 
@@ -36,3 +37,35 @@ def test_new_inputs_hit_blocks_of_earlier_ones(tiny_model):
     assert emb.stats.reused_tokens - before == 8  # both full blocks of the shared prefix
     (plain,) = Embedder(tiny_model, block_size=4, max_blocks=0).embed([SHARED + [98, 97]])
     np.testing.assert_allclose(vec, plain, atol=1e-4)
+
+
+def test_slices_bound_each_pass_and_change_no_vector(tiny_model):
+    """A budget of 8 tokens: every forward pass runs at most 8 new tokens (a 40-token input in
+    five chunks on top of its own keys and values), and the vectors are those of one pass."""
+    inputs = [list(range(1, 41)), [3, 4, 5], [7, 8, 9, 10, 11], list(range(50, 70))]
+    whole = Embedder(tiny_model, block_size=4, max_blocks=0).embed(inputs)
+    emb = Embedder(tiny_model, block_size=4)
+    passes, got = 0, {}
+    before = 0
+    for done in emb.slices(inputs, budget=8):
+        passes += 1
+        assert emb.stats.computed_tokens - before <= 8
+        before = emb.stats.computed_tokens
+        got.update(done)
+    assert sorted(got) == [0, 1, 2, 3]
+    assert passes >= (40 + 3 + 5 + 20) // 8
+    for i, vec in enumerate(whole):
+        np.testing.assert_allclose(got[i], vec, atol=1e-4)
+    # the chunked long input left its blocks for the next request sharing its prefix
+    (again,) = emb.embed([list(range(1, 41))])
+    assert emb.stats.reused_tokens >= 36
+    np.testing.assert_allclose(again, whole[0], atol=1e-4)
+
+
+def test_token_ids_outside_the_table_are_refused_not_read(tiny_model):
+    """MLX does not check a gather's indices: past the table is a segfault, so the embedder
+    refuses such ids before any pass (the worker answers them with a 400 before this)."""
+    emb = Embedder(tiny_model)
+    for bad in (256, 1_000_000, -1):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            emb.embed([[1, 2], [bad]])

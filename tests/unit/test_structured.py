@@ -7,8 +7,10 @@ import pytest
 from batchmlx.formats.params import parse_request
 from batchmlx.formats.request import ParsedRequest, RequestError
 from batchmlx.formats.structured import (
+    MAX_SCHEMA_BYTES,
     FormatError,
     FormatKind,
+    admits_finite_value,
     canonical_schema,
     chat_grammar,
     responses_grammar,
@@ -70,3 +72,56 @@ def test_responses_text_format_is_flat():
         responses_grammar({"type": "json_schema", "schema": SCHEMA})
     assert exc.value.param == "text.format.name"
     assert chat_grammar(None) is None
+
+
+SELF_REF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+DEFS_LOOP = {"$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}
+TREE = {  # recursive, but a node without children ends it
+    "$defs": {"node": {"type": "object", "required": ["kids"], "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+    "$ref": "#/$defs/node",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", [SELF_REF, DEFS_LOOP])
+def test_a_schema_no_finite_value_satisfies_is_a_400(schema):
+    """Before: accepted, and the answer was `{"` or `""` with finish_reason stop."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "loop", "schema": schema}}
+    err = chat(response_format=fmt)
+    assert isinstance(err, RequestError)
+    assert (err.status_code, err.code) == (400, "invalid_value")
+    assert err.param == "response_format.json_schema.schema"
+    assert "no finite JSON value" in err.message
+    err = parse_request("/v1/responses", {"model": "m", "input": "hi", "text": {
+        "format": {"type": "json_schema", "name": "loop", "schema": schema}}})  # fmt: skip
+    assert isinstance(err, RequestError) and err.param == "text.format.schema"
+
+
+@pytest.mark.parametrize(
+    ("schema", "finite"),
+    [
+        (SELF_REF, False), (DEFS_LOOP, False), (TREE, True), ({}, True), (True, True),
+        (False, False), ({"enum": []}, False), ({"type": "object"}, True),
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}}, True),  # `a` may be left out
+        ({"type": ["object", "null"], **{k: v for k, v in SELF_REF.items() if k != "type"}}, True),
+        ({"type": "object", "properties": {"a": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+          "required": ["a"]}, True),
+        ({"type": "array", "minItems": 1, "items": {"$ref": "#"}}, False),
+        ({"type": "array", "items": {"$ref": "#"}}, True),  # [] will do
+        ({"type": "object", "required": ["a"], "additionalProperties": False}, False),
+        ({"$ref": "#/$defs/elsewhere"}, True),  # not resolvable here: the compiler judges it
+    ],
+)  # fmt: skip
+def test_admits_finite_value(schema, finite):
+    assert admits_finite_value(schema) is finite
+
+
+def test_a_schema_over_the_size_cap_is_a_400_naming_the_param():
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}
+    assert len(canonical_schema(big)) > MAX_SCHEMA_BYTES
+    fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": big}}
+    err = chat(response_format=fmt)
+    assert isinstance(err, RequestError)
+    assert (err.status_code, err.code) == (400, "invalid_value")
+    assert err.param == "response_format.json_schema.schema"
+    assert f"at most {MAX_SCHEMA_BYTES} bytes" in err.message

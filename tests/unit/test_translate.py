@@ -71,3 +71,37 @@ def test_the_text_is_cut_before_the_first_stop_string():
     )  # fmt: skip
     choice = tr.result(pending, now=0).body["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == ("Hello", "stop")
+
+
+def _answer(tr: Translator, pending, text: str, finish: FinishReason) -> tuple[str, str]:
+    pending.outputs[0] = GenerationOutput(
+        request_id="7:0", prompt_tokens=2, cached_tokens=0, cache_outcome=CacheOutcome.MISS,
+        token_ids=[ord(c) for c in text], finish_reason=finish,
+    )  # fmt: skip
+    choice = tr.result(pending, now=0).body["choices"][0]
+    return choice["message"]["content"], choice["finish_reason"]
+
+
+def test_a_constrained_answer_that_is_not_complete_json_is_never_stop():
+    """Before: `{"` with finish_reason stop (a grammar that failed, or a stop string)."""
+    tr = Translator(CharTokenizer(), "m", context_length=100, eos_ids=[0])
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+            "response_format": {"type": "json_object"}, "stop": ["!"]}  # fmt: skip
+    c = ClaimedRequest(7, "b", "c", 1, "/v1/chat/completions", "m", body, 1)
+    pending, _, error = tr.prepare(c)
+    assert error is None
+    assert _answer(tr, pending, '{"', FinishReason.STOP) == ('{"', "length")
+    assert _answer(tr, pending, '{"a": "x!"}', FinishReason.LENGTH) == ('{"a": "x', "length")
+    assert _answer(tr, pending, '{"a": 1}', FinishReason.STOP) == ('{"a": 1}', "stop")
+
+
+def test_prompt_token_ids_past_the_vocabulary_or_int32_are_a_400():
+    tr = Translator(CharTokenizer(), "m", context_length=100, eos_ids=[0], vocab_size=50)
+    for ids, words in (([1, 50], "token id 50 is out of range"), ([2**31], "32 bits"),
+                       ([-1], "must be >= 0")):  # fmt: skip
+        c = ClaimedRequest(7, "b", "c", 1, "/v1/completions", "m", {"model": "m", "prompt": ids}, 1)
+        _, gens, result = tr.prepare(c)
+        assert gens == [] and result is not None and result.status_code == 400
+        err = result.body["error"]
+        assert err["param"] == "prompt" and err["code"] == "invalid_value"
+        assert words in err["message"]

@@ -224,6 +224,21 @@ def gemv_bandwidth(matrices: int = 8, rows: int = 8192, cols: int = 2048) -> flo
     return nbytes / best / 1e9
 
 
+def blas_threads(n: int | None = None) -> int:
+    """The preloaded OpenBLAS's thread count (set to n first when given); 0 without one."""
+    import ctypes
+
+    from batchmlx.accel import active_blas
+
+    blas = active_blas()
+    if blas is None or blas.name != "openblas" or not blas.library:
+        return 0
+    lib = ctypes.CDLL(blas.library)
+    if n is not None:
+        lib.openblas_set_num_threads(int(n))
+    return int(lib.openblas_get_num_threads())
+
+
 def load_now() -> str:
     one, five, _ = os.getloadavg()
     return f"{one:.1f} (5-min {five:.1f})"
@@ -267,11 +282,14 @@ class Results:
     machine: dict[str, Any] = field(default_factory=dict)
     ov_info: dict[str, Any] = field(default_factory=dict)
     bmx: dict[int, list[RunFigures]] = field(default_factory=dict)
+    bmx1: dict[int, list[RunFigures]] = field(default_factory=dict)  # OpenBLAS on one thread
     ov: dict[int, list[RunFigures]] = field(default_factory=dict)
     ov_generate: dict[int, dict[str, Any]] = field(default_factory=dict)
     prompt_tokens: dict[int, list[int]] = field(default_factory=dict)  # per run
     barriers: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
     barrier_wall: dict[int, dict[str, float]] = field(default_factory=dict)
+    barriers1: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
+    barrier_wall1: dict[int, dict[str, float]] = field(default_factory=dict)
     profiled: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
     profiled_wall: dict[int, dict[str, float]] = field(default_factory=dict)
 
@@ -286,42 +304,63 @@ def timing_passes(loaded: Any, ov: OVWorker, prompts: Prompts, r: Results) -> No
         for w in s.widths:
             ps = prompts.take(w)
             r.prompt_tokens.setdefault(w, []).append(sum(len(p) for p in ps))
-            order = ("bmx", "ov") if rep % 2 == 0 else ("ov", "bmx")  # drift falls on both
+            order = ("bmx", "bmx1", "ov")
+            order = order[rep % 3:] + order[: rep % 3]  # drift falls on all three
             for who in order:
-                if who == "bmx":
-                    steps = BmxRun(loaded, w, s.budget).run(ps, s.max_tokens)
-                    r.bmx.setdefault(w, []).append(bmx_figures(steps, w))
+                if who in ("bmx", "bmx1"):
+                    threads = blas_threads()
+                    if who == "bmx1":
+                        blas_threads(1)
+                    try:
+                        steps = BmxRun(loaded, w, s.budget).run(ps, s.max_tokens)
+                    finally:
+                        blas_threads(threads)
+                    into = r.bmx if who == "bmx" else r.bmx1
+                    into.setdefault(w, []).append(bmx_figures(steps, w))
                 else:
                     ans = ov.ask(cmd="steps", width=w, budget=s.budget, prompts=ps,
                                  max_tokens=s.max_tokens)  # fmt: skip
                     r.ov.setdefault(w, []).append(figures(ans["steps"], w))
-            b, o = r.bmx[w][-1], r.ov[w][-1]
-            log(f"rep {rep} width {w}: decode step batchmlx {b.decode_ms:.1f} ms, OpenVINO "
-                f"{o.decode_ms:.1f} ms; prefill phase {b.prefill_ms:.0f} / {o.prefill_ms:.0f} ms")
+            b, b1, o = r.bmx[w][-1], r.bmx1[w][-1], r.ov[w][-1]
+            log(f"rep {rep} width {w}: decode step batchmlx {b.decode_ms:.1f} ms (BLAS 1 thread "
+                f"{b1.decode_ms:.1f}), OpenVINO {o.decode_ms:.1f} ms; prefill phase "
+                f"{b.prefill_ms:.0f} / {b1.prefill_ms:.0f} / {o.prefill_ms:.0f} ms")
     for w in s.widths:
         log(f"OpenVINO generate() at width {w}")
         r.ov_generate[w] = ov.ask(cmd="generate", width=w, budget=s.budget,
                                   prompts=prompts.take(w), max_tokens=s.max_tokens)  # fmt: skip
 
 
+def barrier_pass(loaded: Any, prompts: Prompts, r: Results, w: int, one_thread: bool) -> None:
+    s = r.s
+    bars = sp.Barriers()
+    acc: dict[str, dict[str, float]] = {}
+    count: dict[str, int] = {}
+    wall: dict[str, float] = {}
+    run = BmxRun(loaded, w, s.budget)
+
+    def hook(kind: str) -> Any:
+        return _barrier_step(kind, bars, acc, count, wall)
+
+    threads = blas_threads()
+    if one_thread:
+        blas_threads(1)
+    try:
+        with bars.installed(run.engine):
+            run.run(prompts.take(w), s.max_tokens, hook)
+    finally:
+        blas_threads(threads)
+    into, into_wall = (r.barriers1, r.barrier_wall1) if one_thread else (r.barriers, r.barrier_wall)
+    into[w] = {k: {b: v / count[k] for b, v in d.items()} for k, d in acc.items()}
+    into_wall[w] = {k: wall[k] / count[k] for k in wall}
+
+
 def profile_passes(loaded: Any, prompts: Prompts, r: Results) -> None:
     s = r.s
     for w in s.widths:
-        log(f"barrier pass at width {w}")
-        bars = sp.Barriers()
-        acc: dict[str, dict[str, float]] = {}
-        count: dict[str, int] = {}
-        wall: dict[str, float] = {}
-        run = BmxRun(loaded, w, s.budget)
-
-        def hook(kind: str, bars: sp.Barriers = bars, acc: dict = acc, count: dict = count,
-                 wall: dict = wall) -> Any:  # fmt: skip
-            return _barrier_step(kind, bars, acc, count, wall)
-
-        with bars.installed(run.engine):
-            run.run(prompts.take(w), s.max_tokens, hook)
-        r.barriers[w] = {k: {b: v / count[k] for b, v in d.items()} for k, d in acc.items()}
-        r.barrier_wall[w] = {k: wall[k] / count[k] for k in wall}
+        for one in (False, True):
+            log(f"barrier pass at width {w}" + (", OpenBLAS on 1 thread" if one else ""))
+            barrier_pass(loaded, prompts, r, w, one)
         log(f"cProfile pass at width {w}")
         prof = sp.Profiled()
         BmxRun(loaded, w, s.budget).run(prompts.take(w), s.max_tokens, prof.step)
@@ -355,7 +394,12 @@ def measure(loaded: Any, s: Settings) -> Results:
     m["cpus"] = len(os.sched_getaffinity(0))
     m["load_before"], m["busy_before"] = load_now(), cpu_busy()
     m["peak_before"] = sgemm_gflops()
-    m["bandwidth"] = gemv_bandwidth()
+    m["blas_threads"] = threads = blas_threads()
+    m["bandwidth_default"] = gemv_bandwidth()
+    blas_threads(1)
+    m["bandwidth_1"] = gemv_bandwidth()
+    blas_threads(threads)
+    m["bandwidth"] = max(m["bandwidth_default"], m["bandwidth_1"])
     prompts = Prompts(loaded.tokenizer)
     ov = OVWorker(default_gguf(), m["cpus"])
     try:
@@ -445,45 +489,49 @@ def _prompt_range(r: Results) -> str:
 def main_table(r: Results) -> list[str]:
     rows = []
     for w in r.s.widths:
-        b, o = r.bmx[w], r.ov[w]
+        b, o, b1 = r.bmx[w], r.ov[w], r.bmx1[w]
         bd, od = _med([x.decode_ms for x in b]), _med([x.decode_ms for x in o])
+        bd1, bp1 = _med([x.decode_ms for x in b1]), _med([x.prefill_ms for x in b1])
         bp, op_ = _med([x.prefill_ms for x in b]), _med([x.prefill_ms for x in o])
         toks = _med([float(t) for t in r.prompt_tokens[w]])
         g = r.ov_generate.get(w, {})
         gsteps = [ms for ms, n in zip(g.get("step_ms", []), g.get("step_tokens", []),
                                       strict=False) if n == w]  # fmt: skip
         rows.append([
-            str(w), f"{bd:.1f}", f"{od:.1f}", f"{bd / od:.2f}x", f"{w / bd * 1e3:.0f} / "
-            f"{w / od * 1e3:.0f}",
-            f"{bp:.0f} ({b[0].prefill_steps}) / {op_:.0f} ({o[0].prefill_steps})",
-            f"{bp / toks * 1e3:.0f} / {op_ / toks * 1e3:.0f}", f"{bp / op_:.2f}x",
+            str(w), f"{bd:.1f}", f"{bd1:.1f}", f"{od:.1f}", f"{bd / od:.2f}x, {bd1 / od:.2f}x",
+            f"{w / bd * 1e3:.0f} / {w / bd1 * 1e3:.0f} / {w / od * 1e3:.0f}",
+            f"{bp:.0f} ({b[0].prefill_steps}) / {bp1:.0f} / {op_:.0f} ({o[0].prefill_steps})",
+            f"{bp / toks * 1e3:.0f} / {bp1 / toks * 1e3:.0f} / {op_ / toks * 1e3:.0f}",
+            f"{bp / op_:.2f}x, {bp1 / op_:.2f}x",
             f"{g.get('tpot_ms', float('nan')):.2f} (x W = {g.get('tpot_ms', 0) * w:.1f}), "
             f"{_med(gsteps):.1f}",
         ])  # fmt: skip
-    return _table(["W", "batchmlx decode step ms", "OpenVINO decode step ms", "batchmlx / OV",
-                   "decode tok/s batchmlx / OV", "prefill phase ms (steps) batchmlx / OV",
-                   "prefill µs per prompt token", "prefill batchmlx / OV",
+    return _table(["W", "batchmlx decode step ms", "batchmlx, OpenBLAS 1 thread",
+                   "OpenVINO decode step ms", "batchmlx / OV (default, 1 thread)",
+                   "decode tok/s batchmlx / 1 thread / OV",
+                   "prefill phase ms (steps) batchmlx / 1 thread / OV",
+                   "prefill µs per prompt token, same order", "prefill batchmlx / OV",
                    "OV generate(): TPOT ms (per token), median full-width step ms"],
                   rows)  # fmt: skip
 
 
-def breakdown(r: Results, kind: str) -> list[str]:
+def breakdown(r: Results, kind: str, one: bool = False) -> list[str]:
     """Barrier-pass ms per step of `kind` by bucket, per width, and the same scaled to the
     timing pass's step (each bucket times timing / instrumented)."""
     rows = []
     for b in sp.BUCKETS:
         row = [b]
         for w in r.s.widths:
-            row.append(f"{r.barriers[w].get(kind, {}).get(b, 0.0) * 1e3:.1f}")
+            row.append(f"{_bars(r, one)[0][w].get(kind, {}).get(b, 0.0) * 1e3:.1f}")
         rows.append(row)
     inst = ["instrumented step (barriers)"]
     timed = ["timing pass step (no instruments)"]
     eng = ["EngineStats in the timing pass: model_s, sample_s"]
     for w in r.s.widths:
-        inst.append(f"**{r.barrier_wall[w].get(kind, float('nan')) * 1e3:.1f}**")
-        t = _timing_step_ms(r, w, kind)
+        inst.append(f"**{_bars(r, one)[1][w].get(kind, float('nan')) * 1e3:.1f}**")
+        t = _timing_step_ms(r, w, kind, one)
         timed.append(f"**{t:.1f}**")
-        runs = r.bmx[w]
+        runs = (r.bmx1 if one else r.bmx)[w]
         eng.append(f"{_med([x.extra.get('model_ms', float('nan')) for x in runs]):.1f}, "
                    f"{_med([x.extra.get('sample_ms', float('nan')) for x in runs]):.1f}"
                    if kind == "decode" else "")  # fmt: skip
@@ -491,8 +539,12 @@ def breakdown(r: Results, kind: str) -> list[str]:
     return _table(["ms per step", *(f"W={w}" for w in r.s.widths)], rows)
 
 
-def _timing_step_ms(r: Results, w: int, kind: str) -> float:
-    runs = r.bmx[w]
+def _bars(r: Results, one: bool) -> tuple[dict, dict]:
+    return (r.barriers1, r.barrier_wall1) if one else (r.barriers, r.barrier_wall)
+
+
+def _timing_step_ms(r: Results, w: int, kind: str, one: bool = False) -> float:
+    runs = (r.bmx1 if one else r.bmx)[w]
     if kind == "decode":
         return _med([x.decode_ms for x in runs])
     return _med([x.prefill_ms / x.prefill_steps for x in runs])
@@ -506,15 +558,14 @@ def profile_table(r: Results, kind: str) -> list[str]:
     rows.append(["cProfile step (main thread)",
                  *(f"**{r.profiled_wall[w].get(kind, float('nan')) * 1e3:.1f}**"
                    for w in r.s.widths)])  # fmt: skip
-    rows.append(["Python + dispatch, estimate without the profiler: timing step - "
-                 "evaluation - host kernels",
-                 *(f"{python_estimate(r, w, kind):.1f}" for w in r.s.widths)])  # fmt: skip
+    rows.append(["Python and MLX op calls (the Python rows: an upper bound, the profiler's "
+                 "cost included)", *(f"{python_share(r, w, kind):.1f}" for w in r.s.widths)])
     return _table(["ms per step", *(f"W={w}" for w in r.s.widths)], rows)
 
 
-def python_estimate(r: Results, w: int, kind: str) -> float:
+def python_share(r: Results, w: int, kind: str) -> float:
     p = r.profiled[w].get(kind, {})
-    return _timing_step_ms(r, w, kind) - (p.get(sp.EVAL, 0.0) + p.get(sp.HOST, 0.0)) * 1e3
+    return sum(v for k, v in p.items() if k not in (sp.EVAL, sp.HOST)) * 1e3
 
 
 def floor_table(r: Results, f: Floor) -> list[str]:
@@ -540,11 +591,12 @@ def floor_table(r: Results, f: Floor) -> list[str]:
                    "OpenVINO measured ms"], rows)  # fmt: skip
 
 
-def scaled(r: Results, w: int, kind: str = "decode") -> dict[str, float]:
+def scaled(r: Results, w: int, kind: str = "decode", one: bool = False) -> dict[str, float]:
     """The barrier pass's buckets (ms) scaled so they add up to the timing pass's step."""
-    d = r.barriers[w].get(kind, {})
-    inst = r.barrier_wall[w].get(kind, 0.0)
-    k = _timing_step_ms(r, w, kind) / (inst * 1e3) if inst else 0.0
+    bars, walls = _bars(r, one)
+    d = bars[w].get(kind, {})
+    inst = walls[w].get(kind, 0.0)
+    k = _timing_step_ms(r, w, kind, one) / (inst * 1e3) if inst else 0.0
     return {b: v * 1e3 * k for b, v in d.items()}
 
 
@@ -559,33 +611,34 @@ CAUSES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def causes_table(r: Results, f: Floor) -> list[str]:
+def causes_table(r: Results, one: bool = False) -> list[str]:
     rank_w = 64 if 64 in r.s.widths else r.s.widths[-1]
-    per = {w: scaled(r, w) for w in r.s.widths}
+    per = {w: scaled(r, w, one=one) for w in r.s.widths}
+    runs = r.bmx1 if one else r.bmx
     vals = {name: {w: sum(per[w].get(b, 0.0) for b in bs) for w in r.s.widths}
             for name, bs in CAUSES}  # fmt: skip
     order = sorted(vals, key=lambda n: -vals[n][rank_w])
     rows = [[str(i + 1), n, *(f"{vals[n][w]:.1f}" for w in r.s.widths)]
             for i, n in enumerate(order)]  # fmt: skip
     rows.append(["", "**batchmlx decode step**",
-                 *(f"**{_med([x.decode_ms for x in r.bmx[w]]):.1f}**" for w in r.s.widths)])
+                 *(f"**{_med([x.decode_ms for x in runs[w]]):.1f}**" for w in r.s.widths)])
     rows.append(["", "**OpenVINO GenAI decode step (everything)**",
                  *(f"**{_med([x.decode_ms for x in r.ov[w]]):.1f}**" for w in r.s.widths)])
-    gap = [_med([x.decode_ms for x in r.bmx[w]]) - _med([x.decode_ms for x in r.ov[w]])
+    gap = [_med([x.decode_ms for x in runs[w]]) - _med([x.decode_ms for x in r.ov[w]])
            for w in r.s.widths]  # fmt: skip
     rows.append(["", "gap (batchmlx - OpenVINO)", *(f"{g:.1f}" for g in gap)])
     return _table(["rank", f"cause (ranked at W={rank_w}), ms per decode step",
                    *(f"W={w}" for w in r.s.widths)], rows)  # fmt: skip
 
 
-def gap_notes(r: Results, f: Floor) -> list[str]:
+def gap_notes(r: Results, f: Floor, one: bool = False) -> list[str]:
     """The ranking's figures in sentences (numbers from this run)."""
     out = []
     for w in r.s.widths:
-        p = scaled(r, w)
+        p = scaled(r, w, one=one)
         mm = sum(p.get(b, 0.0) for b in (sp.PROJ, sp.MLP, sp.HEAD))
         od = _med([x.decode_ms for x in r.ov[w]])
-        bd = _med([x.decode_ms for x in r.bmx[w]])
+        bd = _med([x.decode_ms for x in (r.bmx1 if one else r.bmx)[w]])
         py = sum(p.get(b, 0.0) for b in (sp.GLUE, sp.SCHED, sp.POST))
         out.append(
             f"- W={w}: batchmlx {bd:.1f} ms a decode step against OpenVINO's {od:.1f} "
@@ -629,19 +682,26 @@ def report(r: Results, f: Floor, loaded_desc: str) -> str:
               "Barrier pass (a separate run: an `mx.eval` barrier around each piece, so each "
               "piece's own work is timed alone; the barriers cost time themselves, so the "
               "instrumented step is above the timing pass's), ms per decode step:", "",
-              *breakdown(r, "decode"), ""]  # fmt: skip
+              *breakdown(r, "decode"), "",
+              "The same with the preloaded OpenBLAS set to one thread for the run "
+              "(`openblas_set_num_threads(1)`):", "", *breakdown(r, "decode", one=True),
+              ""]  # fmt: skip
     lines += ["cProfile pass (another separate run; the main thread's functions by tottime, "
               "so its own per-call cost inflates the Python rows), ms per decode step:", "",
               *profile_table(r, "decode"), ""]  # fmt: skip
     lines += ["## Where batchmlx's prefill steps go", "",
               "Barrier pass, ms per step of the prefill phase:", "", *breakdown(r, "prefill"),
-              "", "cProfile pass, ms per prefill step:", "", *profile_table(r, "prefill"), ""]
+              "", "OpenBLAS on one thread:", "", *breakdown(r, "prefill", one=True), "",
+              "cProfile pass, ms per prefill step:", "", *profile_table(r, "prefill"),
+              ""]  # fmt: skip
     lines += ["## The floor", "",
               f"sgemm peak measured in this run (`batchmlx doctor`'s 1024^3 float32 matmul on "
               f"MLX): {f.peak / 1e9:.0f} GFLOP/s (before {m['peak_before']:.0f}, after "
               f"{m['peak_after']:.0f}; the better one). Memory bandwidth: "
               f"{f.bandwidth / 1e9:.1f} GB/s (a float32 GEMV, MLX, over 512 MB of weights "
-              f"cycled: twice the L3). Weights a step reads: batchmlx "
+              f"cycled: twice the L3; the better of OpenBLAS's {m['blas_threads']} threads, "
+              f"{m['bandwidth_default']:.1f} GB/s, and one, {m['bandwidth_1']:.1f}). "
+              "Weights a step reads: batchmlx "
               f"{4 * (f.body + f.head) / 1e6:.0f} MB in float32 ({f.body / 1e6:.1f}M in the "
               f"layers + {f.head / 1e6:.1f}M in the tied head), OpenVINO "
               f"{f.ov_bytes / 1e6:.0f} MB (the GGUF's tensors as stored). Matmul FLOPs: 2 x "
@@ -651,7 +711,9 @@ def report(r: Results, f: Floor, loaded_desc: str) -> str:
     lines += ["## What closes the gap", "",
               "batchmlx's decode step by cause, the barrier pass's pieces scaled to the timing "
               "pass's step (each piece x timing / instrumented), ranked:", "",
-              *causes_table(r, f), "", *gap_notes(r, f), "", OV_DOES]  # fmt: skip
+              *causes_table(r), "", *gap_notes(r, f), "",
+              "The same with OpenBLAS on one thread:", "", *causes_table(r, one=True), "",
+              *gap_notes(r, f, one=True), "", OV_DOES]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -459,7 +459,9 @@ def header(r: Results, loaded_desc: str) -> list[str]:
         f"timing passes, {m['load_after']} at the end; CPUs busy with others' work just before "
         f"{m['busy_before']:.0%} and just after {m['busy_after']:.0%} (/proc/stat over 2 s, "
         "this process idle). Both engines ran alternately in the same run, width by width, "
-        f"{s.repeats} repeat(s), the order swapped every repeat; figures are medians.",
+        f"{s.repeats} repeat(s), the order (batchmlx, batchmlx with OpenBLAS on one thread, "
+        "OpenVINO) rotated every repeat; figures are medians. On a loaded machine single runs "
+        "moved by up to 4x (see the log lines of each repeat): read ratios, not absolute times.",
         "",
         f"- **batchmlx**: {loaded_desc}; `Engine` with max_batch_size = W, adaptive width off, "
         f"{s.budget} tokens a step (its default), paged KV with prefix cache (defaults).",
@@ -673,6 +675,18 @@ int8 per group of 32 on the fly, the rest of the graph runs at the INFERENCE_PRE
 the matmuls, bf16 elsewhere, u8 KV; batchmlx: float32 throughout, exact to mlx-lm.
 """
 
+READING = """\
+Reading it: on a machine whose other tenants keep both cores busy, the preloaded OpenBLAS's
+two-thread team costs a decode step more than its FLOPs do: every small matmul (a [W, 576] x
+[576, 1536] projection: ~1 ms on one thread, ~23 ms on two in a check under this load) waits for
+a second thread to be scheduled, which is why "OpenBLAS on one thread" is faster at every width
+here and why the barrier pass (one more wake-up per matmul) inflates the default setting most.
+OpenVINO's CPU plugin runs two threads too (its own TBB pool), and its step times show no such
+toll. Of what remains with one thread, the float32 matmuls are the first cause at every
+width; then the elementwise ops MLX runs one pass at a time (OpenVINO fuses them into the
+graph), then attention and Python per step.
+"""
+
 
 def report(r: Results, f: Floor, loaded_desc: str) -> str:
     m = r.machine
@@ -713,7 +727,7 @@ def report(r: Results, f: Floor, loaded_desc: str) -> str:
               "pass's step (each piece x timing / instrumented), ranked:", "",
               *causes_table(r), "", *gap_notes(r, f), "",
               "The same with OpenBLAS on one thread:", "", *causes_table(r, one=True), "",
-              *gap_notes(r, f, one=True), "", OV_DOES]  # fmt: skip
+              *gap_notes(r, f, one=True), "", READING, OV_DOES]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -44,6 +44,8 @@ _LIB_NAMES = ("libdnnl.so.3.2", "libdnnl.so.3*", "libdnnl.so")
 _F32, _S8 = 3, 5  # dnnl_data_type_t
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_SCALES = 1, 17, 33, 4096
 _p = ctypes.c_void_p
+# Primitives kept (one per shape seen); past this many they are all dropped and remade
+MAX_PRIMITIVES = 2048
 
 
 class Int8Unavailable(RuntimeError):
@@ -56,8 +58,9 @@ class _ExecArg(ctypes.Structure):
 
 class OneDNN:
     """oneDNN's C API through ctypes: s8 x s8 -> f32 matmuls with per-channel weight scales.
-    A primitive per (layer, rows) is made on first use and kept (decode widths and prompt
-    chunk sizes recur); its memory objects are re-pointed at each call's buffers."""
+    A primitive per shape (rows, outputs, inputs) is made on first use and kept (layer shapes,
+    decode widths and prompt chunk sizes recur); its memory objects are re-pointed at each
+    call's buffers."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -70,6 +73,7 @@ class OneDNN:
         lib.dnnl_primitive_create.argtypes = [_p, _p]
         lib.dnnl_primitive_attr_set_scales_mask.argtypes = [_p, ctypes.c_int, ctypes.c_int]
         lib.dnnl_stream_create.argtypes = [_p, _p, ctypes.c_uint]
+        lib.dnnl_primitive_destroy.argtypes = lib.dnnl_memory_destroy.argtypes = [_p]
         self.engine, self.stream = _p(), _p()
         self._ok(lib.dnnl_engine_create(ctypes.byref(self.engine), 1, ctypes.c_size_t(0)))
         self._ok(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, 1))
@@ -111,14 +115,23 @@ class OneDNN:
         args = (_ExecArg * 4)(*[_ExecArg(a, mm) for a, mm in zip(ids, mems, strict=True)])
         return prim, mems, args
 
+    def _clear(self) -> None:
+        for prim, mems, _ in self._prims.values():
+            self.lib.dnnl_primitive_destroy(prim)
+            for mem in mems:
+                self.lib.dnnl_memory_destroy(mem)
+        self._prims.clear()
+
     def matmul(self, x: np.ndarray, w: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
         """out[M, N] = (x[M, K] . w[N, K]^T) * scales[N]; x, w int8, all C-contiguous."""
         m, k = x.shape
         n = w.shape[0]
-        key = (w.ctypes.data, m)  # a layer's weights never move
+        key = (m, n, k)  # a primitive depends on the shapes only: buffers are set per call
         with self._lock:
             entry = self._prims.get(key)
             if entry is None:
+                if len(self._prims) >= MAX_PRIMITIVES:
+                    self._clear()
                 entry = self._prims[key] = self._primitive(m, n, k)
             prim, mems, args = entry
             for mem, arr in zip(mems, (x, w, out, scales), strict=True):

@@ -16,9 +16,15 @@ prefixes (or `BATCHMLX_ONEDNN_LIB`) and says what to install when it is missing.
 is for MLX's CPU backend only: on Metal or CUDA the evaluation barrier per layer would cost
 more than it saves, and quantized MLX kernels are the fast path there.
 
-Measured (benchmarks/int8_paths.py, one thread, SmolLM2-135M's 211 linear layers, weights from
-memory): float32 through OpenBLAS 107 ms a step at 64 rows, oneDNN int8 33 ms (40 with the
-activation quantization); MKL's `cblas_gemm_s8u8s32` is slower than float32 on AMD hosts.
+Measured on a loaded 2-core AMD EPYC (AVX-512 VNNI), one thread, all 211 linear layers of a
+SmolLM2-135M step, weights from memory (benchmarks/int8_paths.py): float32 through OpenBLAS
+107 ms at 64 rows, 1,398 ms at 1,000; oneDNN int8 33 / 314 ms (40 / 506 with the per-token
+quantization in numpy); MKL's `cblas_gemm_s8u8s32` 940 ms at 64 rows (MKL runs slow generic
+code on AMD CPUs). The engine (benchmarks/weight_formats.py): 1.6x float32's tok/s at widths
+8-128, weights 129 MB instead of 513 MB. Parity: int32 sums are exact, so a row's result does
+not depend on its batch; against float32 the logits differ by up to ~20% of the largest logit
+and greedy text follows float32's for the first few to all tokens (tests/engine/
+test_int8_linear.py states what is tested).
 """
 
 from __future__ import annotations

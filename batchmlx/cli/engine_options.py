@@ -16,7 +16,10 @@ from batchmlx.core.engine_api import ENGINE_DEFAULTS as D
 from batchmlx.core.engine_api import EngineSettings
 
 PANEL = "Engine options"  # their own section of each command's --help
-DTYPE_HELP = "Weights: auto (float32 on the CPU, as stored on Metal/CUDA), stored, float32, …"
+DTYPE_HELP = (
+    "Weights: auto (float32 on the CPU, as stored on Metal/CUDA), stored, float32, …; int8: "
+    "int8 linear layers on a Linux x86-64 CPU (oneDNN; pip install 'batchmlx[cpu-int8]')"
+)
 
 
 @dataclass(frozen=True, slots=True)

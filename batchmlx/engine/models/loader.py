@@ -54,12 +54,20 @@ def model_folder(spec: ModelSpec, *, cache_dir: Path) -> Path | str:
 
 def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> LoadedModel:
     """Load `spec` with mlx-lm. dtype "auto" keeps weights as stored (quantized stays
-    quantized); "float32"/"float16"/"bfloat16" dequantize every layer to that dtype. A folder
-    batchmlx converted is dequantized once: later loads read the saved copy (dense.py)."""
-    if dtype not in ("auto", "stored") and dtype not in _DTYPES:
+    quantized); "float32"/"float16"/"bfloat16" dequantize every layer to that dtype; "int8"
+    loads float32, then gives the linear layers and embeddings int8 weights (CPU only, needs
+    `batchmlx[cpu-int8]`). A folder batchmlx converted is dequantized once: later loads read
+    the saved copy (dense.py)."""
+    if dtype not in ("auto", "stored", "int8") and dtype not in _DTYPES:
         raise ValueError(
-            f"dtype must be 'auto', 'stored' or one of {sorted(_DTYPES)}, got {dtype!r}"
+            f"dtype must be 'auto', 'stored', 'int8' or one of {sorted(_DTYPES)}, got {dtype!r}"
         )
+    int8 = dtype == "int8"  # float32 first, then int8 linear layers (kernels/int8_linear.py)
+    if int8:
+        from batchmlx.engine.kernels.int8_linear import load_library, quantize_model
+
+        load_library()  # before the load: without oneDNN, say what to install at once
+        dtype = "float32"
     with _collector_paused():
         import mlx_lm  # heavy import (transformers); keep it off module import
 
@@ -78,6 +86,9 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
         }
         if ours and quantized:
             save_dense(Path(folder), dtype, model)
+    if int8:
+        quantize_model(model)
+        log.info("model %s: linear layers and embeddings as int8 (oneDNN)", spec.name)
     path = Path(dense or folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
     context = config.get("max_position_embeddings") or _FALLBACK_CONTEXT
     return LoadedModel(

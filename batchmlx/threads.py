@@ -3,12 +3,17 @@ so that BLAS thread teams do not spin against the neighbours.
 
 The CPUs a process may use are the fewer of its affinity mask (`os.sched_getaffinity`: taskset,
 cpusets) and its cgroup v2 CPU quota (`/sys/fs/cgroup/cpu.max`: a container's `--cpus`). Of
-those the engine takes all but one, and at least one: OpenBLAS's threads meet at a barrier in
-every matmul and busy-wait there, so one descheduled thread stalls the rest for a time slice.
-Measured on 2 cores shared with other work (benchmarks/threads_neighbours.py, a 32-token chat
-on the default model): 2 threads 32.2 s, 1 thread 6.5 s; with two more busy neighbours 59.7 s
-and 10.8 s (issue 21 saw 35-46 s against 3.8-4.0 s). The core left over serves the event loop,
-the database and the other processes of the host.
+those the engine takes the ones other processes leave free, at least one: OpenBLAS's threads
+meet at a barrier in every matmul and busy-wait there, so one descheduled thread stalls the rest
+for a time slice. Measured on 2 cores shared with other work (benchmarks/threads_neighbours.py,
+a 32-token chat on the default model): 2 threads 32.2 s, 1 thread 6.5 s; with two more busy
+neighbours 59.7 s and 10.8 s (issue 21 saw 35-46 s against 3.8-4.0 s). On a quiet machine both
+cores compute (a step's matmuls take about half the time on two threads).
+
+"Free" is measured, not guessed: the CPU time the whole host spent busy (/proc/stat) less this
+process's own (/proc/self/stat), over a short window at start and then again every `REVIEW_S`
+while the engine runs (`ThreadGovernor`), so a neighbour that starts or stops later moves the
+count. Where /proc cannot be read (macOS) the budget's CPUs are used.
 
 `--threads N` (or BATCHMLX_THREADS) overrides the choice; `batchmlx doctor` shows it. The count
 goes to the BLAS MLX's CPU backend calls (OpenBLAS or MKL, set at run time through the preloaded
@@ -20,14 +25,23 @@ files and the loaded BLAS; imports no MLX.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+log = logging.getLogger("batchmlx.threads")
+
 ENV = "BATCHMLX_THREADS"  # the --threads flag's variable; host_attention reads it too
 CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
+PROC_STAT = Path("/proc/stat")  # the host's CPU time, summed over its CPUs, in clock ticks
+SELF_STAT = Path("/proc/self/stat")  # this process's (every thread's) utime and stime
+SAMPLE_S = 0.2  # the window of the first look, at start
+REVIEW_S = 5.0  # the governor looks again at most this often, over the time since its last look
+SPARE = 0.3  # a CPU counts as free while others keep it busy less than 30% of the time
 # variables of the BLAS and OpenMP runtimes, for libraries loaded after the choice is made
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
 
@@ -51,6 +65,50 @@ class ThreadChoice:
     threads: int  # compute threads of the engine (BLAS, host kernels)
     why: str  # one line for doctor and the log
     budget: CpuBudget
+    auto: bool = False  # chosen from the load (the governor may change it), not asked for
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """Cumulative CPU time at one moment, in clock ticks."""
+
+    busy: int  # the host's, every CPU summed: all but idle and iowait
+    total: int  # the host's, every CPU summed
+    own: int  # this process's, every thread
+    cpus: int  # CPUs the host's figures are summed over
+
+
+def read_cpu_sample(
+    proc_stat: str | None = None, self_stat: str | None = None
+) -> CpuSample | None:
+    """Now's CPU times (None where /proc cannot be read)."""
+    try:
+        host = PROC_STAT.read_text() if proc_stat is None else proc_stat
+        me = SELF_STAT.read_text() if self_stat is None else self_stat
+        lines = host.splitlines()
+        fields = [int(x) for x in lines[0].split()[1:]]  # user nice system idle iowait ...
+        cpus = sum(1 for line in lines[1:] if line.startswith("cpu"))
+        after_name = me.rsplit(")", 1)[1].split()  # the name may hold spaces
+        own = int(after_name[11]) + int(after_name[12])  # fields 14 and 15: utime, stime
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    except (OSError, IndexError, ValueError):
+        return None
+    total = sum(fields[:8])  # guest time is already inside user
+    return CpuSample(busy=total - idle, total=total, own=own, cpus=max(1, cpus))
+
+
+def others_busy(before: CpuSample, after: CpuSample) -> float:
+    """CPUs other processes kept busy between two samples, on average."""
+    window = (after.total - before.total) / after.cpus  # ticks of one CPU's time
+    if window <= 0:
+        return 0.0
+    others = (after.busy - before.busy) - (after.own - before.own)
+    return max(0.0, others / window)
+
+
+def free_cpus(budget: CpuBudget, others: float) -> int:
+    """Of the budget's CPUs, those the others leave free; at least one."""
+    return max(1, min(budget.cpus, math.floor(budget.cpus - others + SPARE)))
 
 
 def _affinity() -> int:
@@ -85,8 +143,11 @@ def choose_threads(
     requested: int | None = None,
     budget: CpuBudget | None = None,
     environ: Mapping[str, str] | None = None,
+    others: float | None = None,
 ) -> ThreadChoice:
-    """`requested` (the flag), else BATCHMLX_THREADS, else all the budget's CPUs but one."""
+    """`requested` (the flag), else BATCHMLX_THREADS, else the budget's CPUs that other
+    processes leave free (`others`: the CPUs they keep busy; measured over SAMPLE_S when not
+    given)."""
     budget = budget or cpu_budget()
     environ = os.environ if environ is None else environ
     if requested is None and environ.get(ENV, "").strip():
@@ -104,10 +165,23 @@ def choose_threads(
         if requested < 1:
             raise ValueError(f"--threads must be at least 1, not {requested}")
         return ThreadChoice(requested, f"{how} ({seen})", budget)
-    n = max(1, budget.cpus - 1)
-    return ThreadChoice(
-        n, f"{seen}: {budget.cpus} usable, one left to the event loop and neighbours", budget
-    )
+    if others is None:
+        others = measure_others(SAMPLE_S)
+    if others is None:
+        return ThreadChoice(budget.cpus, f"{seen}: {budget.cpus} usable", budget, auto=True)
+    n = free_cpus(budget, others)
+    why = f"{seen}: {budget.cpus} usable, other processes busy on {others:.1f}"
+    return ThreadChoice(n, why, budget, auto=True)
+
+
+def measure_others(window_s: float) -> float | None:
+    """CPUs other processes keep busy over the next `window_s` (None: /proc unreadable)."""
+    before = read_cpu_sample()
+    if before is None:
+        return None
+    time.sleep(window_s)
+    after = read_cpu_sample()
+    return None if after is None else others_busy(before, after)
 
 
 def apply_threads(choice: ThreadChoice) -> list[str]:
@@ -117,7 +191,12 @@ def apply_threads(choice: ThreadChoice) -> list[str]:
     n = choice.threads
     for key in (ENV, *THREAD_VARIABLES):
         os.environ[key] = str(n)
-    done = [f"{ENV}={n}"]
+    return [f"{ENV}={n}", *set_blas_threads(n)]
+
+
+def set_blas_threads(n: int) -> list[str]:
+    """The loaded BLAS's thread count, now (OpenBLAS's or MKL's run-time setter)."""
+    done: list[str] = []
     try:
         exported = ctypes.CDLL(None)
     except OSError:  # pragma: no cover - no global symbol table (not Linux or macOS)
@@ -128,6 +207,49 @@ def apply_threads(choice: ThreadChoice) -> list[str]:
             setter(ctypes.c_int(n))
             done.append(f"{name}({n})")
     return done
+
+
+class ThreadGovernor:
+    """Keeps an automatic choice fitted to the load: at most every REVIEW_S (called between
+    engine steps, on the engine thread), the CPUs others kept busy since the last look decide
+    the BLAS's thread count again. A count that was asked for is left alone."""
+
+    def __init__(
+        self,
+        choice: ThreadChoice,
+        *,
+        review_s: float = REVIEW_S,
+        clock: Callable[[], float] = time.monotonic,
+        sample: Callable[[], CpuSample | None] = read_cpu_sample,
+        apply: Callable[[int], object] = set_blas_threads,
+    ) -> None:
+        self.threads = choice.threads
+        self.budget = choice.budget
+        self.active = choice.auto
+        self.review_s = review_s
+        self._clock, self._sample, self._apply = clock, sample, apply
+        self._last = sample() if self.active else None
+        self._at = clock()
+
+    def review(self) -> int | None:
+        """The new thread count when it changed, else None."""
+        if not self.active or self._clock() - self._at < self.review_s:
+            return None
+        now = self._sample()
+        if now is None or self._last is None:
+            self.active = False  # /proc went away: keep what we have
+            return None
+        others = others_busy(self._last, now)
+        self._last, self._at = now, self._clock()
+        n = free_cpus(self.budget, others)
+        if n == self.threads:
+            return None
+        log.info("engine threads: %d -> %d (other processes busy on %.1f CPUs)",
+                 self.threads, n, others)  # fmt: skip
+        self.threads = n
+        os.environ[ENV] = str(n)
+        self._apply(n)
+        return n
 
 
 def threads_report(requested: int | None = None) -> dict[str, object]:

@@ -62,7 +62,8 @@ def engine_choice(
         int | None,
         typer.Option(min=1, envvar="BATCHMLX_THREADS", rich_help_panel=PANEL,
                      help="Compute threads (BLAS, host kernels); default: the CPUs this process "
-                     "may use (affinity, cgroup quota) less one; `batchmlx doctor` shows it"),
+                     "may use (affinity, cgroup quota) that other processes leave free, looked at "
+                     "again every 5 s; `batchmlx doctor` shows it"),
     ] = D.threads,
 ) -> EngineChoice:
     """The engine options into what they decide."""

@@ -36,8 +36,8 @@ class EngineSettings:
     # decodes keep their keys and values contiguous from step to step (engine/kv/decode.py)
     # rather than gathering them from the paged pool every step
     dense_decode: bool = True
-    # compute threads (BLAS, host kernels); None: the CPUs this process may use, less one
-    # (batchmlx/threads.py, shown by `batchmlx doctor`)
+    # compute threads (BLAS, host kernels); None: the CPUs this process may use that other
+    # processes leave free, looked at again between steps (batchmlx/threads.py; `doctor`)
     threads: int | None = None
 
     @property

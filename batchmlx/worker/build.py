@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from batchmlx.core.engine_api import EmbedderProtocol, EngineProtocol, EngineSettings
+from batchmlx.threads import ThreadGovernor
 from batchmlx.worker.translate import Translator
 
 log = logging.getLogger("batchmlx.worker")
@@ -22,6 +23,7 @@ class ServingModel:
     engine: EngineProtocol
     translator: Translator
     embedder: EmbedderProtocol | None = None  # /v1/embeddings; None: this engine has none
+    threads: ThreadGovernor | None = None  # re-fits the BLAS threads to the load between steps
 
 
 EngineFactory = Callable[[str], ServingModel]  # model name → a fresh engine for it
@@ -62,7 +64,7 @@ def build_engine(
         embedder: EmbedderProtocol | None = engine.embedder
     except ValueError:  # a model layout with no hidden-state body to pool
         embedder = None
-    return ServingModel(name, engine, translator, embedder)
+    return ServingModel(name, engine, translator, embedder, ThreadGovernor(threads))
 
 
 def _vocab_size(loaded: Any) -> int | None:

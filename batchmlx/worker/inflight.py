@@ -153,6 +153,8 @@ class InFlight:
         except Exception as exc:
             self._fail_running(exc)
             return
+        if loaded.threads is not None:
+            loaded.threads.review()  # a neighbour that came or went since the last look
         for out in outputs:
             row, idx = parse_choice_id(out.request_id)
             p = self._table(row).get(row)

@@ -77,8 +77,9 @@ def cpu_coretype(cpuinfo: str | None = None) -> str | None:
     return None
 
 
-def _default_prefixes() -> list[Path]:
-    # The mkl wheel installs its .so files as data files: <prefix>/lib, next to site-packages.
+def python_prefixes() -> list[Path]:
+    """This Python's prefixes, where wheels put their data files (the mkl and onednn wheels
+    install their .so files as <prefix>/lib, next to site-packages)."""
     prefixes = [Path(sys.prefix), Path(sys.base_prefix)]
     try:
         prefixes.append(Path(site.getuserbase()))
@@ -255,7 +256,7 @@ def find_fast_blas(
                 _default_openblas_candidates(), cpuinfo, _loads, fortran_runtime_dir
             )
         ),
-        "mkl": lambda: _find_mkl(prefixes if prefixes is not None else _default_prefixes()),
+        "mkl": lambda: _find_mkl(prefixes if prefixes is not None else python_prefixes()),
     }
     order = [prefer] if prefer in finders else list(finders)
     for name in order:

@@ -105,7 +105,7 @@ def recorded_exec(monkeypatch, tree) -> list[tuple[str, list[str], dict[str, str
     calls: list[tuple[str, list[str], dict[str, str]]] = []
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(os, "execve", lambda exe, args, env: calls.append((exe, args, env)))
-    monkeypatch.setattr(accel, "_default_prefixes", lambda: [tree["prefix"]])
+    monkeypatch.setattr(accel, "python_prefixes", lambda: [tree["prefix"]])
     monkeypatch.setattr(accel, "_default_lib_dirs", lambda: [tree["lib_dir"]])
     monkeypatch.setattr(accel, "_site_dirs", lambda: [])  # no pip-installed OpenBLAS
     for key in ("LD_PRELOAD", accel.REEXEC_MARKER, accel.SWITCH):

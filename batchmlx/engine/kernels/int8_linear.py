@@ -32,14 +32,13 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
-import site
-import sys
 import threading
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from batchmlx.accel import python_prefixes
 
 LIBRARY_ENV = "BATCHMLX_ONEDNN_LIB"  # an explicit path to libdnnl.so.3*
 INSTALL_HINT = (
@@ -149,20 +148,11 @@ class OneDNN:
 _library: OneDNN | None = None
 
 
-def _prefixes() -> list[Path]:
-    dirs = [Path(sys.prefix), Path(sys.base_prefix)]
-    try:
-        dirs.append(Path(site.getuserbase()))
-    except Exception:  # pragma: no cover - site customisations can make this fail
-        pass
-    return list(dict.fromkeys(dirs))
-
-
 def library_candidates() -> list[str]:
     """Paths of libdnnl to try, best first: BATCHMLX_ONEDNN_LIB, then <prefix>/lib of this
     Python (where the onednn wheels put it)."""
     found = [os.environ[LIBRARY_ENV]] if os.environ.get(LIBRARY_ENV) else []
-    for prefix in _prefixes():
+    for prefix in python_prefixes():
         for name in _LIB_NAMES:
             found += sorted(glob.glob(str(prefix / "lib" / name)))
     return list(dict.fromkeys(found))

@@ -21,7 +21,6 @@ from batchmlx.formats.fields import (
     fail,
     input_shape,
     int_field,
-    token_id_problem,
     type_error,
     unsupported,
 )
@@ -61,9 +60,12 @@ def _prompt(body: dict[str, Any]) -> tuple[str | None, tuple[int, ...] | None]:
     if shape is InputShape.TEXT:
         return prompt, None
     if shape is InputShape.IDS:
-        problem = token_id_problem(prompt)
-        if problem is not None:
-            raise fail(ErrorCode.INVALID_VALUE, f"Invalid 'prompt': {problem}.", "prompt")
+        # ids past the vocabulary (int32's range included) are refused where the model is
+        # known, naming its vocabulary (worker/translate)
+        if any(t < 0 for t in prompt):
+            raise fail(
+                ErrorCode.INVALID_VALUE, "Invalid 'prompt': token ids must be >= 0.", "prompt"
+            )
         return None, tuple(prompt)
     # one-element lists of the other shapes are read as their element; at run time (online, with
     # no file check before) a few malformed lists are read by their first element too

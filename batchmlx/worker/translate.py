@@ -21,6 +21,7 @@ from batchmlx.core.request import (
 from batchmlx.formats.chat import chat_completion_body
 from batchmlx.formats.completions import text_completion_body
 from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.fields import token_id_problem
 from batchmlx.formats.openai import ChoiceResult, IdPrefix, TokenLogprobText, new_id
 from batchmlx.formats.params import parse_request
 from batchmlx.formats.request import Endpoint, ParsedRequest, RequestError, context_length_error
@@ -102,12 +103,9 @@ class Translator:
                 msg = schema_error_message(parsed.grammar, detail)
                 err = RequestError(400, ErrorCode.INVALID_VALUE.value, msg, parsed.grammar.param)
                 return None, [], error_result(err)
-        bad_id = self._out_of_vocab(parsed)
-        if bad_id is not None:
-            msg = (
-                f"Invalid 'prompt': token id {bad_id} is out of range; this model's vocabulary "
-                f"has {self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})."
-            )
+        problem = self._bad_token_id(parsed)
+        if problem is not None:
+            msg = f"Invalid 'prompt': {problem}."
             err = RequestError(400, ErrorCode.INVALID_VALUE.value, msg, "prompt")
             return None, [], error_result(err)
         try:
@@ -140,12 +138,21 @@ class Translator:
             )
         return pending, gens, None
 
-    def _out_of_vocab(self, parsed: ParsedRequest) -> int | None:
-        """The first prompt token id the model has no embedding for (it would not even fit the
-        engine's int32 arrays), or None."""
-        if parsed.prompt_token_ids is None or self.vocab_size is None:
+    def _bad_token_id(self, parsed: ParsedRequest) -> str | None:
+        """Why a prompt of token ids cannot run: an id the model has no embedding for (naming
+        its vocabulary), or, with the vocabulary unknown, one past int32; else None."""
+        ids = parsed.prompt_token_ids
+        if ids is None:
             return None
-        return next((t for t in parsed.prompt_token_ids if t >= self.vocab_size), None)
+        if self.vocab_size is None:
+            return token_id_problem(ids)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is None:
+            return None
+        return (
+            f"token id {bad} is out of range; this model's vocabulary has {self.vocab_size} "
+            f"tokens (ids 0 to {self.vocab_size - 1})"
+        )
 
     def _prompt(self, parsed: ParsedRequest) -> tuple[list[int], str]:
         if parsed.messages is not None:  # chat and responses

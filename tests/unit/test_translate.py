@@ -96,9 +96,14 @@ def test_a_constrained_answer_that_is_not_complete_json_is_never_stop():
 
 
 def test_prompt_token_ids_past_the_vocabulary_or_int32_are_a_400():
-    tr = Translator(CharTokenizer(), "m", context_length=100, eos_ids=[0], vocab_size=50)
-    for ids, words in (([1, 50], "token id 50 is out of range"), ([2**31], "32 bits"),
-                       ([-1], "must be >= 0")):  # fmt: skip
+    known = Translator(CharTokenizer(), "m", context_length=100, eos_ids=[0], vocab_size=50)
+    unknown = Translator(CharTokenizer(), "m", context_length=100, eos_ids=[0])
+    for tr, ids, words in (
+        (known, [1, 50], "token id 50 is out of range; this model's vocabulary has 50 tokens"),
+        (known, [2**31], "token id 2147483648 is out of range; this model's vocabulary"),
+        (unknown, [2**31], "32 bits"),
+        (known, [-1], "must be >= 0"),
+    ):
         c = ClaimedRequest(7, "b", "c", 1, "/v1/completions", "m", {"model": "m", "prompt": ids}, 1)
         _, gens, result = tr.prepare(c)
         assert gens == [] and result is not None and result.status_code == 400

@@ -144,10 +144,12 @@ def choose_threads(
     budget: CpuBudget | None = None,
     environ: Mapping[str, str] | None = None,
     others: float | None = None,
+    *,
+    measure: bool = True,
 ) -> ThreadChoice:
     """`requested` (the flag), else BATCHMLX_THREADS, else the budget's CPUs that other
     processes leave free (`others`: the CPUs they keep busy; measured over SAMPLE_S when not
-    given)."""
+    given and `measure`, else all the budget's CPUs until a ThreadGovernor first looks)."""
     budget = budget or cpu_budget()
     environ = os.environ if environ is None else environ
     if requested is None and environ.get(ENV, "").strip():
@@ -165,7 +167,7 @@ def choose_threads(
         if requested < 1:
             raise ValueError(f"--threads must be at least 1, not {requested}")
         return ThreadChoice(requested, f"{how} ({seen})", budget)
-    if others is None:
+    if others is None and measure:
         others = measure_others(SAMPLE_S)
     if others is None:
         return ThreadChoice(budget.cpus, f"{seen}: {budget.cpus} usable", budget, auto=True)
@@ -231,9 +233,10 @@ class ThreadGovernor:
         self._last = sample() if self.active else None
         self._at = clock()
 
-    def review(self) -> int | None:
-        """The new thread count when it changed, else None."""
-        if not self.active or self._clock() - self._at < self.review_s:
+    def review(self, *, now: bool = False) -> int | None:
+        """The new thread count when it changed, else None. `now`: look whatever the time
+        since the last look (after the model load, which was the first window)."""
+        if not self.active or (not now and self._clock() - self._at < self.review_s):
             return None
         now = self._sample()
         if now is None or self._last is None:

@@ -44,9 +44,11 @@ def build_engine(
     from batchmlx.engine.models.loader import load_model
     from batchmlx.threads import apply_threads, choose_threads
 
-    threads = choose_threads(settings.threads)
+    # the first look at the neighbours spans the model load (no wait of its own): all the
+    # budget's CPUs until then, refitted as soon as the model is in
+    threads = choose_threads(settings.threads, measure=False)
     how = apply_threads(threads)
-    log.info("engine threads: %d (%s; %s)", threads.threads, threads.why, ", ".join(how))
+    governor = ThreadGovernor(threads)
 
     spec = resolve_model(name, cache_dir=cache_dir)
     if spec is None:
@@ -64,7 +66,9 @@ def build_engine(
         embedder: EmbedderProtocol | None = engine.embedder
     except ValueError:  # a model layout with no hidden-state body to pool
         embedder = None
-    return ServingModel(name, engine, translator, embedder, ThreadGovernor(threads))
+    governor.review(now=True)
+    log.info("engine threads: %d (%s; %s)", governor.threads, threads.why, ", ".join(how))
+    return ServingModel(name, engine, translator, embedder, governor)
 
 
 def _vocab_size(loaded: Any) -> int | None:

@@ -147,3 +147,16 @@ def test_doctor_says_the_threads_chosen_and_why(monkeypatch: pytest.MonkeyPatch)
     assert 1 <= report["threads"] <= budget.cpus
     assert report["affinity_cpus"] == len(os.sched_getaffinity(0))
     assert "usable" in report["why"]
+
+
+def test_the_first_look_spans_the_model_load() -> None:
+    """build_engine starts on all the budget's CPUs (no wait of its own) and looks again as soon
+    as the model is in, whatever the review period."""
+    choice = choose_threads(None, CpuBudget(2, None), environ={}, measure=False)
+    assert choice.threads == 2 and choice.auto
+    samples = iter([CpuSample(0, 0, 0, 2), CpuSample(190, 200, 90, 2)])  # others busy on 1.0
+    applied: list[int] = []
+    gov = ThreadGovernor(choice, review_s=1e9, clock=lambda: 0.0, sample=lambda: next(samples),
+                         apply=applied.append)  # fmt: skip
+    assert gov.review() is None  # the period has not passed
+    assert gov.review(now=True) == 1 and applied == [1]

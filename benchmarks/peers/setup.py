@@ -112,14 +112,6 @@ def _locked(peer: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def setup_llama() -> Installed:
-    got = Installed.load("llama")
-    if got and Path(got.server).is_file():
-        return got
-    with _locked("llama"):
-        return Installed.load("llama") or _build_llama()
-
-
 def _build_llama() -> Installed:
     t0 = time.perf_counter()
     root = CACHE / "llama"
@@ -170,14 +162,6 @@ def _pip_version(py: Path, dist: str) -> str:
     return subprocess.run([str(py), "-c", code], capture_output=True, text=True).stdout.strip()
 
 
-def setup_openvino() -> Installed:
-    got = Installed.load("openvino")
-    if got and Path(got.python).is_file():
-        return got
-    with _locked("openvino"):
-        return Installed.load("openvino") or _install_openvino()
-
-
 def _install_openvino() -> Installed:
     t0 = time.perf_counter()
     root = CACHE / "openvino"
@@ -192,14 +176,6 @@ def _install_openvino() -> Installed:
                     seconds=round(time.perf_counter() - t0, 1), size_mb=_du_mb(root))  # fmt: skip
     got.save()
     return got
-
-
-def setup_vllm() -> Installed:
-    got = Installed.load("vllm")
-    if got and Path(got.python).is_file():
-        return got
-    with _locked("vllm"):
-        return Installed.load("vllm") or _install_vllm()
 
 
 def _install_vllm() -> Installed:
@@ -221,12 +197,23 @@ def _install_vllm() -> Installed:
     return got
 
 
-SETUPS = {"llama": setup_llama, "openvino": setup_openvino, "vllm": setup_vllm}
+SETUPS = {"llama": _build_llama, "openvino": _install_openvino, "vllm": _install_vllm}
+
+
+def _usable(got: Installed | None) -> bool:
+    """An install whose program is still there (a cache cleaned by hand is set up again)."""
+    return got is not None and Path(got.server or got.python).is_file()
 
 
 def ensure(peer: str) -> Installed:
-    """The peer's install, set up first if missing."""
-    return SETUPS[peer]()
+    """The peer's install, set up first if missing (once across processes: a second waits on
+    the lock, then finds it done)."""
+    got = Installed.load(peer)
+    if _usable(got):
+        return got
+    with _locked(peer):
+        got = Installed.load(peer)
+        return got if got is not None and _usable(got) else SETUPS[peer]()
 
 
 def main(argv: list[str] | None = None) -> int:

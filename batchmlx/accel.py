@@ -26,6 +26,8 @@ in. This module imports no MLX at import time; only `measure_matmul_gflops` and
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import platform
@@ -149,14 +151,32 @@ def _numpy_runtime_libs(site_dirs: Sequence[Path]) -> tuple[Path, Path] | None:
     return None
 
 
+def vendored_gomp(site_dirs: Sequence[Path], *, system_has: bool | None = None) -> Path | None:
+    """A wheel's vendored GNU OpenMP runtime (sentencepiece's, a dependency through mlx-lm) for
+    oneDNN (engine/kernels/onednn.py) where the system has no libgomp.so.1; else None."""
+    if system_has is None:
+        system_has = ctypes.util.find_library("gomp") is not None
+    if system_has:
+        return None
+    for d in site_dirs:
+        for libs in sorted(d.glob("*.libs")):
+            found = sorted(libs.glob("libgomp-*.so.1*"))
+            if found:
+                return found[0]
+    return None
+
+
 def fortran_runtime_dir(
-    cache_dir: Path | None = None, site_dirs: Sequence[Path] | None = None
+    cache_dir: Path | None = None, site_dirs: Sequence[Path] | None = None,
+    *, system_gomp: bool | None = None,
 ) -> Path | None:
     """A private folder that makes numpy's vendored Fortran runtime loadable under its usual
     soname: `libgfortran.so.5` links to numpy's hashed copy, which itself names its libquadmath
-    by the hashed file name, so that name is linked too. None where numpy vendors none or the
-    cache cannot be written."""
-    found = _numpy_runtime_libs(_site_dirs() if site_dirs is None else site_dirs)
+    by the hashed file name, so that name is linked too; and `libgomp.so.1` to a vendored one
+    where the system has none (`vendored_gomp`). None where numpy vendors none or the cache
+    cannot be written."""
+    site_dirs = _site_dirs() if site_dirs is None else site_dirs
+    found = _numpy_runtime_libs(site_dirs)
     if found is None:
         return None
     gfortran, quadmath = found
@@ -167,6 +187,9 @@ def fortran_runtime_dir(
     # one folder per numpy build, so an upgraded numpy never meets stale links
     folder = Path(cache_dir) / "fortran-runtime" / gfortran.name.split("-")[1]
     links = {"libgfortran.so.5": gfortran, quadmath.name: quadmath}
+    gomp = vendored_gomp(site_dirs, system_has=system_gomp)
+    if gomp is not None:
+        links["libgomp.so.1"] = gomp
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for name, target in links.items():

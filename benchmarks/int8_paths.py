@@ -52,7 +52,7 @@ def find_lib(names: list[str], extra: list[str]) -> str | None:
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    from batchmlx.engine.kernels.int8_linear import quantize_rows as q
+    from batchmlx.engine.kernels.host_linear import quantize_rows as q
 
     p, s = q(x)
     return p, s[:, None]
@@ -97,10 +97,12 @@ def step_runs(m: int, s: dict, shapes: list, mxw: list, w8: list, ws: list, path
                 outs[n] *= qs
 
     def run_dnnl(quant: bool) -> None:
+        from batchmlx.engine.kernels.onednn import DataType
+
         d = paths["onednn"]
         for w, sc, (n, k) in zip(w8, ws, shapes, strict=True):
             q, qs = quantize_rows(xs[k]) if quant else q8[k]
-            d.matmul(q, w, sc, outs[n])
+            d.matmul(q, w, outs[n], DataType.S8, sc)
             if quant:
                 outs[n] *= qs
 
@@ -148,7 +150,7 @@ def main() -> None:
         paths["mkl"] = ctypes.CDLL(mkl_path)
     dnnl_path = find_lib(["libdnnl.so.3.2", "libdnnl.so.3"], a.lib)
     if dnnl_path and "onednn" not in skip:
-        from batchmlx.engine.kernels.int8_linear import OneDNN
+        from batchmlx.engine.kernels.onednn import OneDNN
 
         paths["onednn"] = OneDNN(dnnl_path)
     print(f"# MKL: {mkl_path}\n# oneDNN: {dnnl_path}", flush=True)

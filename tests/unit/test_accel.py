@@ -225,13 +225,26 @@ def test_fortran_runtime_dir_links_numpys_vendored_libs(tmp_path: Path) -> None:
     qm = libs / "libquadmath-96973f99-934c22de.so.0.0.0"
     for f in (gf, qm):
         f.write_bytes(b"")
-    folder = accel.fortran_runtime_dir(tmp_path / "cache", [site])
+    folder = accel.fortran_runtime_dir(tmp_path / "cache", [site], system_gomp=True)
     assert folder == tmp_path / "cache" / "fortran-runtime" / "040039e1"
     assert sorted(p.name for p in folder.iterdir()) == sorted(["libgfortran.so.5", qm.name])
     assert (folder / "libgfortran.so.5").resolve() == gf
     assert (folder / qm.name).resolve() == qm
-    assert accel.fortran_runtime_dir(tmp_path / "cache", [site]) == folder  # idempotent
+    assert accel.fortran_runtime_dir(tmp_path / "cache", [site], system_gomp=True) == folder
     assert accel.fortran_runtime_dir(tmp_path / "cache", [tmp_path / "empty"]) is None
+
+
+def test_a_vendored_openmp_runtime_is_linked_only_where_the_system_has_none(tmp_path) -> None:
+    site = tmp_path / "site"
+    for name in ("numpy.libs/libgfortran-040039e1-0352e75f.so.5.0.0",
+                 "numpy.libs/libquadmath-96973f99-934c22de.so.0.0.0",
+                 "sentencepiece.libs/libgomp-6a29c32d.so.1.0.0"):  # fmt: skip
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_bytes(b"")
+    gomp = site / "sentencepiece.libs/libgomp-6a29c32d.so.1.0.0"
+    folder = accel.fortran_runtime_dir(tmp_path / "cache", [site], system_gomp=False)
+    assert (folder / "libgomp.so.1").resolve() == gomp  # oneDNN's libgomp.so.1 found there
+    assert accel.vendored_gomp([site], system_has=True) is None
 
 
 def test_the_runtime_folder_is_tried_first(tmp_path: Path) -> None:

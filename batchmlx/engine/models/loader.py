@@ -17,12 +17,14 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec
+from batchmlx.engine.kernels.host_linear import HostFormat
 from batchmlx.engine.models.default_model import ensure_default_gguf
 from batchmlx.engine.models.dense import cached_dense, save_dense
 from batchmlx.engine.models.gguf import convert_gguf
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _FALLBACK_CONTEXT = 2048
+_QUANTIZATION_KEYS = ("quantization", "quantization_config")
 log = logging.getLogger("batchmlx.engine")
 
 
@@ -53,42 +55,43 @@ def model_folder(spec: ModelSpec, *, cache_dir: Path) -> Path | str:
 
 
 def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> LoadedModel:
-    """Load `spec` with mlx-lm. dtype "auto" keeps weights as stored (quantized stays
-    quantized); "float32"/"float16"/"bfloat16" dequantize every layer to that dtype; "int8"
-    loads float32, then gives the linear layers and embeddings int8 weights (CPU only, needs
-    `batchmlx[cpu-int8]`). A folder batchmlx converted is dequantized once: later loads read
-    the saved copy (dense.py)."""
+    """Load `spec` with mlx-lm. dtype "auto" on MLX's CPU backend gives bf16 weights computed
+    by oneDNN (kernels/host_linear.py; float32 where oneDNN cannot load), elsewhere it keeps
+    weights as stored (quantized stays quantized); "stored" keeps them as stored anywhere;
+    "float32"/"float16" dequantize every layer to that dtype; "bfloat16" is the host bf16
+    format on the CPU (MLX's own bf16 elsewhere); "int8" gives int8 weights computed by oneDNN
+    (CPU only). A folder batchmlx converted is dequantized once: later loads read the saved
+    float32 copy (dense.py)."""
     if dtype not in ("auto", "stored", "int8") and dtype not in _DTYPES:
         raise ValueError(
             f"dtype must be 'auto', 'stored', 'int8' or one of {sorted(_DTYPES)}, got {dtype!r}"
         )
-    int8 = dtype == "int8"  # float32 first, then int8 linear layers (kernels/int8_linear.py)
-    if int8:
-        from batchmlx.engine.kernels.int8_linear import load_library, quantize_model
-
-        load_library()  # before the load: without oneDNN, say what to install at once
-        dtype = "float32"
+    host = host_format(dtype)  # before the load: without oneDNN, say what to install at once
     with _collector_paused():
         import mlx_lm  # heavy import (transformers); keep it off module import
 
         folder = model_folder(spec, cache_dir=cache_dir)
         ours = spec.kind in ("default", "gguf")  # a folder batchmlx converted: dense.py caches it
-        dense = _dense_copy(Path(folder), dtype) if ours else None
+        # the host formats start from the float32 copy of a folder batchmlx converted (exact
+        # norms, a fast load); any other model is converted layer by layer as it is stored
+        source = "float32" if host and ours else ("stored" if host else dtype)
+        dense = _dense_copy(Path(folder), source) if ours else None
         model, tokenizer, config = mlx_lm.load(str(dense or folder), return_config=True)
     quantized = "quantization" in config
-    dtype = effective_dtype(dtype, quantized=quantized)
-    log.info("model %s: weights as %s on %s, from %s", spec.name, dtype, mx.default_device(),
-             Path(dense or folder).name)  # fmt: skip
-    if dtype in _DTYPES:
-        dequantize_model(model, _DTYPES[dtype])
-        config = {
-            k: v for k, v in config.items() if k not in ("quantization", "quantization_config")
-        }
+    source = effective_dtype(source, quantized=quantized)
+    if source in _DTYPES:
+        dequantize_model(model, _DTYPES[source])
         if ours and quantized:
-            save_dense(Path(folder), dtype, model)
-    if int8:
-        quantize_model(model)
-        log.info("model %s: linear layers and embeddings as int8 (oneDNN)", spec.name)
+            save_dense(Path(folder), source, model)
+    if host or source in _DTYPES:
+        config = {k: v for k, v in config.items() if k not in _QUANTIZATION_KEYS}
+    if host:
+        from batchmlx.engine.kernels.host_linear import to_host_format
+
+        to_host_format(model, host)
+    log.info("model %s: weights as %s on %s, from %s", spec.name,
+             f"{host.value} (oneDNN)" if host else source, mx.default_device(),
+             Path(dense or folder).name)  # fmt: skip
     path = Path(dense or folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
     context = config.get("max_position_embeddings") or _FALLBACK_CONTEXT
     return LoadedModel(
@@ -100,6 +103,33 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
         context_length=int(context),
         eos_token_ids=frozenset(int(i) for i in tokenizer.eos_token_ids),
     )
+
+
+def host_format(dtype: str, *, on_cpu: bool | None = None) -> HostFormat | None:
+    """The host weight format `dtype` asks for, or None for MLX's own kernels. On MLX's CPU
+    backend "auto" and "bfloat16" mean bf16 weights through oneDNN (MLX's own bf16 CPU matmul
+    runs at a few GFLOP/s); where oneDNN cannot load they fall back, with a warning, to float32
+    and to MLX's bf16. "int8" needs oneDNN (OneDNNUnavailable says what to install)."""
+    from batchmlx.engine.kernels import onednn
+
+    if on_cpu is None:
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    if dtype == "int8":
+        if not on_cpu:
+            raise onednn.OneDNNUnavailable(
+                "--dtype int8 runs on MLX's CPU backend only; on a GPU use --dtype auto"
+            )
+        onednn.load_library()
+        return HostFormat.INT8
+    if not on_cpu or dtype not in ("auto", "bfloat16"):
+        return None
+    try:
+        onednn.load_library()
+    except onednn.OneDNNUnavailable as exc:
+        fallback = "float32" if dtype == "auto" else "bfloat16 in MLX's own (slow) CPU kernels"
+        log.warning("weights as %s: %s", fallback, exc)
+        return None
+    return HostFormat.BF16
 
 
 @contextmanager

@@ -1,0 +1,209 @@
+"""oneDNN's matmul through its C API (ctypes): the GEMMs of the host weight formats
+(host_linear.py) on MLX's CPU backend.
+
+MLX 0.32's CPU kernels for bf16 and quantized weights run at 2.5-6 GFLOP/s, so on a Linux CPU
+MLX's only fast path is float32 through a fast BLAS, at 4 bytes a weight. oneDNN chooses its
+kernels at run time by CPU features (AVX-512 BF16 and VNNI, AVX2; not by vendor, so AMD hosts
+get them too): bf16 x bf16 and s8 x s8 products accumulate in float32 / int32 and write float32.
+
+The library comes from the `onednn-cpu-gomp` wheel (oneDNN 3.2, GNU OpenMP; a dependency on Linux
+x86-64). `load_library` finds it under the Python prefixes (or `BATCHMLX_ONEDNN_LIB`) and says
+what to install when it is missing. Its OpenMP team follows the engine's thread count
+(BATCHMLX_THREADS, which the thread governor moves with the load), set on the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import glob
+import os
+import threading
+
+import numpy as np
+
+from batchmlx.accel import python_prefixes
+
+LIBRARY_ENV = "BATCHMLX_ONEDNN_LIB"  # an explicit path to libdnnl.so.3*
+THREADS_ENV = "BATCHMLX_THREADS"  # threads.py's; read per call so the governor's changes apply
+INSTALL_HINT = (
+    "the host weight formats need oneDNN: pip install onednn-cpu-gomp (Linux x86-64; a "
+    "dependency of batchmlx there; it needs the GNU OpenMP runtime libgomp.so.1)"
+)
+_LIB_NAMES = ("libdnnl.so.3.2", "libdnnl.so.3*", "libdnnl.so")
+_ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_SCALES = 1, 17, 33, 4096
+_p = ctypes.c_void_p
+# Primitives kept (one per shape and type seen); past this many they are all dropped and remade
+MAX_PRIMITIVES = 2048
+
+
+class OneDNNUnavailable(RuntimeError):
+    """A host weight format asked for where it cannot run (no oneDNN, or not MLX's CPU)."""
+
+
+class DataType(enum.IntEnum):
+    """dnnl_data_type_t values used here."""
+
+    BF16 = 2
+    F32 = 3
+    S8 = 5
+
+
+class _ExecArg(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_int), ("memory", _p)]
+
+
+class _Local(threading.local):
+    threads = 0  # the OpenMP team size last set on this thread (0: never)
+
+
+class OneDNN:
+    """x[M, K] . w[N, K]^T -> float32 out[M, N], optionally times per-output-channel scales.
+    A primitive per (M, N, K, types) is made on first use and kept (layer shapes, decode widths
+    and prompt chunk sizes recur); its memory objects are re-pointed at each call's buffers."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        lib = self.lib = ctypes.CDLL(path)
+        lib.dnnl_primitive_execute.argtypes = [_p, _p, ctypes.c_int, _p]
+        lib.dnnl_memory_set_data_handle.argtypes = [_p, _p]
+        lib.dnnl_stream_wait.argtypes = [_p]
+        lib.dnnl_memory_create.argtypes = [_p, _p, _p, _p]
+        lib.dnnl_matmul_primitive_desc_create.argtypes = [_p, _p, _p, _p, _p, _p, _p]
+        lib.dnnl_primitive_create.argtypes = [_p, _p]
+        lib.dnnl_primitive_attr_set_scales_mask.argtypes = [_p, ctypes.c_int, ctypes.c_int]
+        lib.dnnl_stream_create.argtypes = [_p, _p, ctypes.c_uint]
+        lib.dnnl_primitive_destroy.argtypes = lib.dnnl_memory_destroy.argtypes = [_p]
+        self.engine, self.stream = _p(), _p()
+        self._ok(lib.dnnl_engine_create(ctypes.byref(self.engine), 1, ctypes.c_size_t(0)))
+        self._ok(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, 1))
+        self._prims: dict[tuple[int, ...], tuple] = {}
+        self._lock = threading.Lock()
+        self._local = _Local()
+        self._omp_set = _omp_setter()
+
+    @staticmethod
+    def _ok(status: int) -> None:
+        if status != 0:
+            raise RuntimeError(f"oneDNN call failed (status {status})")
+
+    def _md(self, dims: tuple[int, ...], dt: int, strides: tuple[int, ...]) -> _p:
+        md = _p()
+        d = (ctypes.c_int64 * 12)(*dims)
+        s = (ctypes.c_int64 * 12)(*strides)
+        self._ok(self.lib.dnnl_memory_desc_create_with_strides(
+            ctypes.byref(md), len(dims), d, dt, s))  # fmt: skip
+        return md
+
+    def _primitive(self, m: int, n: int, k: int, dt: DataType, scaled: bool) -> tuple:
+        lib = self.lib
+        src = self._md((m, k), dt, (k, 1))
+        wts = self._md((k, n), dt, (1, k))  # W[N, K] row-major is [K, N] with strides (1, K)
+        dst = self._md((m, n), DataType.F32, (n, 1))
+        attr = _p()
+        self._ok(lib.dnnl_primitive_attr_create(ctypes.byref(attr)))
+        if scaled:
+            self._ok(lib.dnnl_primitive_attr_set_scales_mask(attr, _ARG_WEIGHTS, 1 << 1))
+        pd, prim = _p(), _p()
+        self._ok(lib.dnnl_matmul_primitive_desc_create(
+            ctypes.byref(pd), self.engine, src, wts, None, dst, attr))  # fmt: skip
+        self._ok(lib.dnnl_primitive_create(ctypes.byref(prim), pd))
+        mds = [src, wts, dst] + ([self._md((n,), DataType.F32, (1,))] if scaled else [])
+        mems = []
+        for md in mds:
+            mem = _p()
+            self._ok(lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, None))
+            mems.append(mem)
+        ids = (_ARG_SRC, _ARG_WEIGHTS, _ARG_DST, _ARG_SCALES | _ARG_WEIGHTS)[: len(mems)]
+        args = (_ExecArg * len(mems))(*[_ExecArg(a, mm) for a, mm in zip(ids, mems, strict=True)])
+        return prim, mems, args
+
+    def _clear(self) -> None:
+        for prim, mems, _ in self._prims.values():
+            self.lib.dnnl_primitive_destroy(prim)
+            for mem in mems:
+                self.lib.dnnl_memory_destroy(mem)
+        self._prims.clear()
+
+    def _fit_threads(self) -> None:
+        want = int(os.environ.get(THREADS_ENV) or 0)
+        if want > 0 and want != self._local.threads and self._omp_set is not None:
+            self._omp_set(want)  # this thread's team size (OpenMP keeps it per thread)
+            self._local.threads = want
+
+    def matmul(self, x: np.ndarray, w: np.ndarray, out: np.ndarray, dt: DataType,
+               scales: np.ndarray | None = None) -> None:  # fmt: skip
+        """out[M, N] = x[M, K] . w[N, K]^T (* scales[N]); x, w of type `dt` (bf16 as uint16),
+        out float32, all C-contiguous."""
+        m, k = x.shape
+        n = w.shape[0]
+        key = (m, n, k, int(dt), scales is not None)  # buffers are set per call
+        arrays = (x, w, out) if scales is None else (x, w, out, scales)
+        with self._lock:
+            self._fit_threads()
+            entry = self._prims.get(key)
+            if entry is None:
+                if len(self._prims) >= MAX_PRIMITIVES:
+                    self._clear()
+                entry = self._prims[key] = self._primitive(m, n, k, dt, scales is not None)
+            prim, mems, args = entry
+            for mem, arr in zip(mems, arrays, strict=True):
+                self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data)
+            self._ok(self.lib.dnnl_primitive_execute(prim, self.stream, len(mems), args))
+            self._ok(self.lib.dnnl_stream_wait(self.stream))
+
+
+def _omp_setter():
+    """libgomp's omp_set_num_threads (already loaded by libdnnl), or None."""
+    try:
+        fn = ctypes.CDLL("libgomp.so.1").omp_set_num_threads
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    return fn
+
+
+_library: OneDNN | None = None
+
+
+def library_candidates() -> list[str]:
+    """Paths of libdnnl to try, best first: BATCHMLX_ONEDNN_LIB, then <prefix>/lib of this
+    Python (where the onednn wheels put it)."""
+    found = [os.environ[LIBRARY_ENV]] if os.environ.get(LIBRARY_ENV) else []
+    for prefix in python_prefixes():
+        for name in _LIB_NAMES:
+            found += sorted(glob.glob(str(prefix / "lib" / name)))
+    return list(dict.fromkeys(found))
+
+
+def load_library() -> OneDNN:
+    """oneDNN, loaded once; OneDNNUnavailable (with what to install) when it cannot be."""
+    global _library
+    if _library is not None:
+        return _library
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        raise OneDNNUnavailable("the host weight formats run on MLX's CPU backend only; on a "
+                                "GPU use --dtype auto (quantized MLX kernels)")  # fmt: skip
+    # idle OpenMP threads sleep instead of spinning against the MLX work between two layers
+    # (a value set by the user is kept); read when libgomp starts
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    errors = []
+    for path in library_candidates():
+        try:
+            _library = OneDNN(path)
+            return _library
+        except (OSError, AttributeError, RuntimeError) as exc:
+            errors.append(f"{path}: {exc}")
+    detail = f" (tried: {'; '.join(errors)})" if errors else ""
+    raise OneDNNUnavailable(INSTALL_HINT + detail)
+
+
+def available() -> bool:
+    """oneDNN can be loaded here (and MLX runs on its CPU backend)."""
+    try:
+        load_library()
+    except OneDNNUnavailable:
+        return False
+    return True

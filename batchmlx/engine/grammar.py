@@ -11,9 +11,11 @@ applied to the logits on the device; unconstrained rows are left untouched.
 
 Numbers are bounded (core/json_bounds.py): llguidance's JSON grammar lets a `number` run on
 without end, so each sequence also gets a matcher of "any JSON whose numbers keep the bound", and
-its mask is ANDed with the schema's. Where the schema itself asks for more (a `const`, `enum` or
-`minimum` needing longer numbers) the AND comes out empty at some step; the bound is then dropped
-for the rest of that sequence and the schema alone decides, so decoding is never left stuck.
+its mask is ANDed with the schema's. Where the schema itself asks for more (a range such as
+[1e-22, 2e-22], which llguidance writes without an exponent) the AND comes out empty at some
+step; the bound is then dropped for the rest of that sequence and the schema alone decides, so
+decoding is never left stuck. (A `const` or `enum` number cannot ask for more: llguidance writes
+it as float64's shortest text.)
 """
 
 from __future__ import annotations

@@ -8,6 +8,14 @@ per byte of schema text), and the schemas that failed to compile are remembered 
 of their own, so neither grows with the number of distinct schemas ever sent. One step's masks are
 filled for all constrained rows in a single `LLExecutor` call (parallel, outside the GIL), and
 applied to the logits on the device; unconstrained rows are left untouched.
+
+Numbers are bounded (core/json_bounds.py): llguidance's JSON grammar lets a `number` run on
+without end, so each sequence also gets a matcher of "any JSON whose numbers keep the bound", and
+its mask is ANDed with the schema's. Where the schema itself asks for more (a range such as
+[1e-22, 2e-22], which llguidance writes without an exponent) the AND comes out empty at some
+step; the bound is then dropped for the rest of that sequence and the schema alone decides, so
+decoding is never left stuck. (A `const` or `enum` number cannot ask for more: llguidance writes
+it as float64's shortest text.)
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import llguidance.hf
 import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+from batchmlx.core.json_bounds import NUMBER_BOUNDS, NumberBounds, bounded_json_lark
 
 # Compact JSON the way json.dumps writes it: small models do not wander off into whitespace.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -41,6 +51,7 @@ class GrammarError(ValueError):
 class GrammarStats:
     compiled: int = 0  # distinct schemas compiled (cache misses)
     matchers: int = 0  # matchers handed out (one per constrained sequence)
+    unbounded: int = 0  # sequences whose schema needed longer numbers than the bound allows
     cached_bytes: int = 0  # the estimated memory of the templates in the cache now
 
 
@@ -48,6 +59,15 @@ class GrammarStats:
 class _Template:
     matcher: llguidance.LLMatcher
     cost: int  # estimated bytes (estimated_bytes)
+
+
+@dataclass(slots=True)
+class Constraint:
+    """One constrained sequence: its schema's matcher and the number bound's (None when off, or
+    once the schema needed more than the bound allows)."""
+
+    schema: llguidance.LLMatcher
+    bound: llguidance.LLMatcher | None
 
 
 def estimated_bytes(schema: str) -> int:
@@ -63,7 +83,12 @@ def _key(schema: str) -> bytes:
 class Grammars:
     """The compiled-grammar cache and the batched mask step of one engine."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None,
+        number_bounds: NumberBounds | None = NUMBER_BOUNDS,
+    ) -> None:
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx_lm's TokenizerWrapper
         self._eos = getattr(tokenizer, "eos_token_id", None)
         self.vocab_size = vocab_size
@@ -71,6 +96,8 @@ class Grammars:
         self._executor: llguidance.LLExecutor | None = None
         self._templates: OrderedDict[bytes, _Template] = OrderedDict()
         self._errors: OrderedDict[bytes, str] = OrderedDict()
+        self._number_bounds = number_bounds  # None: numbers as long as the schema allows
+        self._bound: llguidance.LLMatcher | None = None  # its template, built on first use
         self.stats = GrammarStats()
 
     @property
@@ -89,10 +116,21 @@ class Grammars:
             return str(exc)
         return None
 
-    def matcher(self, schema: str) -> llguidance.LLMatcher:
-        """A fresh matcher for one sequence; raises GrammarError for a bad schema."""
+    def matcher(self, schema: str) -> Constraint:
+        """A fresh constraint for one sequence; raises GrammarError for a bad schema."""
         self.stats.matchers += 1
-        return self._template(schema).deep_copy()
+        template = self._template(schema)
+        bound = self._bound_template()
+        return Constraint(template.deep_copy(), None if bound is None else bound.deep_copy())
+
+    def _bound_template(self) -> llguidance.LLMatcher | None:
+        if self._number_bounds is not None and self._bound is None:
+            lark = bounded_json_lark(self._number_bounds)
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+            self._bound = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if self._bound.is_error():  # a defect of json_bounds, not of any request
+                raise RuntimeError(f"the number bound grammar: {self._bound.get_error()}")
+        return self._bound
 
     def _template(self, schema: str) -> llguidance.LLMatcher:
         key = _key(schema)
@@ -144,28 +182,43 @@ class Grammars:
         """(templates, remembered errors) in the caches now."""
         return len(self._templates), len(self._errors)
 
-    def mask(self, logits: mx.array, rows: list[tuple[llguidance.LLMatcher, int]]) -> mx.array:
-        """logits [S, V] with each listed row (matcher, row index) limited to the tokens its
+    def mask(self, logits: mx.array, rows: list[tuple[Constraint, int]]) -> mx.array:
+        """logits [S, V] with each listed row (constraint, row index) limited to the tokens its
         grammar allows next; the other rows unchanged."""
         if not rows:
             return logits
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         n_rows, vocab = logits.shape
-        bitmask = allocate_token_bitmask(n_rows, self.tokenizer.vocab_size)  # all allowed
-        fill_next_token_bitmask_par(self._executor, rows, bitmask)
-        return apply_bitmask(logits, bitmask, vocab)
+        bounded = [(c, j) for c, j in rows if c.bound is not None]
+        # the bounds' masks go below the S rows, all filled in the one parallel call
+        bitmask = allocate_token_bitmask(n_rows + len(bounded), self.tokenizer.vocab_size)
+        fills = [(c.schema, j) for c, j in rows]
+        fills += [(c.bound, n_rows + k) for k, (c, _) in enumerate(bounded)]
+        fill_next_token_bitmask_par(self._executor, fills, bitmask)
+        if bounded:
+            at = np.array([j for _, j in bounded])
+            both = bitmask[at] & bitmask[n_rows:]
+            kept = both.any(axis=1)
+            bitmask[at[kept]] = both[kept]
+            for k in np.flatnonzero(~kept):  # the schema needs more than the bound: it wins
+                bounded[k][0].bound = None
+                self.stats.unbounded += 1
+        return apply_bitmask(logits, bitmask[:n_rows], vocab)
 
     @staticmethod
-    def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
+    def advance(constraint: Constraint, token: int) -> bool:
         """Feed the sampled token; True when the grammar is complete (the sequence stops)."""
-        matcher.consume_token(token)
-        return Grammars.complete(matcher)
+        constraint.schema.consume_token(token)
+        if constraint.bound is not None and not constraint.bound.consume_token(token):
+            constraint.bound = None  # a token the bound refused (not sampled under its mask)
+        return Grammars.complete(constraint)
 
     @staticmethod
-    def complete(matcher: llguidance.LLMatcher) -> bool:
-        """Whether the grammar is complete (or the matcher failed): the sequence stops."""
-        return matcher.is_stopped() or matcher.is_error()
+    def complete(constraint: Constraint) -> bool:
+        """Whether the schema's grammar is complete (or its matcher failed): the sequence
+        stops."""
+        return constraint.schema.is_stopped() or constraint.schema.is_error()
 
 
 _BITS = mx.arange(32, dtype=mx.uint32)

@@ -19,10 +19,11 @@ from batchmlx.batches.windows import parse_window
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, TransitionError
 from batchmlx.core.records import BatchErrorRecord, BatchRecord, FileRecord
+from batchmlx.formats.batch_request import endpoint_problem, metadata_problem
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import IdPrefix, new_id
+from batchmlx.formats.request import Endpoint
 from batchmlx.formats.validate import (
-    SUPPORTED_URLS,
     FileValidator,
     LineSplitter,
     ValidationResult,
@@ -47,6 +48,7 @@ async def submit(
     filename: str,
     now: float,
     model: str | None = None,
+    endpoint: str | None = None,
     completion_window: str = "24h",
     metadata: dict[str, str] | None = None,
     source: str | None = "cli",
@@ -54,8 +56,12 @@ async def submit(
 ) -> BatchRecord:
     """Store a batch input file (bytes, or chunks streamed in), create its batch and validate
     it at once (the CLI, the inbox); a file that fails validation gives a `failed` batch.
-    `output_expires_after` (seconds) makes its output and error files expire."""
+    `endpoint` None: the file's own. `output_expires_after` (seconds) makes its output and
+    error files expire."""
     parse_window(completion_window)
+    problem = metadata_problem(metadata)
+    if problem is not None:
+        raise BatchError(problem.message)
     if model is not None and not _model_resolves(settings)(model):
         raise BatchError(
             f"model {model!r} cannot be resolved: use 'default', a local MLX folder, "
@@ -65,7 +71,7 @@ async def submit(
     file = await store_file(store, settings, hashed, filename=filename, purpose="batch", now=now)
     try:  # no input file without its batch: what fails here leaves nothing behind
         rec = await create_batch(
-            store, settings, input_file_id=file.id, endpoint=None, now=now,
+            store, settings, input_file_id=file.id, endpoint=endpoint, now=now,
             completion_window=completion_window, metadata=metadata, source=source,
             content_hash=hashed.hexdigest(), output_expires_after=output_expires_after,
         )  # fmt: skip
@@ -88,17 +94,15 @@ async def create_batch(
     content_hash: str | None = None,
     output_expires_after: int | None = None,
 ) -> BatchRecord:
-    """Create a `validating` batch from a stored file; `validate_batch` runs it or fails it.
-    `endpoint` None: the file's own (the CLI and the inbox name none)."""
-    if endpoint is not None and endpoint not in SUPPORTED_URLS:
-        raise BatchError(
-            f"unsupported endpoint {endpoint!r}; supported: {', '.join(SUPPORTED_URLS)}"
-        )
+    """Create a `validating` batch from a file; `validate_batch` runs it or fails it (a file
+    that does not exist fails it, as OpenAI does). `endpoint` None: the file's own (the CLI and
+    the inbox name none)."""
+    problem = None if endpoint is None else endpoint_problem(endpoint)
+    if problem is not None:
+        raise BatchError(problem.message)
     window_s = parse_window(completion_window)
     f = await store.get_file(input_file_id)
-    if f is None:
-        raise BatchError(f"no file with id {input_file_id!r}")
-    if f.purpose != "batch":
+    if f is not None and f.purpose != "batch":
         raise BatchError(f"file {input_file_id} has purpose {f.purpose!r}, not 'batch'")
     created = int(now)
     rec = BatchRecord(
@@ -113,10 +117,12 @@ async def create_batch(
 
 def _unreadable(file_id: str, exc: OSError | None = None) -> BatchErrorRecord:
     if exc is None or isinstance(exc, FileNotFoundError):
-        message = f"The input file {file_id} no longer exists."
+        # OpenAI's answer (its "or organization ... does not have access to it" has no
+        # counterpart here), param included
+        message = f"Cannot find file {file_id}."
     else:  # the batch fails once, not validated again every poll
         message = f"The input file {file_id} cannot be read: {exc.strerror}."
-    return BatchErrorRecord(ErrorCode.INVALID_REQUEST.value, message)
+    return BatchErrorRecord(ErrorCode.INVALID_REQUEST.value, message, param="file_id")
 
 
 async def validate_batch(
@@ -149,22 +155,16 @@ async def validate_batch(
         digest = ""
         if over is None:
             try:
-                result, digest = await _check_and_enqueue(store, settings, f, q, model)
+                result, digest = await _check_and_enqueue(
+                    store, settings, f, q, model, rec.endpoint or None
+                )
             except _Unreadable as exc:
                 result, errors = None, (_unreadable(rec.input_file_id, exc.cause),)
         if result is not None:
             errors = result.errors
-            # a batch created without an endpoint (CLI, inbox) takes its file's
-            endpoint = rec.endpoint or result.endpoint or ""
-            if not errors and result.endpoint != endpoint:
-                errors = (
-                    BatchErrorRecord(
-                        ErrorCode.URL_MISMATCH.value,
-                        f"The input file's requests use {result.endpoint!r}, but the batch "
-                        f"was created for {rec.endpoint!r}.",
-                        param="endpoint",
-                    ),
-                )
+            # a batch created without an endpoint (CLI, inbox) takes its file's; a file that
+            # names none (empty, or no good url) the default one: a Batch's endpoint is never ""
+            endpoint = rec.endpoint or result.endpoint or Endpoint.CHAT.value
             fields = {} if rec.endpoint else {"endpoint": endpoint, "model": model or result.model}
             if not errors:
                 await q.start(now, model=result.model, endpoint=endpoint, content_hash=digest)
@@ -193,13 +193,18 @@ async def _read(store: Store, f: FileRecord) -> AsyncIterator[bytes]:
 
 
 async def _check_and_enqueue(
-    store: Store, settings: Settings, f: FileRecord, q: Enqueue, model: str | None
+    store: Store,
+    settings: Settings,
+    f: FileRecord,
+    q: Enqueue,
+    model: str | None,
+    endpoint: str | None,
 ) -> tuple[ValidationResult, str]:
     """Validate the stored file chunk by chunk (off the event loop), adding its good lines to
     `q` while it has no error; the result (without lines) and the file's SHA-256. A chunk's
     requests are written while the next chunk is validated (the database's work releases the
     GIL), one write at a time."""
-    validator = FileValidator(model_override=model)
+    validator = FileValidator(endpoint=endpoint, model_override=model)
     splitter = LineSplitter()
     sha = hashlib.sha256()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batchmlx.batches.errors import BatchError
+from batchmlx.batches.errors import CannotCancel
 from batchmlx.batches.finalize import FinalizeHooks, finalize, get_batch
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus, TransitionError, is_expired
@@ -31,7 +31,7 @@ async def cancel(store: Store, batch_id: str, *, now: float) -> BatchRecord:
     if rec.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
         return rec
     if rec.status is not BatchStatus.IN_PROGRESS:
-        raise BatchError(f"batch {batch_id} is {rec.status.value}; it cannot be cancelled")
+        raise CannotCancel(rec.status.value)
     try:
         return await store.set_batch_status(batch_id, BatchStatus.CANCELLING, now)
     except TransitionError:

@@ -33,6 +33,11 @@ def submit(
                      "'default', a local MLX folder, a .gguf file or a hub id"),
     ] = None,
     wait: Annotated[bool, typer.Option(help="Run to completion, showing progress")] = False,
+    endpoint: Annotated[
+        str | None,
+        typer.Option(help="The batch's endpoint, e.g. /v1/chat/completions; a line with "
+                     "another url fails the file. Default: the first line's url"),
+    ] = None,
     completion_window: Annotated[str, typer.Option(help="e.g. 24h (OpenAI's), 90m, 2d")] = "24h",
     metadata: Annotated[list[str] | None, typer.Option(help="key=value, repeatable")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the Batch object")] = False,
@@ -67,7 +72,7 @@ def submit(
     rec = run_with_store(settings, lambda store: submit_batch(
         store, settings, read_chunks(file), filename=file.name, now=time.time(), model=model,
         completion_window=completion_window, metadata=meta,
-        output_expires_after=output_expires_after,
+        output_expires_after=output_expires_after, endpoint=endpoint,
     ))  # fmt: skip
     if rec.status is BatchStatus.FAILED:
         show(rec, settings, as_json)

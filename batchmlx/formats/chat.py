@@ -1,8 +1,9 @@
 """/v1/chat/completions: a body's shape (file validation), the body → `ParsedRequest` (or
 OpenAI's 400) at run time, and the chat.completion object.
 
-The file check refuses only what no chat body may look like, so the file fails whole; roles,
-tool calls and content parts batchmlx cannot serve are well-formed and become that line's 400.
+The file check refuses only a body with no array of messages, so the file fails whole; what the
+messages hold (roles, contents, tool calls, content parts) is judged per request and a bad one
+becomes that line's 400, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any, Unpack
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.fields import (
     COMMON_KEYS,
+    REQUIRED,
     Reject,
-    Role,
     SamplingFields,
     bool_field,
     check_keys,
@@ -43,7 +44,6 @@ _KEYS = COMMON_KEYS | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "metadata", "store",
     "parallel_tool_calls",
 }  # fmt: skip
-_ROLES = frozenset(Role)
 
 
 def _calls_tools(msg: dict[str, Any]) -> bool:
@@ -51,47 +51,13 @@ def _calls_tools(msg: dict[str, Any]) -> bool:
 
 
 def check_chat(body: dict[str, Any]) -> tuple[str, str] | None:
-    """The file-validation shape check: (param, problem) or None."""
+    """The file-validation check: (param, problem) or None. Only `messages` being an array is
+    the file's; what the messages hold is judged per request (`_messages`), as OpenAI does."""
     messages = body.get("messages")
     if messages is None:
-        return "body.messages", "is required"
-    if not isinstance(messages, list) or not messages:
-        return "body.messages", "must be a non-empty array"
-    for i, msg in enumerate(messages):
-        at = f"body.messages[{i}]"
-        if not isinstance(msg, dict):
-            return at, "must be an object"
-        role = msg.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            return f"{at}.role", f"must be one of {', '.join(sorted(_ROLES))}"
-        content = msg.get("content")
-        # An assistant turn that only calls tools has no content; tools are refused at run time.
-        if content is None and role == "assistant" and _calls_tools(msg):
-            continue
-        if content is None:
-            return f"{at}.content", "is required"
-        problem = _check_content(content, f"{at}.content")
-        if problem:
-            return problem
-    return None
-
-
-def _check_content(content: Any, where: str) -> tuple[str, str] | None:
-    """(param, problem) for a message content that is neither a string nor a list of parts."""
-    if isinstance(content, str):
-        return None
-    if not isinstance(content, list) or not content:
-        return where, "must be a string or a non-empty array of content parts"
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            return at, "must be an object"
-        kind = part.get("type")
-        if not isinstance(kind, str):
-            return f"{at}.type", "must be a string"
-        # Non-text parts (images, audio) are valid OpenAI input; they are refused per request.
-        if kind == "text" and not isinstance(part.get("text"), str):
-            return f"{at}.text", "must be a string"
+        return "body.messages", REQUIRED
+    if not isinstance(messages, list):
+        return "body.messages", "must be an array"
     return None
 
 

@@ -13,6 +13,7 @@ from typing import Any, Unpack
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.fields import (
     COMMON_KEYS,
+    REQUIRED,
     InputShape,
     SamplingFields,
     bool_field,
@@ -43,7 +44,7 @@ def check_prompt(body: dict[str, Any]) -> tuple[str, str] | None:
     """The file-validation shape check: (param, problem) or None."""
     prompt = body.get("prompt")
     if prompt is None:
-        return "body.prompt", "is required"
+        return "body.prompt", REQUIRED
     # One prompt per request is served; a longer list is refused at run time, not here.
     if input_shape(prompt) is None:
         return "body.prompt", "must be a string, an array of strings or an array of token ids"

@@ -17,7 +17,7 @@ from typing import Any
 
 from batchmlx.core.records import BatchErrorRecord
 from batchmlx.formats.errors import ErrorCode
-from batchmlx.formats.fields import InputShape, input_shape, is_int, token_id_problem
+from batchmlx.formats.fields import REQUIRED, InputShape, input_shape, is_int, token_id_problem
 from batchmlx.formats.request import Endpoint
 
 EMBEDDINGS_URL = Endpoint.EMBEDDINGS.value
@@ -67,7 +67,7 @@ def count_inputs(value: Any) -> int:
 def check_embeddings_input(body: dict[str, Any]) -> tuple[str, str] | None:
     """The file-validation shape check: (param, problem) or None."""
     if "input" not in body:
-        return "body.input", "is required"
+        return "body.input", REQUIRED
     if input_shape(body["input"]) is None:
         return "body.input", (
             "must be a string, an array of strings, an array of token ids or an array of "

@@ -17,13 +17,13 @@ class ErrorCode(enum.StrEnum):
     INVALID_JSON_LINE = "invalid_json_line"
     INVALID_REQUEST = "invalid_request"
     DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
-    URL_MISMATCH = "url_mismatch"
     MODEL_MISMATCH = "model_mismatch"
     EMPTY_FILE = "empty_file"
     TOO_MANY_TASKS = "too_many_tasks"
     FILE_TOO_LARGE = "file_too_large"
     MODEL_NOT_FOUND = "model_not_found"
-    INVALID_URL = "invalid_url"  # an endpoint batchmlx does not serve
+    INVALID_URL = "invalid_url"  # not the batch's endpoint, or one batchmlx does not serve
+    STREAMING_UNSUPPORTED = "streaming_unsupported"  # `stream: true` on a line
     TOO_MANY_EMBEDDING_INPUTS = "too_many_embedding_inputs"  # over 50,000 across one batch
     TOO_MANY_ERRORS = "too_many_errors"  # the last item of a cut list: how many in all
     # an inbox file that cannot be taken (a symlink, a name not UTF-8, unreadable)

@@ -23,6 +23,7 @@ MAX_STOPS = 4  # stop sequences per request (OpenAI's cap)
 MAX_STOP_CHARS = 1024  # characters of one stop sequence: each token's tail decode covers it
 MAX_N = 128  # choices per request (OpenAI's cap)
 MAX_TOKEN_ID = 2**31 - 1  # token ids must fit the engine's int32 arrays (the vocab is smaller)
+REQUIRED = "is required"  # the file check's problem for a body's missing input field
 
 
 class Reject(Exception):

@@ -12,6 +12,7 @@ from typing import Any
 
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.fields import (
+    REQUIRED,
     Reject,
     content_text,
     fail,
@@ -215,7 +216,7 @@ def check_responses_input(body: dict[str, Any]) -> tuple[str, str] | None:
     """The file-validation shape check of a responses body: (param, problem) or None."""
     items = body.get("input")
     if items is None:
-        return "body.input", "is required"
+        return "body.input", REQUIRED
     if isinstance(items, str) or (isinstance(items, list) and items):
         return None
     return "body.input", "must be a string or a non-empty array of input items"

@@ -3,10 +3,13 @@
 The file either passes whole or fails whole: every error is counted, and the first
 `MAX_REPORTED_ERRORS` (in line order) are reported with a last item giving the total, so a file of
 garbage gives a small Batch object. `FileValidator` takes a file in chunks, a line at a time,
-and keeps no line, so a 200 MB file is never whole. Only the shape is checked here; odd parameter
-values (temperature 7, stream true, unknown keys) are per-request 400s decided at run time by
-`formats.params`. Each endpoint's body shape is its module's (`chat.check_chat`, ...), next to the
-run-time parser that judges the same body.
+and keeps no line, so a 200 MB file is never whole. As OpenAI does (docs/validation.md), what
+fails the file is what keeps a line from being a request of this batch: not JSON, an envelope
+key missing or mistyped, a url other than the batch's endpoint, `stream: true`, the model, the
+endpoint's input field missing or of the wrong type. What is inside a well-formed request (the
+messages' roles and contents, parameter values, unknown keys) is that line's own 400, decided at
+run time by `formats.params`. Each endpoint's body check is its module's (`chat.check_chat`,
+...), next to the run-time parser that judges the same body.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from batchmlx.formats.embeddings import (
     too_many_inputs,
 )
 from batchmlx.formats.errors import ErrorCode, json_type
+from batchmlx.formats.fields import REQUIRED
 from batchmlx.formats.request import Endpoint
 from batchmlx.formats.responses import check_responses_input
 
@@ -77,6 +81,22 @@ def _err(
 
 def _invalid(line: int, param: str, message: str) -> BatchErrorRecord:
     return _err(ErrorCode.INVALID_REQUEST, f"Line {line}: {message}", line, param)
+
+
+def _missing(line: int, key: str) -> BatchErrorRecord:
+    """An envelope key absent (or null), in OpenAI's words."""
+    return _err(
+        ErrorCode.MISSING_REQUIRED_PARAMETER, f"Missing required parameter: '{key}'.", line, key
+    )
+
+
+# OpenAI's name of each endpoint in its `streaming_unsupported` message; embeddings have no
+# `stream` parameter (it is an unknown key there, that line's 400)
+_STREAMING_NAMES = {
+    Endpoint.CHAT: "Chat Completions",
+    Endpoint.COMPLETIONS: "Completions",
+    Endpoint.RESPONSES: "Responses",
+}
 
 
 def _split_lines(data: bytes, start: int = 0) -> Iterator[tuple[int, bytes]]:
@@ -157,14 +177,16 @@ class FileValidator:
     def __init__(
         self,
         *,
+        endpoint: str | None = None,
         model_override: str | None = None,
         max_tasks: int = MAX_TASKS,
         max_errors: int = MAX_REPORTED_ERRORS,
     ) -> None:
+        """`endpoint`: the batch's (HTTP names it); None: the first line's url (CLI, inbox)."""
         self.model_override = model_override
         self.max_tasks = max_tasks
         self.errors = _Errors(max_errors)
-        self.endpoint: str | None = None  # the one url of the file
+        self.endpoint: str | None = endpoint  # the one url of the file
         self.model: str | None = model_override
         self.tasks = 0
         self._seen_ids: dict[str, int] = {}
@@ -228,6 +250,9 @@ class FileValidator:
         self, number: int, obj: dict[str, Any], errs: list[BatchErrorRecord]
     ) -> str | None:
         custom_id = obj.get("custom_id")
+        if custom_id is None:
+            errs.append(_missing(number, "custom_id"))
+            return None
         if not isinstance(custom_id, str) or not custom_id:
             errs.append(_invalid(number, "custom_id", "'custom_id' must be a non-empty string."))
             return None
@@ -247,14 +272,23 @@ class FileValidator:
         return custom_id
 
     def _url(self, number: int, obj: dict[str, Any], errs: list[BatchErrorRecord]) -> str | None:
-        """The line's url, None when it is not one batchmlx serves (a url differing from the
-        file's is still returned: the body is checked against it)."""
+        """The line's url; None when it is not the batch's endpoint (nor one batchmlx serves):
+        its body is then not checked, as OpenAI reports only the url."""
         url = obj.get("url")
+        if url is None:
+            errs.append(_missing(number, "url"))
+            return None
         if not isinstance(url, str):
+            errs.append(_invalid(number, "url", f"'url' must be a string, not {json_type(url)}."))
+            return None
+        if self.endpoint is not None and url != self.endpoint:
             errs.append(
-                _invalid(number, "url", f"'url' must be a string, not {json_type(url)}.")
-                if "url" in obj
-                else _invalid(number, "url", "'url' is required.")
+                _err(
+                    ErrorCode.INVALID_URL,
+                    "The URL provided for this request does not match the batch endpoint.",
+                    number,
+                    "url",
+                )
             )
             return None
         if url not in SUPPORTED_URLS:
@@ -268,18 +302,7 @@ class FileValidator:
                 )
             )
             return None
-        if self.endpoint is None:
-            self.endpoint = url
-        elif url != self.endpoint:
-            errs.append(
-                _err(
-                    ErrorCode.URL_MISMATCH,
-                    f"Line {number}: the url {url!r} differs from {self.endpoint!r}, the url of "
-                    "the first request; every request in a batch must use the same url.",
-                    number,
-                    "url",
-                )
-            )
+        self.endpoint = url  # the first good url is the batch's when it named none
         return url
 
     def _body(
@@ -287,13 +310,15 @@ class FileValidator:
     ) -> dict[str, Any] | None:
         """The line's body, its model and its endpoint's shape checked; None if not an object."""
         body = obj.get("body")
+        if body is None:
+            errs.append(_missing(number, "body"))
+            return None
         if not isinstance(body, dict):
-            what = (
-                "is required" if "body" not in obj else f"must be an object, not {json_type(body)}"
-            )
-            errs.append(_invalid(number, "body", f"'body' {what}."))
+            what = f"'body' must be an object, not {json_type(body)}."
+            errs.append(_invalid(number, "body", what))
             return None
         self._model(number, body, errs)
+        _check_stream(number, url, body, errs)
         self._body_shape(number, url, body, errs)
         return body
 
@@ -324,10 +349,16 @@ class FileValidator:
         if url is None:
             return
         problem = _CHECKS[Endpoint(url)](body)
-        if problem is None and url == Endpoint.EMBEDDINGS:
-            self._embedding_inputs += count_inputs(body["input"])
-        if problem:
-            param, what = problem
+        if problem is None:
+            if url == Endpoint.EMBEDDINGS:
+                self._embedding_inputs += count_inputs(body["input"])
+            return
+        param, what = problem
+        if what == REQUIRED:  # OpenAI's words: "Messages parameter is required."
+            name = param.removeprefix("body.").capitalize()
+            errs.append(_err(ErrorCode.INVALID_REQUEST, f"{name} parameter is required.",
+                             number, param))  # fmt: skip
+        else:
             errs.append(_invalid(number, param, f"'{param}' {what}."))
 
     def finish(
@@ -370,9 +401,26 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
 
 def _check_method(number: int, obj: dict[str, Any], errs: list[BatchErrorRecord]) -> None:
     method = obj.get("method")
-    if method != "POST":
-        shown = "missing" if "method" not in obj else repr(method)
-        errs.append(_invalid(number, "method", f"'method' must be \"POST\" ({shown})."))
+    if method is None:
+        errs.append(_missing(number, "method"))
+    elif method != "POST":
+        errs.append(_invalid(number, "method", f"'method' must be \"POST\" ({method!r})."))
+
+
+def _check_stream(
+    number: int, url: str | None, body: dict[str, Any], errs: list[BatchErrorRecord]
+) -> None:
+    """A batch cannot stream: OpenAI fails the file, naming the line (not a per-line 400)."""
+    name = _STREAMING_NAMES.get(Endpoint(url)) if url is not None else None
+    if name is not None and body.get("stream") is True:
+        errs.append(
+            _err(
+                ErrorCode.STREAMING_UNSUPPORTED,
+                f"{name}: Streaming is not supported in the Batch API.",
+                number,
+                "body.stream",
+            )
+        )
 
 
 def _stray_keys(number: int, obj: dict[str, Any]) -> list[BatchErrorRecord]:
@@ -417,6 +465,7 @@ def too_large(size: int, max_bytes: int = MAX_FILE_BYTES) -> ValidationResult | 
 def validate_batch_file(
     data: bytes,
     *,
+    endpoint: str | None = None,
     model_resolves: Callable[[str], bool] | None = None,
     model_override: str | None = None,
     max_bytes: int = MAX_FILE_BYTES,
@@ -425,14 +474,17 @@ def validate_batch_file(
 ) -> ValidationResult:
     """Check every line of a whole batch input file; O(n) in its size.
 
-    With `model_override` the body models are ignored (a file written for "gpt-4o-mini" runs
-    unchanged) and the result's `model` is the override. Otherwise `model_resolves`, when given,
-    is asked once about the file's model.
+    `endpoint`: the batch's; None: the first line's url. With `model_override` the body models
+    are ignored (a file written for "gpt-4o-mini" runs unchanged) and the result's `model` is
+    the override. Otherwise `model_resolves`, when given, is asked once about the file's model.
     """
     over = too_large(len(data), max_bytes)
     if over is not None:
         return over
-    v = FileValidator(model_override=model_override, max_tasks=max_tasks, max_errors=max_errors)
+    v = FileValidator(
+        endpoint=endpoint, model_override=model_override, max_tasks=max_tasks,
+        max_errors=max_errors,
+    )  # fmt: skip
     # a BOM is skipped by starting after it, not by copying the file without it
     lines = _split_lines(data, len(_BOM) if data.startswith(_BOM) else 0)
     good = [line for number, raw in lines if (line := v.check(number, raw)) is not None]

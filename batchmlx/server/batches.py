@@ -9,22 +9,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from batchmlx.batches.errors import BatchError
+from batchmlx.batches.errors import BatchError, CannotCancel
 from batchmlx.batches.intake import create_batch
 from batchmlx.batches.lifecycle import cancel_unattended, expire_unattended
 from batchmlx.batches.windows import OPENAI_COMPLETION_WINDOW
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchRecord
+from batchmlx.formats.batch_request import CreateProblem, endpoint_problem, metadata_problem
 from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
 from batchmlx.formats.openai import batch_object
 from batchmlx.server.bodies import json_body
 from batchmlx.server.context import ServerContext
 from batchmlx.server.errors import ApiError, not_found
 from batchmlx.server.pages import page_params, page_response
-
-MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 
 
 def _required_str(body: dict[str, Any], key: str) -> str:
@@ -38,21 +35,9 @@ def _required_str(body: dict[str, Any], key: str) -> str:
     return value
 
 
-def _metadata(value: Any) -> dict[str, str] | None:
-    if value is None:
-        return None
-    ok = (
-        isinstance(value, dict)
-        and len(value) <= MAX_METADATA_KEYS
-        and all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY for k in value)
-        and all(isinstance(v, str) and len(v) <= MAX_METADATA_VALUE for v in value.values())
-    )
-    if not ok:
-        raise ApiError(400, f"Invalid 'metadata': up to {MAX_METADATA_KEYS} string keys "
-                       f"(≤{MAX_METADATA_KEY} chars) with string values "
-                       f"(≤{MAX_METADATA_VALUE} chars).", code="invalid_value",
-                       param="metadata")  # fmt: skip
-    return value or None
+def _refuse(problem: CreateProblem | None) -> None:
+    if problem is not None:
+        raise ApiError(400, problem.message, code=problem.code.value, param=problem.param)
 
 
 def _respond(rec: BatchRecord) -> JSONResponse:
@@ -64,31 +49,30 @@ async def create(request: Request) -> JSONResponse:
     body = await json_body(request)
     input_file_id = _required_str(body, "input_file_id")
     endpoint = _required_str(body, "endpoint")
+    _refuse(endpoint_problem(endpoint))
     window = _required_str(body, "completion_window")
     if window != OPENAI_COMPLETION_WINDOW:
         raise ApiError(400, f"Invalid value for 'completion_window': {window!r}. Supported "
                        f"values are: '{OPENAI_COMPLETION_WINDOW}'.",
                        code="invalid_value", param="completion_window")  # fmt: skip
-    metadata = _metadata(body.get("metadata"))
+    metadata = body.get("metadata")
+    _refuse(metadata_problem(metadata))
     try:
         output_expires_after = parse_expires_after(
             body.get("output_expires_after"), "output_expires_after"
         )
     except ExpiresAfterError as exc:
         raise ApiError(400, str(exc), code="invalid_value", param=exc.param) from None
-    if await ctx.store.get_file(input_file_id) is None:
-        raise ApiError(400, f"No file found with id '{input_file_id}'.",
-                       code="invalid_value", param="input_file_id")  # fmt: skip
+    # an input file that does not exist is not refused here: as OpenAI does, the batch is
+    # created and fails validation ("Cannot find file ...")
     try:
         rec = await create_batch(
             ctx.store, ctx.settings, input_file_id=input_file_id, endpoint=endpoint,
-            now=time.time(), completion_window=window, metadata=metadata,
+            now=time.time(), completion_window=window, metadata=metadata or None,
             output_expires_after=output_expires_after,
         )  # fmt: skip
-    except BatchError as exc:
-        param = "endpoint" if "endpoint" in str(exc) else (
-            "completion_window" if "window" in str(exc) else "input_file_id")  # fmt: skip
-        raise ApiError(400, str(exc), code="invalid_value", param=param) from None
+    except BatchError as exc:  # an input file whose purpose is not 'batch'
+        raise ApiError(400, str(exc), code="invalid_value", param="input_file_id") from None
     ctx.validator.wake.set()
     return _respond(rec)
 
@@ -122,8 +106,8 @@ async def cancel(request: Request) -> JSONResponse:
             ctx.store, ctx.settings, batch_id, now=time.time(), worker_alive=ctx.worker_alive,
             hooks=ctx.finalize_hooks,
         )
-    except BatchError as exc:
-        raise ApiError(400, str(exc), code="invalid_state") from None
+    except CannotCancel as exc:  # OpenAI's 409, with no code
+        raise ApiError(409, str(exc)) from None
     return _respond(rec)
 
 

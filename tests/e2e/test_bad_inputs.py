@@ -78,9 +78,10 @@ def test_bad_inputs_give_clear_results_and_touch_nothing_else(tmp_path: Path) ->
         assert "line None" not in outcomes[name], outcomes[name]  # errors name their line
     assert outcomes["deep_nesting"] == "failed: line 1 invalid_json_line"
     assert outcomes["empty"] == "failed: line None empty_file"
-    # a BOM, CRLF line ends and a line of several MB are fine as such; `stream: true` is a
-    # per-request 400 in the error file at run time (formats.params), not a file error
-    for name in ("bom", "crlf", "huge_line", "stream_true"):
+    # `stream: true` fails the file at its line, as OpenAI does
+    assert outcomes["stream_true"] == "failed: line 1 streaming_unsupported"
+    # a BOM, CRLF line ends and a line of several MB are fine as such
+    for name in ("bom", "crlf", "huge_line"):
         assert outcomes[name].startswith("accepted"), (name, outcomes[name])
 
 

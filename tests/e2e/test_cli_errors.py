@@ -64,10 +64,14 @@ def test_invalid_file_fails_whole_with_every_error(cli: Cli, tmp_path: Path) -> 
     assert got == [
         (2, "invalid_json_line", None),
         (3, "duplicate_custom_id", "custom_id"),
-        (4, "url_mismatch", "url"),
+        (4, "invalid_url", "url"),
     ]
-    for e in batch.errors.data:
+    for e in batch.errors.data[:2]:
         assert e.message and f"Line {e.line}" in e.message
+    # OpenAI's words, which name no line: the error's `line` does
+    assert batch.errors.data[2].message == (
+        "The URL provided for this request does not match the batch endpoint."
+    )
     assert obj["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
 
     # the human form lists them too, with line numbers
@@ -95,7 +99,7 @@ def test_cancel_of_a_failed_batch_is_an_error(cli: Cli, tmp_path: Path) -> None:
     batch_id = cli.json("submit", path, ok=False)["id"]
     proc = cli("cancel", batch_id)
     assert proc.returncode != 0, describe(proc)
-    assert "failed" in proc.stderr and "cannot be cancelled" in proc.stderr
+    assert "Cannot cancel a batch with status 'failed'." in proc.stderr
     assert cli.json("status", batch_id)["status"] == "failed"
 
 
@@ -149,6 +153,37 @@ def test_empty_file_fails(cli: Cli, tmp_path: Path) -> None:
     obj = json.loads(proc.stdout)
     assert obj["status"] == "failed"
     assert [e["code"] for e in obj["errors"]["data"]] == ["empty_file"]
+    # no line names an endpoint: the default one, never ""; --endpoint names it
+    assert obj["endpoint"] == "/v1/chat/completions"
+    proc = cli("submit", path, "--model", "default", "--endpoint", "/v1/embeddings", "--json")
+    assert proc.returncode == 1, describe(proc)
+    assert json.loads(proc.stdout)["endpoint"] == "/v1/embeddings"
+
+
+def test_streaming_line_fails_the_file(cli: Cli, tmp_path: Path) -> None:
+    """As over HTTP (tests/server/test_fidelity.py): OpenAI's streaming_unsupported."""
+    path = write_jsonl(tmp_path / "stream.jsonl", [
+        request_line("a", chat_body("hi", max_tokens=4)),
+        request_line("b", chat_body("hi", max_tokens=4, stream=True)),
+    ])  # fmt: skip
+    proc = cli("submit", path, "--model", "default", "--json")
+    assert proc.returncode == 1, describe(proc)
+    errors = json.loads(proc.stdout)["errors"]["data"]
+    assert errors == [{
+        "code": "streaming_unsupported", "line": 2, "param": "body.stream",
+        "message": "Chat Completions: Streaming is not supported in the Batch API.",
+    }]  # fmt: skip
+
+
+def test_endpoint_option(cli: Cli, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "one.jsonl", [request_line("r", chat_body("hi"))])
+    proc = cli("submit", path, "--model", "default", "--endpoint", "/v1/completions", "--json")
+    assert proc.returncode == 1, describe(proc)
+    errors = json.loads(proc.stdout)["errors"]["data"]
+    assert [(e["code"], e["line"], e["param"]) for e in errors] == [("invalid_url", 1, "url")]
+    proc = cli("submit", path, "--model", "default", "--endpoint", "/v1/nope")
+    assert proc.returncode != 0, describe(proc)
+    assert "Invalid value: '/v1/nope'. Supported values are:" in proc.stderr
 
 
 @pytest.mark.parametrize(

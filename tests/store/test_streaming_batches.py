@@ -142,7 +142,7 @@ def test_a_file_failing_on_its_last_line_enqueues_nothing(with_store, tmp_path):
         assert rec.status is BatchStatus.FAILED
         assert [(e.code, e.param) for e in rec.errors] == [
             ("duplicate_custom_id", "custom_id"), ("invalid_request", "method"),
-            ("invalid_request", "url"), ("invalid_request", "body"),
+            ("missing_required_parameter", "url"), ("missing_required_parameter", "body"),
         ]  # fmt: skip
         assert {e.line for e in rec.errors} == {3001}
         assert rec.request_counts.total == 0

@@ -6,6 +6,8 @@ import orjson
 import pytest
 
 from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.params import parse_request
+from batchmlx.formats.request import RequestError
 from batchmlx.formats.validate import (
     MAX_FILE_BYTES,
     MAX_NESTING,
@@ -72,8 +74,36 @@ def test_completions_prompt_forms_accepted():
 
 
 def test_odd_parameter_values_are_not_rejected_here():
-    item = chat("a", temperature=7, stream=True, foo=1, tools=[{}])
+    item = chat("a", temperature=7, stream=False, foo=1, tools=[{}])
     assert validate_batch_file(jsonl(item)).ok
+
+
+@pytest.mark.parametrize(
+    ("item", "name"),
+    [
+        (chat("b", stream=True), "Chat Completions"),
+        ({**compl("b"), "body": {"model": "m", "prompt": "x", "stream": True}}, "Completions"),
+        (
+            {"custom_id": "b", "method": "POST", "url": "/v1/responses",
+             "body": {"model": "m", "input": "x", "stream": True}},
+            "Responses",
+        ),
+    ],
+)  # fmt: skip
+def test_stream_true_fails_the_file_naming_its_line(item, name):
+    """OpenAI (llama-stack tests/integration/batches, test_batch_mixed_streaming_requests): the
+    batch fails with one error, streaming_unsupported at line 2, param body.stream."""
+    first = {**item, "custom_id": "a", "body": {**item["body"], "stream": False}}
+    r = validate_batch_file(jsonl(first, item))
+    assert codes(r) == [("streaming_unsupported", 2, "body.stream")]
+    assert r.errors[0].message == f"{name}: Streaming is not supported in the Batch API."
+    assert r.lines == (BatchLine(1, "a", first["url"], orjson.dumps(first["body"]).decode()),)
+
+
+def test_stream_on_embeddings_is_not_a_file_error():
+    item = {"custom_id": "a", "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": "m", "input": "x", "stream": True}}  # fmt: skip
+    assert validate_batch_file(jsonl(item)).ok  # an unknown key there: that line's own 400
 
 
 def test_bom_crlf_and_missing_final_newline():
@@ -132,7 +162,6 @@ def test_binary_garbage_and_bad_utf8_are_invalid_json_lines():
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"custom_id": None}, "custom_id"),
         ({"custom_id": ""}, "custom_id"),
         ({"custom_id": 7}, "custom_id"),
         ({"method": "GET"}, "method"),
@@ -148,12 +177,19 @@ def test_invalid_envelope(change, param):
     assert r.errors[0].message.startswith("Line 2: ")
 
 
-@pytest.mark.parametrize("key", ["custom_id", "method", "url", "body"])
-def test_missing_envelope_key(key):
-    item = chat("a")
-    del item[key]
-    r = validate_batch_file(jsonl(item))
-    assert codes(r) == [("invalid_request", 1, key)]
+def test_missing_envelope_keys_in_openais_words():
+    """OpenAI (llama-stack test_batch_missing_required_fields): one error a line, each
+    missing_required_parameter naming the key, e.g. "Missing required parameter: 'custom_id'."."""
+    items = []
+    for key in ("custom_id", "method", "url", "body"):
+        item = chat(f"no-{key}")
+        del item[key]
+        items.append(item)
+    items.append({**chat("null-body"), "body": None})  # null is absent, as OpenAI reads it
+    r = validate_batch_file(jsonl(*items))
+    keys = ["custom_id", "method", "url", "body", "body"]
+    assert codes(r) == [("missing_required_parameter", n, k) for n, k in enumerate(keys, 1)]
+    assert [e.message for e in r.errors] == [f"Missing required parameter: '{k}'." for k in keys]
 
 
 @pytest.mark.parametrize(
@@ -163,37 +199,53 @@ def test_missing_envelope_key(key):
         ({"model": "", "messages": [{"role": "user", "content": "x"}]}, "body.model"),
         ({"model": 3, "messages": [{"role": "user", "content": "x"}]}, "body.model"),
         ({"model": "m"}, "body.messages"),
-        ({"model": "m", "messages": []}, "body.messages"),
         ({"model": "m", "messages": "hi"}, "body.messages"),
-        ({"model": "m", "messages": ["hi"]}, "body.messages[0]"),
-        (
-            {"model": "m", "messages": [{"role": "user", "content": "a"}, {"content": "b"}]},
-            "body.messages[1].role",
-        ),
-        ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "body.messages[0].role"),
-        ({"model": "m", "messages": [{"role": ["x"], "content": "x"}]}, "body.messages[0].role"),
-        ({"model": "m", "messages": [{"role": "user"}]}, "body.messages[0].content"),
-        ({"model": "m", "messages": [{"role": "assistant"}]}, "body.messages[0].content"),
-        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "body.messages[0].content"),
-        ({"model": "m", "messages": [{"role": "user", "content": []}]}, "body.messages[0].content"),
-        (
-            {"model": "m", "messages": [{"role": "user", "content": ["x"]}]},
-            "body.messages[0].content[0]",
-        ),
-        (
-            {"model": "m", "messages": [{"role": "user", "content": [{"text": "x"}]}]},
-            "body.messages[0].content[0].type",
-        ),
-        (
-            {"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
-            "body.messages[0].content[0].text",
-        ),
+        ({"model": "m", "messages": {"role": "user"}}, "body.messages"),
     ],
 )
 def test_invalid_chat_body(body, param):
     item = {"custom_id": "a", "method": "POST", "url": CHAT, "body": body}
     r = validate_batch_file(jsonl(item))
     assert codes(r) == [("invalid_request", 1, param)]
+
+
+def test_missing_messages_in_openais_words():
+    """OpenAI (llama-stack test_batch_missing_required_body_fields): invalid_request at the
+    line, param body.messages, "Messages parameter is required."."""
+    item = {"custom_id": "a", "method": "POST", "url": CHAT, "body": {"model": "m"}}
+    r = validate_batch_file(jsonl(chat("z"), item))
+    assert codes(r) == [("invalid_request", 2, "body.messages")]
+    assert r.errors[0].message == "Messages parameter is required."
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        (["hi"], "messages[0]"),
+        ([{"role": "user", "content": "a"}, {"content": "b"}], "messages[1].role"),
+        ([{"rolez": "user", "contentz": "This should fail"}], "messages[0].role"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        ([{"role": ["x"], "content": "x"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "assistant"}], "messages[0].content"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": ["x"]}], "messages[0].content[0]"),
+        ([{"role": "user", "content": [{"text": "x"}]}], "messages[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+    ],
+)
+def test_malformed_messages_are_that_lines_400_not_a_failed_file(messages, param):
+    """OpenAI (llama-stack test_batch_e2e_chat_completions): a line whose message has "rolez"
+    and "contentz" leaves the batch `completed` with that line failed: the file passes, the
+    line's body is refused when it runs."""
+    item = {"custom_id": "a", "method": "POST", "url": CHAT,
+            "body": {"model": "m", "messages": messages}}  # fmt: skip
+    r = validate_batch_file(jsonl(chat("z"), item))
+    assert r.ok, r.errors
+    refused = parse_request(CHAT, r.lines[1].body)
+    assert isinstance(refused, RequestError), refused
+    assert (refused.status_code, refused.param) == (400, param)
 
 
 def test_chat_content_forms_accepted():
@@ -224,16 +276,25 @@ def test_invalid_completions_prompt(prompt):
 
 def test_invalid_url():
     item = {**chat("a"), "url": "/v1/images/generations"}
-    r = validate_batch_file(jsonl(chat("z"), item))
-    assert codes(r) == [("invalid_url", 2, "url")]
+    # first (no endpoint named, none seen yet): a url batchmlx does not serve
+    r = validate_batch_file(jsonl(item, chat("z")))
+    assert codes(r) == [("invalid_url", 1, "url")]
     msg = r.errors[0].message
     assert "'/v1/images/generations'" in msg
     assert all(url in msg for url in SUPPORTED_URLS)
+    # later: it is not the batch's endpoint
+    r = validate_batch_file(jsonl(chat("z"), item))
+    assert codes(r) == [("invalid_url", 2, "url")]
+    assert r.errors[0].message == MISMATCH
+
+
+MISMATCH = "The URL provided for this request does not match the batch endpoint."
 
 
 def test_url_mismatch_on_each_differing_line():
     r = validate_batch_file(jsonl(compl("a"), chat("b"), compl("c"), chat("d")))
-    assert codes(r) == [("url_mismatch", 2, "url"), ("url_mismatch", 4, "url")]
+    assert codes(r) == [("invalid_url", 2, "url"), ("invalid_url", 4, "url")]
+    assert [e.message for e in r.errors] == [MISMATCH, MISMATCH]
     assert r.endpoint == COMPL
     assert [ln.line for ln in r.lines] == [1, 3]
 
@@ -241,8 +302,22 @@ def test_url_mismatch_on_each_differing_line():
 def test_url_mismatch_counts_from_first_valid_url():
     bad = {**chat("a"), "url": "/v1/nope"}
     r = validate_batch_file(jsonl(bad, chat("b"), compl("c")))
-    assert codes(r) == [("invalid_url", 1, "url"), ("url_mismatch", 3, "url")]
+    assert codes(r) == [("invalid_url", 1, "url"), ("invalid_url", 3, "url")]
+    assert r.errors[1].message == MISMATCH
     assert r.endpoint == CHAT
+
+
+def test_url_other_than_the_batch_endpoint_is_invalid_url_at_its_line():
+    """OpenAI (llama-stack test_batch_endpoint_mismatch): a chat batch with an /v1/embeddings
+    line fails with one error, invalid_url at line 1; its chat-shaped body is not judged."""
+    item = {**chat("a"), "url": "/v1/embeddings"}
+    r = validate_batch_file(jsonl(item, chat("b"), compl("c")), endpoint=CHAT)
+    assert codes(r) == [("invalid_url", 1, "url"), ("invalid_url", 3, "url")]
+    assert [e.message for e in r.errors] == [MISMATCH, MISMATCH]
+    assert r.endpoint == CHAT
+    # the batch's endpoint wins over the first line's
+    r = validate_batch_file(jsonl(compl("a"), chat("b")), endpoint=CHAT)
+    assert codes(r) == [("invalid_url", 1, "url")]
 
 
 def test_model_mismatch_on_each_differing_line():
@@ -305,7 +380,7 @@ def test_all_errors_reported_in_line_order():
         ("invalid_request", 3, "extra"),
         ("duplicate_custom_id", 4, "custom_id"),
         ("model_mismatch", 4, "body.model"),
-        ("url_mismatch", 5, "url"),
+        ("invalid_url", 5, "url"),
         ("invalid_url", 6, "url"),
     ]
     assert not r.ok
@@ -320,7 +395,8 @@ def test_every_file_code_is_produced():
         "invalid_json_line",
         "invalid_request",
         "invalid_url",
-        "url_mismatch",
+        "streaming_unsupported",
+        "missing_required_parameter",
         "model_mismatch",
         "duplicate_custom_id",
         "model_not_found",

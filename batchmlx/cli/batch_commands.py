@@ -11,17 +11,9 @@ from typing import Annotated
 
 import typer
 
-from batchmlx.cli.common import (
-    ModelAliasOpt,
-    StrictModelsOpt,
-    fail,
-    print_json,
-    run_with_store,
-    settings_of,
-    warn_if_slow_blas,
-    with_model_rule,
-)
+from batchmlx.cli.common import fail, print_json, run_with_store, settings_of, warn_if_slow_blas
 from batchmlx.cli.engine_options import EngineChoice, engine_options
+from batchmlx.cli.model_options import ModelAliasOpt, StrictModelsOpt, with_model_rule
 from batchmlx.cli.show import show, summary
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus

@@ -5,51 +5,20 @@ one store opened around one coroutine."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Any
 
 import orjson
 import typer
 
 from batchmlx.config import Settings
-from batchmlx.core.model_rule import MODEL_ALIASES_ENV, STRICT_MODELS_ENV, parse_aliases
 from batchmlx.database_url import DatabaseUrlError, redact
 
 # set to 1: an unexpected error shows its traceback too (for a bug report), not one line alone
 TRACEBACK_ENV = "BATCHMLX_TRACEBACK"
-
-# the model rule's options (docs/models.md), on every command that takes batches or requests
-StrictModelsOpt = Annotated[
-    bool | None,
-    typer.Option("--strict-models/--no-strict-models", show_default=False,
-                 help="Refuse a model name that is no model here (OpenAI's model_not_found) "
-                 f"instead of serving it with the serving model (${STRICT_MODELS_ENV}=1)"),
-]  # fmt: skip
-ModelAliasOpt = Annotated[
-    list[str] | None,
-    typer.Option("--model-alias", metavar="NAME=MODEL",
-                 help="Serve the model name NAME with MODEL ('default', a folder, a .gguf "
-                 f"file, a hub id); repeatable; ${MODEL_ALIASES_ENV}=NAME=MODEL,…"),
-]  # fmt: skip
-
-
-def with_model_rule(settings: Settings, strict: bool | None, aliases: list[str] | None) -> Settings:
-    """The settings with the command's --strict-models and --model-alias over the environment's
-    (an alias of the command line wins over one of the same name there)."""
-    try:
-        given = parse_aliases(aliases or ())
-    except ValueError as exc:
-        raise fail(str(exc)) from None
-    merged = {**dict(settings.model_aliases), **given}
-    return dataclasses.replace(
-        settings,
-        strict_models=settings.strict_models if strict is None else strict,
-        model_aliases=tuple(merged.items()),
-    )
 
 
 def settings_of(ctx: typer.Context) -> Settings:

@@ -12,17 +12,15 @@ from typing import Annotated
 import typer
 
 from batchmlx.cli.common import (
-    ModelAliasOpt,
-    StrictModelsOpt,
     check_port_free,
     fail,
     print_json,
     run_with_store,
     settings_of,
     warn_if_slow_blas,
-    with_model_rule,
 )
 from batchmlx.cli.engine_options import EngineChoice, engine_options
+from batchmlx.cli.model_options import ModelAliasOpt, StrictModelsOpt, with_model_rule
 from batchmlx.config import RETENTION_DAYS_ENV, Settings
 
 LOG_FORMAT = "%(asctime)s %(name)s %(message)s"

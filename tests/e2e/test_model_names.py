@@ -44,6 +44,14 @@ def _watch_once(cli: Cli, inbox: Path, path: Path, log: Path) -> None:
         proc.wait(30)
 
 
+def _validated_over_http(client, path: Path):
+    """Upload `path`, create its batch as an OpenAI client does, and wait for validation."""
+    f = client.files.create(file=(path.name, io.BytesIO(path.read_bytes())), purpose="batch")
+    created = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")  # fmt: skip
+    return wait_validated(client, created.id)
+
+
 def _answers(cli: Cli, batch_id: str) -> dict[str, tuple[str, str]]:
     """custom_id -> (the body's model, the answer) of a batch's output file."""
     proc = cli("results", batch_id)
@@ -66,12 +74,7 @@ def test_an_openai_file_gives_the_same_result_on_every_path(
     via_cli = cli.json("submit", path)
     server = start_server(tmp_path, "--no-worker")  # the same home, so the same queue
     try:
-        client = server.client()
-        f = client.files.create(file=("openai.jsonl", io.BytesIO(path.read_bytes())),
-                                purpose="batch")  # fmt: skip
-        created = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                        completion_window="24h")  # fmt: skip
-        via_http = wait_validated(client, created.id)
+        via_http = _validated_over_http(server.client(), path)
     finally:
         server.stop()
     batches = cli.json("list")
@@ -127,11 +130,7 @@ def test_strict_models_refuses_as_openai_on_every_path(tmp_path: Path) -> None:
     server = start_server(tmp_path / "srv", "--no-worker", "--strict-models")
     try:
         client = server.client()
-        f = client.files.create(file=("openai.jsonl", io.BytesIO(path.read_bytes())),
-                                purpose="batch")  # fmt: skip
-        created = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                        completion_window="24h")  # fmt: skip
-        b = wait_validated(client, created.id)
+        b = _validated_over_http(client, path)
         assert b.status == "failed" and b.errors is not None and b.errors.data is not None
         [err] = b.errors.data
         assert (err.code, err.line, err.param) == ("model_not_found", 1, "body.model")

@@ -9,6 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchmlx.core.model_rule import (
+    MODEL_ALIASES_ENV,
+    STRICT_MODELS_ENV,
+    parse_aliases,
+    split_aliases,
+    truthy,
+)
 from batchmlx.database_url import Target, parse_target, read_password_file
 
 DEFAULT_HOME = Path("~/.batchmlx")
@@ -38,6 +45,11 @@ class Settings:
     database_password_file: Path | None = None  # $BATCHMLX_DATABASE_PASSWORD_FILE
     # $BATCHMLX_RETENTION_DAYS: finished batches older than this are purged; None: kept
     retention_days: float | None = None
+    # docs/models.md: names that are no model here are served by the serving model, refused
+    # when strict ($BATCHMLX_STRICT_MODELS, --strict-models); aliases send a name to a model
+    # ($BATCHMLX_MODEL_ALIASES, --model-alias NAME=MODEL)
+    strict_models: bool = False
+    model_aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def db_path(self) -> Path:
@@ -95,6 +107,11 @@ def load_settings(
         busy_timeout_s=_number(env, "BATCHMLX_BUSY_TIMEOUT_S"),
         database_password_file=None if pw is None else Path(pw),
         retention_days=_number(env, RETENTION_DAYS_ENV),
+        strict_models=truthy(env.get(STRICT_MODELS_ENV)),
+        model_aliases=tuple(
+            parse_aliases(split_aliases(env.get(MODEL_ALIASES_ENV) or ""),
+                          what=f"${MODEL_ALIASES_ENV}").items()
+        ),  # fmt: skip
     )
 
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from functools import partial
 
 from batchmlx.batches.errors import BatchError
 from batchmlx.batches.files import Hashed, delete_file, store_file
 from batchmlx.batches.finalize import get_batch
+from batchmlx.batches.models import choose, chosen_override, dedup_key, rule_of
 from batchmlx.batches.windows import parse_window
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, TransitionError
+from batchmlx.core.model_rule import ModelRule
 from batchmlx.core.records import BatchErrorRecord, BatchRecord, FileRecord
 from batchmlx.formats.batch_request import endpoint_problem, metadata_problem
 from batchmlx.formats.errors import ErrorCode
@@ -32,12 +35,6 @@ from batchmlx.formats.validate import (
 from batchmlx.store import NewRequest, Store
 from batchmlx.store.blobs import Chunks
 from batchmlx.store.store import Enqueue
-
-
-def _model_resolves(settings: Settings) -> Callable[[str], bool]:
-    from batchmlx.core.models import resolve_model
-
-    return lambda name: resolve_model(name, cache_dir=settings.cache_dir) is not None
 
 
 async def submit(
@@ -62,18 +59,17 @@ async def submit(
     problem = metadata_problem(metadata)
     if problem is not None:
         raise BatchError(problem.message)
-    if model is not None and not _model_resolves(settings)(model):
-        raise BatchError(
-            f"model {model!r} cannot be resolved: use 'default', a local MLX folder, "
-            "a .gguf file or a hub id (org/name)"
-        )
+    if model is not None:
+        model = await asyncio.to_thread(chosen_override, model, rule_of(settings))
     hashed = Hashed(data)
     file = await store_file(store, settings, hashed, filename=filename, purpose="batch", now=now)
-    try:  # no input file without its batch: what fails here leaves nothing behind
+    # no input file without its batch: what fails here leaves nothing behind; no content_hash
+    # yet: the duplicate key holds the model, set once validation has chosen it
+    try:
         rec = await create_batch(
             store, settings, input_file_id=file.id, endpoint=endpoint, now=now,
             completion_window=completion_window, metadata=metadata, source=source,
-            content_hash=hashed.hexdigest(), output_expires_after=output_expires_after,
+            output_expires_after=output_expires_after,
         )  # fmt: skip
     except Exception:
         await delete_file(store, file.id)
@@ -132,10 +128,12 @@ async def validate_batch(
     *,
     now: float,
     model: str | None = None,
+    rule: ModelRule | None = None,
 ) -> BatchRecord:
-    """validating → in_progress (requests enqueued) or failed (with its errors). `model` serves
-    the whole file whatever its bodies name, like `submit --model`. The stored file is read in
-    chunks and validated a line at a time, good lines enqueued as they come in the one
+    """validating → in_progress (requests enqueued) or failed (with its errors). `model` serves the
+    whole file whatever its bodies name, like `submit --model`; otherwise `rule` (default: the
+    settings') chooses the model for the bodies' name (docs/models.md). The stored file is read
+    in chunks and validated a line at a time, good lines enqueued as they come in the one
     transaction that starts the batch (so a 200 MB file is never whole in memory, and a file
     that fails on its last line leaves nothing enqueued). Safe to race: one wins."""
     rec = await get_batch(store, batch_id)
@@ -156,7 +154,7 @@ async def validate_batch(
         if over is None:
             try:
                 result, digest = await _check_and_enqueue(
-                    store, settings, f, q, model, rec.endpoint or None
+                    store, f, q, model, rule or rule_of(settings), rec.endpoint or None
                 )
             except _Unreadable as exc:
                 result, errors = None, (_unreadable(rec.input_file_id, exc.cause),)
@@ -167,7 +165,8 @@ async def validate_batch(
             endpoint = rec.endpoint or result.endpoint or Endpoint.CHAT.value
             fields = {} if rec.endpoint else {"endpoint": endpoint, "model": model or result.model}
             if not errors:
-                await q.start(now, model=result.model, endpoint=endpoint, content_hash=digest)
+                key = dedup_key(digest, result.model)
+                await q.start(now, model=result.model, endpoint=endpoint, content_hash=key)
     if errors:  # nothing was enqueued: the block ended without starting the batch
         await _fail(store, batch_id, now, errors, **fields)
     return await get_batch(store, batch_id)
@@ -194,10 +193,10 @@ async def _read(store: Store, f: FileRecord) -> AsyncIterator[bytes]:
 
 async def _check_and_enqueue(
     store: Store,
-    settings: Settings,
     f: FileRecord,
     q: Enqueue,
     model: str | None,
+    rule: ModelRule,
     endpoint: str | None,
 ) -> tuple[ValidationResult, str]:
     """Validate the stored file chunk by chunk (off the event loop), adding its good lines to
@@ -228,7 +227,7 @@ async def _check_and_enqueue(
             writing.cancel()
             with contextlib.suppress(BaseException):
                 await writing
-    result = await asyncio.to_thread(validator.finish, model_resolves=_model_resolves(settings))
+    result = await asyncio.to_thread(validator.finish, model_choice=partial(choose, rule=rule))
     return result, sha.hexdigest()
 
 

@@ -13,6 +13,7 @@ import typer
 
 from batchmlx.cli.common import fail, print_json, run_with_store, settings_of, warn_if_slow_blas
 from batchmlx.cli.engine_options import EngineChoice, engine_options
+from batchmlx.cli.model_options import ModelAliasOpt, StrictModelsOpt, with_model_rule
 from batchmlx.cli.show import show, summary
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
@@ -30,8 +31,11 @@ def submit(
     model: Annotated[
         str | None,
         typer.Option(help="Serve the file with this model, whatever its bodies name: "
-                     "'default', a local MLX folder, a .gguf file or a hub id"),
+                     "'default', a local MLX folder, a .gguf file or a hub id (without it, "
+                     "a name that is no model here is served by 'default'; docs/models.md)"),
     ] = None,
+    strict_models: StrictModelsOpt = None,
+    model_alias: ModelAliasOpt = None,
     wait: Annotated[bool, typer.Option(help="Run to completion, showing progress")] = False,
     endpoint: Annotated[
         str | None,
@@ -51,7 +55,7 @@ def submit(
 ) -> None:
     """Validate a batch file and enqueue it (and run it with --wait, under the engine
     options)."""
-    settings = settings_of(ctx)
+    settings = with_model_rule(settings_of(ctx), strict_models, model_alias)
     if not file.is_file():
         raise fail(f"no such file: {file}")
     from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after

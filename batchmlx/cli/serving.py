@@ -20,6 +20,7 @@ from batchmlx.cli.common import (
     warn_if_slow_blas,
 )
 from batchmlx.cli.engine_options import EngineChoice, engine_options
+from batchmlx.cli.model_options import ModelAliasOpt, StrictModelsOpt, with_model_rule
 from batchmlx.config import RETENTION_DAYS_ENV, Settings
 
 LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
@@ -61,6 +62,8 @@ def worker(
                      "workers that serve them"),
     ] = None,
     retention_days: RetentionOpt = None,
+    strict_models: StrictModelsOpt = None,
+    model_alias: ModelAliasOpt = None,
     *,
     engine: EngineChoice,
 ) -> None:
@@ -73,6 +76,7 @@ def worker(
     from batchmlx.worker import WorkerOptions, run_worker
 
     settings = _with_retention(settings_of(ctx), retention_days)
+    settings = with_model_rule(settings, strict_models, model_alias)  # its --inbox's files
     if metrics_port is not None:  # a port in use fails here, in one line, before any work
         _serve_metrics(metrics_port, metrics_host)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
@@ -121,6 +125,8 @@ def watch(
     force: Annotated[bool, typer.Option(help="Submit files whose content was seen before")] = False,
     model: Annotated[str | None, typer.Option(help="Submit every file with this model")] = None,
     completion_window: Annotated[str, typer.Option(help="e.g. 24h, 90m, 2d")] = "24h",
+    strict_models: StrictModelsOpt = None,
+    model_alias: ModelAliasOpt = None,
 ) -> None:
     """Watch a folder and turn each *.jsonl dropped there into a batch (no worker)."""
     import logging
@@ -130,7 +136,7 @@ def watch(
     from batchmlx.store import Store
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    settings = settings_of(ctx)
+    settings = with_model_rule(settings_of(ctx), strict_models, model_alias)
     box = Inbox(settings, folder, settle_s=settle, force=force, model=model,
                 completion_window=completion_window)  # fmt: skip
 
@@ -177,13 +183,16 @@ def serve(
         bool, typer.Option(help="Run the worker in this process (--no-worker: API only)")
     ] = True,
     model: Annotated[
-        str, typer.Option(help="Serve every batch and online request with this model")
+        str, typer.Option(help="The model this server runs: it answers every batch and online "
+                          "request, whatever model they name (unless --strict-models)")
     ] = "default",
     stream_interval: Annotated[
         int, typer.Option(min=1, help="Streamed tokens per chunk (1: every token)")
     ] = 1,
     max_upload_mb: Annotated[int, typer.Option(min=1, help="Largest file upload")] = 200,
     retention_days: RetentionOpt = None,
+    strict_models: StrictModelsOpt = None,
+    model_alias: ModelAliasOpt = None,
     *,
     engine: EngineChoice,
 ) -> None:
@@ -196,6 +205,7 @@ def serve(
     except RemoteBindError as exc:
         raise fail(str(exc)) from None
     settings = _with_retention(settings_of(ctx), retention_days)
+    settings = with_model_rule(settings, strict_models, model_alias)
     # the port and the database checked here, so that either fails in one line, not in the
     # server's start-up traceback
     check_port_free(host, port, "--port")

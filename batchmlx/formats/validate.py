@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from batchmlx.core.model_rule import Chosen, Refused
 from batchmlx.core.records import BatchErrorRecord
 from batchmlx.formats.chat import check_chat
 from batchmlx.formats.completions import check_prompt
@@ -362,10 +363,11 @@ class FileValidator:
             errs.append(_invalid(number, param, f"'{param}' {what}."))
 
     def finish(
-        self, *, model_resolves: Callable[[str], bool] | None = None
+        self, *, model_choice: Callable[[str], Chosen | Refused] | None = None
     ) -> ValidationResult:
         """The file-level checks after its last line, and the result (no lines in it).
-        `model_resolves`, when given, is asked once about the file's model."""
+        `model_choice`, when given, is asked once about the file's model (core/model_rule.py):
+        the result's `model` is the model it chose."""
         errors = self.errors
         if self.tasks == 0:
             errors.add(
@@ -373,21 +375,16 @@ class FileValidator:
             )
         if self._embedding_inputs > MAX_EMBEDDING_INPUTS:
             errors.add(too_many_inputs(self._embedding_inputs), keep=True)
-        if (
-            self.model_override is None
-            and self.model is not None
-            and model_resolves is not None
-            and not model_resolves(self.model)
-        ):
+        choice = None
+        if self.model_override is None and self.model is not None and model_choice is not None:
+            choice = model_choice(self.model)
+        if isinstance(choice, Refused):
             errors.add(
-                _err(
-                    ErrorCode.MODEL_NOT_FOUND,
-                    f"The model {self.model!r} does not exist or could not be loaded.",
-                    self._model_line,
-                    "body.model",
-                ),
+                _err(ErrorCode.MODEL_NOT_FOUND, choice.message, self._model_line, "body.model"),
                 keep=True,
             )
+        elif choice is not None:
+            self.model = choice.model
         return ValidationResult((), errors.final(), self.endpoint, self.model, errors.total)
 
 
@@ -466,7 +463,7 @@ def validate_batch_file(
     data: bytes,
     *,
     endpoint: str | None = None,
-    model_resolves: Callable[[str], bool] | None = None,
+    model_choice: Callable[[str], Chosen | Refused] | None = None,
     model_override: str | None = None,
     max_bytes: int = MAX_FILE_BYTES,
     max_tasks: int = MAX_TASKS,
@@ -476,7 +473,7 @@ def validate_batch_file(
 
     `endpoint`: the batch's; None: the first line's url. With `model_override` the body models
     are ignored (a file written for "gpt-4o-mini" runs unchanged) and the result's `model` is
-    the override. Otherwise `model_resolves`, when given, is asked once about the file's model.
+    the override. Otherwise `model_choice`, when given, is asked once about the file's model.
     """
     over = too_large(len(data), max_bytes)
     if over is not None:
@@ -488,7 +485,7 @@ def validate_batch_file(
     # a BOM is skipped by starting after it, not by copying the file without it
     lines = _split_lines(data, len(_BOM) if data.startswith(_BOM) else 0)
     good = [line for number, raw in lines if (line := v.check(number, raw)) is not None]
-    result = v.finish(model_resolves=model_resolves)
+    result = v.finish(model_choice=model_choice)
     return ValidationResult(
         tuple(good), result.errors, result.endpoint, result.model, result.error_count
     )

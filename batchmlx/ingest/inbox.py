@@ -3,14 +3,14 @@
 A file is taken once its writer is done: no process holds it open for writing (where /proc
 tells), and it is unchanged (size and mtime) for `settle_s` and ends in a newline, or unchanged
 for three times `settle_s` (a last line without newline). Names starting with "." are ignored,
-so a writer may also write `.name.jsonl.part` and rename it. The same content as a batch that
-ran or runs (sha256) is not submitted again unless `force`; the content of a failed, cancelled
-or expired batch is. A file that cannot be taken (a symlink, a name that is not UTF-8, an
-unreadable file, one the store refuses) goes to failed/ with a reason, so no file is ever
-copied twice; a database that is busy or away refuses nothing: the file stays and is tried
-again at the next scan. The file is moved aside only after its batch is committed; the batch's
-`source` names the drop, so a restart after a crash in between moves the file instead of
-resubmitting.
+so a writer may also write `.name.jsonl.part` and rename it. The same content (sha256) as a
+batch that ran or runs with the same model is not submitted again unless `force`; the content
+of a failed, cancelled or expired batch is. A file that cannot be taken (a symlink, a name that
+is not UTF-8, an unreadable file, one the store refuses) goes to failed/ with a reason, so no
+file is ever copied twice; a database that is busy or away refuses nothing: the file stays and
+is tried again at the next scan. The file is moved aside only after its batch is committed; the
+batch's `source` names the drop, so a restart after a crash in between moves the file instead
+of resubmitting.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from watchfiles import awatch
 from batchmlx.batches.errors import BatchError
 from batchmlx.batches.files import CHUNK_BYTES, text_name, write_atomic
 from batchmlx.batches.intake import submit, validate_batch
+from batchmlx.batches.models import dedup_key, expected_model, rule_of
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchErrorRecord, BatchRecord
@@ -174,11 +175,14 @@ class Inbox:
             try:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
                 f.seek(0)
+                body_model = _first_body_model(f)
+                f.seek(0)
             except OSError as exc:
                 _refuse(path, f"it cannot be read: {exc.strerror}")
                 return None
-            if not self.force:
-                dup = await store.find_batch_by_hash(digest, _SEEN_BEFORE)
+            if not self.force:  # the same content run with another model is no duplicate
+                model = expected_model(body_model, self.model, rule_of(self.settings))
+                dup = await store.find_batch_by_hash(dedup_key(digest, model), _SEEN_BEFORE)
                 if dup is not None:
                     log.info("%s: same content as %s; not submitted again", name, dup.id)
                     _move(path, self.folder / DONE)
@@ -209,6 +213,26 @@ class Inbox:
         else:
             _move(path, self.folder / DONE)
             log.info("%s: batch %s, %d requests", path.name, rec.id, rec.request_counts.total)
+
+
+_PEEK_BYTES = 16 * 1024 * 1024  # a first line longer than this is not read for its model
+
+
+def _first_body_model(f: BinaryIO) -> object:
+    """The `body.model` of the file's first request (None where it has none): the duplicate
+    check's model, read before the file is validated."""
+    for _ in range(100):  # blank lines before the first request
+        line = f.readline(_PEEK_BYTES).removeprefix(b"\xef\xbb\xbf").strip()
+        if line:
+            break
+    else:
+        return None
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None  # malformed (or too long): the batch fails, or its key has no model
+    body = obj.get("body") if isinstance(obj, dict) else None
+    return body.get("model") if isinstance(body, dict) else None
 
 
 def _open_no_follow(path: Path) -> BinaryIO:

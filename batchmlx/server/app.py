@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from batchmlx.batches.models import serving_rule
 from batchmlx.config import Settings
 from batchmlx.core.models import resolve_model
 from batchmlx.ingest import INBOX_HOOKS
@@ -46,11 +47,12 @@ def create_app(settings: Settings, options: ServerOptions, *, host: str) -> Star
     spec = resolve_model(options.model, cache_dir=settings.cache_dir)
     if spec is None:
         raise ValueError(f"model {options.model!r} cannot be resolved")
+    rule = serving_rule(settings, options.model)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         store = await Store.from_settings(settings)
-        validator = Validator(store, settings, options.model, options.validate_poll_s)
+        validator = Validator(store, settings, rule, options.validate_poll_s)
         # the server finalizes (cancel, expiry with no worker; its worker): with the inbox's
         # result copies, as every process that may finalize
         ctx = ServerContext(store, settings, options, validator, spec.name,

@@ -14,6 +14,7 @@ from batchmlx.batches.finalize import FinalizeHook
 from batchmlx.batches.intake import validate_batch
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.model_rule import ModelRule
 from batchmlx.store import Store
 from batchmlx.store.errors import is_transient_db_error
 from batchmlx.worker.resilience import Backoff
@@ -29,7 +30,9 @@ DEFAULT_MAX_JSON_BYTES = 16 * 1024 * 1024  # a JSON request body (batches, onlin
 
 @dataclass(frozen=True)
 class ServerOptions:
-    model: str = "default"  # serves every batch and online request, whatever bodies name
+    # answers every batch and online request whose model is no alias of it (or refuses them:
+    # settings.strict_models); docs/models.md
+    model: str = "default"
     api_key: str | None = None
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
@@ -65,14 +68,14 @@ class Validator:
     Woken at once by a create in this server; polls for batches other servers created. Runs
     under `keep_running`: a database restart delays validation, never ends it."""
 
-    def __init__(self, store: Store, settings: Settings, model: str, poll_s: float) -> None:
-        self.store, self.settings, self.model, self.poll_s = store, settings, model, poll_s
+    def __init__(self, store: Store, settings: Settings, rule: ModelRule, poll_s: float) -> None:
+        self.store, self.settings, self.rule, self.poll_s = store, settings, rule, poll_s
         self.wake = asyncio.Event()
 
     async def validate(self, batch_id: str) -> None:
         try:
             await validate_batch(
-                self.store, self.settings, batch_id, now=time.time(), model=self.model
+                self.store, self.settings, batch_id, now=time.time(), rule=self.rule
             )
         except Exception as exc:
             if is_transient_db_error(exc):

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from batchmlx.core.model_rule import Refused, choose_model, served_hint
 from batchmlx.formats.chunks import StreamChunks
 from batchmlx.formats.params import parse_request
 from batchmlx.formats.request import Endpoint, ParsedRequest, RequestError
@@ -108,6 +109,17 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream is True, stream is True and usage is True
 
 
+def _check_model(ctx: ServerContext, name: object) -> None:
+    """The batches' model rule (core/model_rule.py) for an online request: a name this server
+    does not answer (--strict-models) is OpenAI's 404 `model_not_found`."""
+    if not isinstance(name, str):
+        return  # the body's own checks judge a missing or malformed model
+    choice = choose_model(name, ctx.validator.rule, hub_problem=lambda _: None)  # serve: pinned
+    if isinstance(choice, Refused):
+        raise ApiError(404, f"The model `{name}` does not exist or you do not have access to it. "
+                       f"{served_hint(ctx.validator.rule)}", code="model_not_found")  # fmt: skip
+
+
 async def _complete(request: Request, endpoint: Endpoint) -> Response:
     ctx: ServerContext = request.app.state.ctx
     body = await json_body(request)
@@ -120,6 +132,7 @@ async def _complete(request: Request, endpoint: Endpoint) -> Response:
     parsed = None if endpoint is Endpoint.EMBEDDINGS else parse_request(endpoint.value, engine_body)
     if isinstance(parsed, RequestError):
         return JSONResponse(parsed.body(), parsed.status_code)
+    _check_model(ctx, body.get("model"))
     if not ctx.worker_alive:
         raise ApiError(503, "This server runs no worker (--no-worker): online requests need "
                        "one.", code="no_worker")  # fmt: skip

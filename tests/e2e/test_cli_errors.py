@@ -103,12 +103,15 @@ def test_cancel_of_a_failed_batch_is_an_error(cli: Cli, tmp_path: Path) -> None:
     assert cli.json("status", batch_id)["status"] == "failed"
 
 
-def test_unresolvable_body_model_fails_with_model_not_found(cli: Cli, tmp_path: Path) -> None:
+def test_unknown_body_model_under_strict_models_fails_with_model_not_found(
+    cli: Cli, tmp_path: Path
+) -> None:
     path = write_jsonl(
         tmp_path / "openai.jsonl",
         [request_line(f"r{i}", chat_body("hi", max_tokens=4)) for i in range(3)],
     )
-    proc = cli("submit", path, "--json")
+    # without --strict-models the default model serves it (tests/e2e/test_model_names.py)
+    proc = cli("submit", path, "--json", "--strict-models")
     assert proc.returncode == 1, describe(proc)
     batch = Batch.model_validate_json(proc.stdout)
     assert batch.status == "failed"

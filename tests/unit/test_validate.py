@@ -5,6 +5,7 @@ import json
 import orjson
 import pytest
 
+from batchmlx.core.model_rule import Chosen, Refused, Via, Why
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.params import parse_request
 from batchmlx.formats.request import RequestError
@@ -336,27 +337,36 @@ def test_duplicate_custom_id_on_second_and_later():
     assert "line 1" in r.errors[1].message
 
 
+def _refuse(name: str) -> Refused:
+    return Refused(f"no {name!r}", Why.UNKNOWN)
+
+
+def _serve_local(name: str) -> Chosen:
+    return Chosen("local", Via.FALLBACK)
+
+
 def test_model_not_found_once_at_first_use():
     asked: list[str] = []
 
-    def resolves(name: str) -> bool:
+    def refuse(name: str) -> Refused:
         asked.append(name)
-        return False
+        return _refuse(name)
 
     data = jsonl(b"", chat("a", "ghost"), chat("b", "ghost"))
-    r = validate_batch_file(data, model_resolves=resolves)
+    r = validate_batch_file(data, model_choice=refuse)
     assert codes(r) == [("model_not_found", 2, "body.model")]
-    assert "'ghost'" in r.errors[0].message
+    assert r.errors[0].message == "no 'ghost'"
     assert asked == ["ghost"]
-    assert validate_batch_file(data, model_resolves=lambda name: True).ok
+    chosen = validate_batch_file(data, model_choice=_serve_local)
+    assert chosen.ok and chosen.model == "local"  # the model chosen, not the name asked
 
 
 def test_override_ignores_body_models():
     data = jsonl(chat("a", "gpt-4o-mini"), chat("b", "gpt-4o"), chat("c", ""))
-    r = validate_batch_file(data, model_override="local", model_resolves=lambda name: False)
+    r = validate_batch_file(data, model_override="local", model_choice=_refuse)
     assert r.ok, r.errors
     assert r.model == "local"
-    plain = validate_batch_file(data, model_resolves=lambda name: False)
+    plain = validate_batch_file(data, model_choice=_refuse)
     assert [e.code for e in plain.errors] == [
         "model_not_found",
         "model_mismatch",
@@ -432,7 +442,7 @@ def test_errors_up_to_the_bound_are_listed_without_a_summary():
 
 def test_file_level_error_found_last_is_listed_past_the_bound():
     lines = [chat("a", model="nope")] + [b"x"] * 5
-    r = validate_batch_file(jsonl(*lines), model_resolves=lambda m: False, max_errors=2)
+    r = validate_batch_file(jsonl(*lines), model_choice=_refuse, max_errors=2)
     # model_not_found (line 1) is found after every line error, and still listed first
     assert codes(r) == [
         ("model_not_found", 1, "body.model"),

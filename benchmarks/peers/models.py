@@ -337,7 +337,9 @@ def random_gguf(shape: str, quant: str) -> Path:
     quantize = ensure("llama").quantize
     with tempfile.TemporaryDirectory(prefix=f".gguf-{shape}-", dir=MODELS) as tmp:
         bf16 = write_bf16_gguf(folder, Path(tmp) / "bf16.gguf")
-        for q in QUANTS:  # both at once: the BF16 file is the expensive part
+        # both at once (the BF16 file is the expensive part), but for the 8B shape only the one
+        # asked for: its BF16 file, both GGUFs and the folder would hold ~45 GB at once
+        for q in (quant,) if shape == "8b" else QUANTS:
             target = MODELS / f"random-{shape}.{q}.gguf"
             if target.is_file():
                 continue

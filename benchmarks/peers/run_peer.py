@@ -373,21 +373,61 @@ def run_openvino(wl: Workload, model: str = "default", quant: str | None = None,
     )  # fmt: skip
 
 
-def run_batchmlx_same(wl: Workload, model: str = "default") -> ProcessRun:
-    """batchmlx (whole_process.run_batchmlx: `submit --wait` + `results`, its defaults) on the
-    very requests the peers get, for the parity column."""
-    from benchmarks.whole_process import run_batchmlx
+_BATCHMLX_CLI = ("import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); "
+                 "from batchmlx.cli import main; main()")  # its load log line marks "ready"
+
+
+def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = None,
+                 **_: Any) -> PeerRun:  # fmt: skip
+    """batchmlx as a user runs it on the very requests the peers get: `submit --wait` then
+    `results -o`, a fresh process each (the defaults, or `--dtype`); ready = the line that
+    says how the weights were loaded."""
+    from benchmarks.whole_process import REPO, _env
 
     reqs = requests_of(wl, _tokenizer(model))
-    data = _batch_lines(reqs, wl, {}, model=str(path_for(model, "mlx")))
-    return run_batchmlx(data.encode(), "batchmlx (defaults)")
+    work = Path(tempfile.mkdtemp(prefix="bmx-peers-"))
+    (work / "requests.jsonl").write_text(
+        _batch_lines(reqs, wl, {}, model=str(path_for(model, "mlx"))))  # fmt: skip
+    env = _env(home=str(work / "home"), pythonpath=str(REPO))
+    cli = [sys.executable, "-c", _BATCHMLX_CLI]
+    more = ["--dtype", dtype] if dtype else []
+    w = Watched([*cli, "submit", "requests.jsonl", "--wait", "--json", *more], env=env, cwd=work)
+    submit_s = w.wait()
+    if w.proc.returncode != 0:
+        raise RuntimeError(f"batchmlx submit failed ({w.proc.returncode}): {w.tail()}")
+    lines = [line for _, line in w.lines]
+    start = max(i for i, line in enumerate(lines) if line == "{")
+    batch = json.loads("\n".join(lines[start:]))
+    loaded = next(line for _, line in w.lines if ": weights as " in line)
+    ready = w.first(": weights as ") or 0.0
+    t0 = time.perf_counter()
+    subprocess.run([*cli, "results", batch["id"], "-o", "out.jsonl"], cwd=work, env=env,
+                   check=True, capture_output=True)  # fmt: skip
+    wall = submit_s + time.perf_counter() - t0
+    texts, tokens = {}, 0
+    for line in (work / "out.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        body = rec["response"]["body"]
+        texts[rec["custom_id"]] = body["choices"][0]["message"]["content"]
+        tokens += body["usage"]["completion_tokens"]
+    precision = loaded.split(": weights as ", 1)[1].split(" on ", 1)[0]
+    label = "batchmlx" + (f" --dtype {dtype}" if dtype else " (defaults)")
+    return PeerRun(label, "batchmlx", model, precision, wall, ready,
+                   tokens / max(submit_s - ready, 1e-9), tokens, w.peak / 2**20, texts,
+                   {"usage": batch.get("usage")})  # fmt: skip
+
+
+def run_batchmlx_same(wl: Workload, model: str = "default") -> ProcessRun:
+    """batchmlx's defaults on the requests the peers get, for the parity column."""
+    return run_batchmlx(wl, model).as_process_run()
 
 
 def same_texts(a: dict[str, str], b: dict[str, str]) -> str:
     return f"{sum(1 for k, v in a.items() if b.get(k) == v)}/{len(a)}"
 
 
-RUNNERS = {"llama": run_llama, "openvino": run_openvino, "vllm": run_vllm}
+RUNNERS = {"llama": run_llama, "openvino": run_openvino, "vllm": run_vllm,
+           "batchmlx": run_batchmlx}
 
 
 def run(peer: str, wl: Workload, model: str = "default", **kw: Any) -> PeerRun:

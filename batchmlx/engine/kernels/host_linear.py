@@ -181,6 +181,9 @@ class HostEmbedding(nn.Module):
         return self._gemm.output(x, 0)
 
 
+_CONVERTED = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
+
+
 def _float_weight(module: nn.Module) -> mx.array:
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         return mx.dequantize(module.weight, module.scales, module.get("biases"),
@@ -219,7 +222,10 @@ def to_host_format(model: nn.Module, fmt: HostFormat) -> nn.Module:
     make the remaining floating parameters (norms) float32. Checks the library first
     (OneDNNUnavailable names what to install). Mutates and returns."""
     load_library()
-    parents = [m for _, m in model.named_modules()]
+    # parents only: a list holding the linear layers themselves would keep every float
+    # weight alive until the end
+    parents = [m for _, m in model.named_modules() if any(
+        isinstance(c, _CONVERTED) for c in m.children().values())]  # fmt: skip
     for parent in parents:
         layers = _host_layers(parent, fmt)
         for name, child in parent.children().items():
@@ -242,3 +248,4 @@ def _norms_to_float32(model: nn.Module) -> None:
     for _, m in model.named_modules():
         cast(m)
     mx.eval(model.parameters())
+    mx.clear_cache()  # the float weights just replaced: give their memory back, not keep it

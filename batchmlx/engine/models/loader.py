@@ -76,10 +76,13 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
         # norms, a fast load); any other model is converted layer by layer as it is stored
         source = "float32" if host and ours else ("stored" if host else dtype)
         dense = _dense_copy(Path(folder), source) if ours else None
-        model, tokenizer, config = mlx_lm.load(str(dense or folder), return_config=True)
+        # lazy for the host formats: each layer's weights are read as it is converted, so the
+        # float weights never all sit in memory beside the converted ones
+        model, tokenizer, config = mlx_lm.load(str(dense or folder), return_config=True,
+                                               lazy=host is not None)  # fmt: skip
     quantized = "quantization" in config
     source = effective_dtype(source, quantized=quantized)
-    if source in _DTYPES:
+    if source in _DTYPES and (quantized or host is None):  # (a host format casts as it goes)
         dequantize_model(model, _DTYPES[source])
         if ours and quantized:
             save_dense(Path(folder), source, model)

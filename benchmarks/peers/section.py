@@ -1,0 +1,152 @@
+"""Section 12 of `benchmarks.run`: batchmlx beside its CPU peers (llama.cpp's server, OpenVINO
+GenAI, vLLM CPU), every system a whole process timed from spawn to results (load included),
+with its steady-state tok/s (load excluded), peak RSS and the precision it computes in.
+
+Cases: the default model (SmolLM2-135M) on the unique and shared workloads of whole_process.py;
+random-weight models of SmolLM2-360M's and -1.7B's shapes (8 chats x 32 new tokens, no EOS) at
+each system's 8- and 4-bit formats; an 8B llama shape (4 chats x 16 tokens) for memory. A peer
+whose set-up is missing is built on first use (benchmarks/peers/setup.py: minutes; never in
+CI); one that fails is reported as failed and the others go on.
+
+    python -m benchmarks.run --sections 12            # or: python -m benchmarks.peers.section
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.peers.run_peer import PeerRun, run, same_texts, workload
+from benchmarks.whole_process import Workload
+
+CHATS = Workload("chats", 8, 32, None)  # the random shapes: 8 chats, 32 new tokens each
+CHATS_8B = Workload("chats", 4, 16, None)
+
+
+@dataclass(frozen=True)
+class System:
+    peer: str  # batchmlx | llama | openvino | vllm
+    options: dict[str, Any] = field(default_factory=dict)  # e.g. {"quant": "Q8_0"}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # default | 360m | 1.7b | 8b
+    workload: Workload
+    systems: tuple[System, ...]
+
+
+BMX, BMX_INT8, BMX_F32 = System("batchmlx"), System("batchmlx", {"dtype": "int8"}), System(
+    "batchmlx", {"dtype": "float32"})  # fmt: skip
+
+
+def _quants(peer: str) -> tuple[System, ...]:
+    return tuple(System(peer, {"quant": q}) for q in ("Q8_0", "Q4_0"))
+
+
+def cases(quick: bool = False) -> list[Case]:
+    unique, shared = workload("unique", quick=quick), workload("shared", quick=quick)
+    peers = (System("llama"), System("openvino"), System("vllm"))
+    shapes = (*_quants("llama"), *_quants("openvino"))
+    chats = Workload("chats", 4, 8, None) if quick else CHATS
+    out = [Case("default", unique, (BMX, BMX_F32, *peers)), Case("default", shared, (BMX, *peers)),
+           Case("360m", chats, (BMX, BMX_INT8, *shapes)),
+           Case("1.7b", chats, (BMX, BMX_INT8, *shapes))]  # fmt: skip
+    if not quick:
+        out.append(Case("8b", CHATS_8B, (BMX_INT8, System("llama", {"quant": "Q4_0"}))))
+    return out
+
+
+def _log(msg: str) -> None:
+    print(f"[peers] {msg}", file=sys.stderr, flush=True)
+
+
+def measure(case: Case, runner: Callable[..., PeerRun] = run) -> list[PeerRun | str]:
+    """Each system of `case` once, in turn; a failure is its message, not the end."""
+    out: list[PeerRun | str] = []
+    for s in case.systems:
+        _log(f"{case.model} {case.workload.name}: {s.peer} {s.options} (load "
+             f"{os.getloadavg()[0]:.1f})")  # fmt: skip
+        t = time.perf_counter()
+        try:
+            r = runner(s.peer, case.workload, case.model, **s.options)
+        except Exception as exc:  # one peer failing must not stop the others
+            _log(f"  FAILED after {time.perf_counter() - t:.0f} s: {exc}")
+            out.append(f"{s.peer} {s.options}: failed: {str(exc)[:300]}")
+            continue
+        _log("  " + r.summary())
+        out.append(r)
+    return out
+
+
+def _label(r: PeerRun) -> str:
+    return r.system + (f" {r.extra['gguf'].split('.')[-2]}" if "gguf" in r.extra and
+                       r.model != "default" else "")  # fmt: skip
+
+
+def table(case: Case, runs: list[PeerRun | str]) -> list[str]:
+    wl = case.workload
+    what = (f"{wl.requests} requests x {'up to ' if case.model == 'default' else ''}"
+            f"{wl.max_tokens} new tokens" + (f", ~{wl.system_tokens}-token shared system prompt"
+                                             if wl.system_tokens else ""))  # fmt: skip
+    lines = [f"**{case.model}, {wl.name}** ({what})", "",
+             "| system | computes in | whole process s | tok/s | load s | steady tok/s | "
+             "peak RSS MB | batchmlx (defaults) / it, tok/s | same texts as batchmlx |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    ok = [r for r in runs if isinstance(r, PeerRun)]
+    ref = next((r for r in ok if r.system == "batchmlx (defaults)"), None)
+    for r in ok:
+        ratio = f"{ref.tok_s / r.tok_s:.2f}x" if ref and r.tok_s else "n/a"
+        same = same_texts(ref.texts, r.texts) if ref and r is not ref else ""
+        lines.append(f"| {_label(r)} | {r.precision} | {r.wall_s:.1f} | {r.tok_s:.1f} | "
+                     f"{r.load_s:.1f} | {r.steady_tok_s:.1f} | {r.peak_rss_mb:,.0f} | {ratio} | "
+                     f"{same} |")  # fmt: skip
+    lines += [f"| {r} |" + " |" * 8 for r in runs if isinstance(r, str)]
+    return [*lines, ""]
+
+
+def best(runs: list[PeerRun | str], peer: str, key: str = "tok_s") -> PeerRun | None:
+    mine = [r for r in runs if isinstance(r, PeerRun) and r.peer == peer]
+    return max(mine, key=lambda r: getattr(r, key), default=None)
+
+
+def run_all(quick: bool = False, out_json: Path | None = None) -> dict[tuple[str, str], list]:
+    results: dict[tuple[str, str], list] = {}
+    for c in cases(quick):
+        results[(c.model, c.workload.name)] = measure(c)
+        if out_json is not None:  # after every case: a crash later keeps what was measured
+            out_json.write_text(json.dumps(
+                {f"{m} {w}": [asdict(r) if isinstance(r, PeerRun) else r for r in rs]
+                 for (m, w), rs in results.items()}, indent=1))  # fmt: skip
+    return results
+
+
+def markdown(results: dict[tuple[str, str], list], quick: bool = False) -> list[str]:
+    lines = ["Every system a fresh process timed from spawn to results in hand (load included); "
+             "steady tok/s = completion tokens over the time from ready to the last token; peak "
+             "RSS of the process tree (sampled every 0.2 s). Greedy; the random shapes run to "
+             "max_tokens (no EOS). One run each, in turn.", ""]  # fmt: skip
+    for c in cases(quick):
+        lines += table(c, results.get((c.model, c.workload.name), []))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", type=Path, default=Path("/tmp/batchmlx-peers.json"))
+    a = p.parse_args(argv)
+    print("\n".join(markdown(run_all(a.quick, a.json), a.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

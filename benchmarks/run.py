@@ -30,7 +30,7 @@ from benchmarks.common import QUICK, Settings, fast_blas
 from benchmarks.measure import RunResult, agreement, run_ours, run_peer, summary
 from benchmarks.prefix_trie import block_prefix_lower_bound
 
-ALL_SECTIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+ALL_SECTIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 
 
 _T0 = time.perf_counter()
@@ -52,6 +52,7 @@ class Bench:
         self.loaded = loaded
         self.tok = loaded.tokenizer
         self._memo: dict[tuple, Any] = {}
+        self.with_peers = False  # section 12 asked for: section 11 adds the peers' targets
         self.section_s: dict[int, float] = {}
 
     def _once(self, key: tuple, fn, *args) -> Any:
@@ -524,8 +525,25 @@ def targets(b: Bench) -> list[tuple[str, str, bool]]:
     return out
 
 
+def peer_results(b: Bench) -> dict[tuple[str, str], list]:
+    from benchmarks.peers import section
+
+    return b._once(("peers", b.quick), section.run_all, b.quick, Path("/tmp/batchmlx-peers.json"))
+
+
+def section_peers(b: Bench) -> list[str]:
+    from benchmarks.peers import section
+
+    return ["## 12. CPU peers: llama.cpp, OpenVINO GenAI, vLLM CPU at every model size", "",
+            *section.markdown(peer_results(b), b.quick)]  # fmt: skip
+
+
 def section_targets(b: Bench) -> list[str]:
     found = targets(b) + issue_targets(b)
+    if b.with_peers:
+        from benchmarks.peers import section
+
+        found += section.targets(peer_results(b))
     rows = [[t, v, "MET" if ok else "**MISSED**"] for t, v, ok in found]
     return ["## 11. Targets", ""] + _table(["Target", "Measured", "Status"], rows)
 
@@ -542,6 +560,7 @@ SECTIONS = {
     9: section_prefill,
     10: section_scale,
     11: section_targets,
+    12: section_peers,
 }
 
 
@@ -615,7 +634,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("benchmarks/RESULTS.md"))
     p.add_argument("--sections", default=",".join(map(str, ALL_SECTIONS)), help="e.g. 1,3,5")
     p.add_argument("--model", default="default", help="model alias, GGUF file or MLX folder")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "float16", "bfloat16", "int8"])  # fmt: skip
     p.add_argument("--baseline", help="section 6: also run batchmlx from this git revision")
     return p.parse_args(argv)
 
@@ -641,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"loading {spec.name} (dtype {s.dtype})")
     loaded = load_model(spec, cache_dir=cache, dtype=s.dtype)
     bench = Bench(s, loaded, quick=args.quick, baseline=args.baseline)
+    bench.with_peers = 12 in sections
     bench.warm_up()
 
     body: list[str] = []

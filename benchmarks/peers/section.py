@@ -137,6 +137,49 @@ def markdown(results: dict[tuple[str, str], list], quick: bool = False) -> list[
     return lines
 
 
+def _ratio(a: PeerRun | None, b: PeerRun | None, key: str = "tok_s") -> float | None:
+    if a is None or b is None or not getattr(b, key):
+        return None
+    return getattr(a, key) / getattr(b, key)
+
+
+def _row(name: str, x: float | None, goal: float, lower: bool = False) -> tuple[str, str, bool]:
+    if x is None:
+        return (name, "not measured", False)
+    return (name, f"{x:.2f}x", x <= goal if lower else x >= goal)
+
+
+def targets(results: dict[tuple[str, str], list]) -> list[tuple[str, str, bool]]:
+    """Issues 23 and 28's targets, from one run's results (ratios of tok/s, whole process)."""
+    uniq, shared = results.get(("default", "unique"), []), results.get(("default", "shared"), [])
+    me = best(uniq, "batchmlx")
+    out = [_row(">= 2x llama.cpp server, unique prompts at 135M",
+                _ratio(me, best(uniq, "llama")), 2),
+           _row(">= 1x OpenVINO GenAI, unique prompts at 135M",
+                _ratio(me, best(uniq, "openvino")), 1)]  # fmt: skip
+    me = best(shared, "batchmlx")
+    for peer, name, goal in (("llama", "llama.cpp server", 10), ("vllm", "vLLM CPU", 5),
+                             ("openvino", "OpenVINO GenAI", 5)):  # fmt: skip
+        out.append(_row(f">= {goal}x {name}, shared ~900-token prompt",
+                        _ratio(me, best(shared, peer)), goal))  # fmt: skip
+    big = results.get(("1.7b", "chats"), [])
+    for key, what in (("tok_s", "whole process"), ("steady_tok_s", "steady state")):
+        rival = max((r for r in (best(big, "llama", key), best(big, "openvino", key)) if r),
+                    key=lambda r: getattr(r, key), default=None)  # fmt: skip
+        out.append(_row(f">= the best of llama.cpp and OpenVINO GenAI at 1.7B, {what}",
+                        _ratio(best(big, "batchmlx", key), rival, key), 1))  # fmt: skip
+    mine = next((r for r in big if isinstance(r, PeerRun) and r.precision.startswith("int8")), None)
+    q8 = next((r for r in big if isinstance(r, PeerRun) and r.peer == "llama"
+               and r.precision.startswith("Q8_0")), None)  # fmt: skip
+    out.append(_row("resident memory <= 1.5x llama.cpp's at 1.7B, 8 bits (int8 vs Q8_0)",
+                    _ratio(mine, q8, "peak_rss_mb"), 1.5, lower=True))  # fmt: skip
+    huge = best(results.get(("8b", "chats"), []), "batchmlx")
+    out.append(("the 8B shape runs on this machine (int8)",
+                f"{huge.tok_s:.2f} tok/s, {huge.peak_rss_mb:,.0f} MB" if huge else "failed",
+                huge is not None))  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -144,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", type=Path, default=Path("/tmp/batchmlx-peers.json"))
     a = p.parse_args(argv)
-    print("\n".join(markdown(run_all(a.quick, a.json), a.quick)))
+    results = run_all(a.quick, a.json)
+    print("\n".join(markdown(results, a.quick)))
+    for name, got, ok in targets(results):
+        print(f"- {name}: {got} {'MET' if ok else 'MISSED'}")
     return 0
 
 

@@ -489,3 +489,12 @@ def test_the_engine_raises_mlx_buffer_cache_on_the_cpu_only():
         assert mx.set_cache_limit(0) == 8 << 30
     finally:
         mx.set_cache_limit(before)
+
+
+def test_available_memory_counts_the_page_cache_the_kernel_can_drop(tmp_path):
+    from batchmlx.engine import llm_engine
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 24000000 kB\nMemFree: 231000 kB\nMemAvailable: 23000000 kB\n")
+    assert llm_engine._mem_available(str(meminfo)) == 23000000 * 1024  # not MemFree
+    assert llm_engine._mem_available(str(tmp_path / "none")) is None

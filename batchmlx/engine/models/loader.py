@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec
+from batchmlx.engine.models import notes
 from batchmlx.engine.models.default_model import ensure_default_gguf
 from batchmlx.engine.models.dense import cached_dense, save_dense
 from batchmlx.engine.models.gguf import convert_gguf
@@ -68,6 +69,7 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
 
         load_library()  # before the load: without oneDNN, say what to install at once
         dtype = "float32"
+    written = notes.writes()
     with _collector_paused():
         import mlx_lm  # heavy import (transformers); keep it off module import
 
@@ -89,6 +91,9 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
     if int8:
         quantize_model(model)
         log.info("model %s: linear layers and embeddings as int8 (oneDNN)", spec.name)
+    if notes.writes() != written:  # a first run: say what the cache holds now
+        notes.note("the model cache %s now holds %s", cache_dir,
+                   notes.size_text(notes.disk_use(Path(cache_dir))))  # fmt: skip
     path = Path(dense or folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
     context = config.get("max_position_embeddings") or _FALLBACK_CONTEXT
     return LoadedModel(

@@ -53,10 +53,12 @@ def submit(
     """Validate a batch file and enqueue it (and run it with --wait, under the engine
     options)."""
     settings = settings_of(ctx)
-    if file is not None and example:
-        raise fail("give a batch file or --example, not both")
-    if file is None and not example:
-        raise fail("give a batch file to submit (or --example: the example batch)")
+    if (file is None) != example:  # usage errors, as click's own (exit 2, see --help)
+        raise typer.BadParameter(
+            "give a batch file or --example, not both" if example
+            else "missing (give a batch file, or --example for the example batch)",
+            ctx=ctx, param_hint="'FILE'",
+        )  # fmt: skip
     if file is None:
         from batchmlx.cli.examples import example_path
 

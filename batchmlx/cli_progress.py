@@ -54,7 +54,7 @@ class ProgressView:
             return
         rec = await self.store.get_batch(self.batch_id)
         now = time.time()
-        if self.meter is None and rec.in_progress_at is not None:
+        if self.meter is None and rec.work_started_at is not None:
             self.meter = batch_meter(rec)
         # requests still running in this process (`--wait` without a live worker) count too
         est = estimate_batch(rec, now, self.meter, inflight_tokens().get(self.batch_id, 0))

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from batchmlx.cli import batch_commands, purge, serving
+from batchmlx.cli import batch_commands, examples, purge, serving
 from batchmlx.config import DATABASE_URL_ENV, PASSWORD_FILE_ENV, load_settings
 
 app = typer.Typer(
@@ -56,3 +56,4 @@ app.command()(serving.worker)
 app.command()(serving.watch)
 app.command()(serving.doctor)
 app.command()(serving.serve)
+app.command()(examples.example)

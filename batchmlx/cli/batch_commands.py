@@ -14,7 +14,7 @@ import typer
 from batchmlx.cli.common import fail, print_json, run_with_store, settings_of, warn_if_slow_blas
 from batchmlx.cli.engine_options import EngineChoice, engine_options
 from batchmlx.cli.model_options import ModelAliasOpt, StrictModelsOpt, with_model_rule
-from batchmlx.cli.show import show, summary
+from batchmlx.cli.show import NO_FILE_EXIT, no_file_text, show, table, worker_hint
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchRecord
@@ -27,7 +27,13 @@ LimitOpt = Annotated[int, typer.Option(min=1, help="Batches to list at most")]
 @engine_options
 def submit(
     ctx: typer.Context,
-    file: Annotated[Path, typer.Argument(help="OpenAI Batch input file (JSONL)")],
+    file: Annotated[
+        Path | None, typer.Argument(help="OpenAI Batch input file (JSONL)", show_default=False)
+    ] = None,
+    example: Annotated[
+        bool, typer.Option("--example", help="Submit the example batch shipped with batchmlx "
+                           "(8 chat requests; `batchmlx example` prints it)"),
+    ] = False,
     model: Annotated[
         str | None,
         typer.Option(help="Serve the file with this model, whatever its bodies name: "
@@ -56,6 +62,16 @@ def submit(
     """Validate a batch file and enqueue it (and run it with --wait, under the engine
     options)."""
     settings = with_model_rule(settings_of(ctx), strict_models, model_alias)
+    if (file is None) != example:  # usage errors, as click's own (exit 2, see --help)
+        raise typer.BadParameter(
+            "give a batch file or --example, not both" if example
+            else "missing (give a batch file, or --example for the example batch)",
+            ctx=ctx, param_hint="'FILE'",
+        )  # fmt: skip
+    if file is None:
+        from batchmlx.cli.examples import example_path
+
+        file = example_path()
     if not file.is_file():
         raise fail(f"no such file: {file}")
     from batchmlx.formats.expiry import ExpiresAfterError, parse_expires_after
@@ -73,11 +89,16 @@ def submit(
     from batchmlx.batches.files import read_chunks
     from batchmlx.batches.intake import submit as submit_batch
 
-    rec = run_with_store(settings, lambda store: submit_batch(
-        store, settings, read_chunks(file), filename=file.name, now=time.time(), model=model,
-        completion_window=completion_window, metadata=meta,
-        output_expires_after=output_expires_after, endpoint=endpoint,
-    ))  # fmt: skip
+    async def enqueue(store) -> tuple[BatchRecord, int]:
+        rec = await submit_batch(
+            store, settings, read_chunks(file), filename=file.name, now=time.time(),
+            model=model, completion_window=completion_window, metadata=meta,
+            output_expires_after=output_expires_after, endpoint=endpoint,
+        )  # fmt: skip
+        live = [] if wait else await store.live_workers(store.clock(), settings.lease_s)
+        return rec, len(live)
+
+    rec, workers = run_with_store(settings, enqueue)
     if rec.status is BatchStatus.FAILED:
         show(rec, settings, as_json)
         raise typer.Exit(1)
@@ -85,6 +106,8 @@ def submit(
         warn_if_slow_blas()
         rec = _wait(settings, rec.id, engine, as_json)
     show(rec, settings, as_json)
+    if not wait and not as_json and not rec.status.terminal:
+        typer.echo("  " + worker_hint(workers))
     if wait and rec.status is not BatchStatus.COMPLETED:
         raise typer.Exit(1)
 
@@ -151,8 +174,9 @@ def list_(ctx: typer.Context, as_json: JsonOpt = False, limit: LimitOpt = 20) ->
         return
     if not recs:
         typer.echo("no batches")
-    for r in recs:
-        typer.echo(summary(r))
+        return
+    for line in table(recs):
+        typer.echo(line)
 
 
 def results(
@@ -163,9 +187,11 @@ def results(
     ] = None,
     errors: Annotated[bool, typer.Option("--errors", help="The error file instead")] = False,
 ) -> None:
-    """Download a finished batch's output file (or, with --errors, its error file)."""
+    """Download a finished batch's output file (or, with --errors, its error file). A batch
+    without that file (no request succeeded; --errors: none failed) exits 3 and says which
+    file it has."""
 
-    async def fetch(store) -> int:
+    async def fetch(store) -> tuple[BatchRecord, int | None]:
         from batchmlx.batches.errors import BatchError
         from batchmlx.batches.files import iter_file_content
         from batchmlx.batches.finalize import get_batch
@@ -174,17 +200,23 @@ def results(
         rec = await get_batch(store, batch_id)
         if not rec.status.terminal:
             raise BatchError(f"batch {batch_id} is {rec.status.value}; not finished yet")
-        chunks = iter_file_content(store, rec.error_file_id if errors else rec.output_file_id)
+        file_id = rec.error_file_id if errors else rec.output_file_id
+        if file_id is None:
+            return rec, None  # said below; nothing written, not even an empty -o file
+        chunks = iter_file_content(store, file_id)
         if output is not None:  # streamed to a temp file, fsynced, renamed
-            return (await LocalBlobs(output.parent).put(output.name, chunks))[0]
+            return rec, (await LocalBlobs(output.parent).put(output.name, chunks))[0]
         size = 0
         async for chunk in chunks:
             sys.stdout.buffer.write(chunk)
             size += len(chunk)
         sys.stdout.buffer.flush()
-        return size
+        return rec, size
 
-    size = run_with_store(settings_of(ctx), fetch)
+    rec, size = run_with_store(settings_of(ctx), fetch)
+    if size is None:
+        typer.echo(no_file_text(rec, errors), err=True)
+        raise typer.Exit(NO_FILE_EXIT)
     if output is not None:
         typer.echo(f"wrote {size} bytes to {output}", err=True)
 

@@ -64,10 +64,15 @@ def worker(
     retention_days: RetentionOpt = None,
     strict_models: StrictModelsOpt = None,
     model_alias: ModelAliasOpt = None,
+    progress_every: Annotated[
+        float, typer.Option(min=0.1, metavar="SECONDS",
+                            help="Log a running batch's progress this often")
+    ] = 30.0,
     *,
     engine: EngineChoice,
 ) -> None:
-    """Run a long-lived worker that processes queued batches."""
+    """Run a long-lived worker that processes queued batches (one log line when it takes a
+    batch up, its progress every --progress-every seconds, one when it ends)."""
     import logging
 
     from batchmlx.accel import active_blas
@@ -85,6 +90,7 @@ def worker(
     opts = WorkerOptions(
         until_idle=until_idle, model=model, dtype=engine.dtype, engine=engine.settings,
         max_attempts=max_attempts, only_models=tuple(only_model or ()),
+        progress_every_s=progress_every,
     )  # fmt: skip
     box = None
     if inbox is not None:
@@ -196,7 +202,20 @@ def serve(
     *,
     engine: EngineChoice,
 ) -> None:
-    """Serve the OpenAI-compatible HTTP API (Files, Batches, chat/completions, models)."""
+    """Serve the OpenAI-compatible HTTP API, with a worker in the same process.
+
+    \b
+    Files      POST /v1/files, GET /v1/files, GET /v1/files/{file_id},
+               DELETE /v1/files/{file_id}, GET /v1/files/{file_id}/content
+    Batches    POST /v1/batches, GET /v1/batches, GET /v1/batches/{batch_id},
+               POST /v1/batches/{batch_id}/cancel
+    Online     POST /v1/chat/completions, POST /v1/completions,
+               POST /v1/responses, POST /v1/embeddings
+    Models     GET /v1/models
+    Metrics    GET /metrics (Prometheus)
+    Dashboard  GET / (the page), GET /dashboard/api/summary,
+               GET /dashboard/api/batches/{batch_id}
+    """
     from batchmlx.server.auth import RemoteBindError, check_bind
 
     warn_if_slow_blas()

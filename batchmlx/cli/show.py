@@ -9,6 +9,7 @@ import typer
 
 from batchmlx.cli.common import print_json
 from batchmlx.config import Settings
+from batchmlx.core.batch_text import cache_text, counts_text, model_text, tokens_text
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.progress import estimate_batch, format_eta, format_rate
 from batchmlx.core.records import BatchRecord
@@ -17,36 +18,53 @@ from batchmlx.formats.openai import batch_object
 
 
 def summary(rec: BatchRecord) -> str:
-    c = rec.request_counts
-    done = c.completed + c.failed
     return (
-        f"{rec.id}  {rec.status.value:<11} {done}/{c.total} done "
-        f"({c.completed} ok, {c.failed} failed)  {rec.endpoint}  model={rec.model}"
+        f"{rec.id}  {rec.status.value:<11} {counts_text(rec)}  {rec.endpoint}  "
+        f"model={model_text(rec)}"
     )
+
+
+_COLUMNS = ("ID", "STATUS", "DONE", "OK", "FAILED", "ENDPOINT", "MODEL", "CREATED")
+_RIGHT = frozenset({"DONE", "OK", "FAILED"})  # numbers: right-aligned
+
+
+def table(recs: list[BatchRecord]) -> list[str]:
+    """`status`/`list`: a header, then one row per batch, in aligned columns."""
+    rows = [_COLUMNS] + [_row(r) for r in recs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    return [
+        "  ".join(
+            cell.rjust(w) if name in _RIGHT else cell.ljust(w)
+            for name, cell, w in zip(_COLUMNS, row, widths, strict=True)
+        ).rstrip()
+        for row in rows
+    ]
+
+
+def _row(rec: BatchRecord) -> tuple[str, ...]:
+    c = rec.request_counts
+    created = time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.created_at))
+    return (rec.id, rec.status.value, f"{c.completed + c.failed}/{c.total}", str(c.completed),
+            str(c.failed), rec.endpoint or "-", model_text(rec), created)  # fmt: skip
+
+
+# a batch in progress that no worker has taken up yet
+WAITING = "waiting for a worker: none has taken this batch up yet"
 
 
 def stats_lines(rec: BatchRecord) -> list[str]:
     u = rec.usage
-    lines = [
-        f"tokens: {u.input_tokens} prompt ({u.cached_tokens} from the prefix cache), "
-        f"{u.output_tokens} generated"
-    ]
-    if rec.in_progress_at is not None:
+    lines = [f"tokens: {tokens_text(rec)}"]
+    if rec.status is BatchStatus.IN_PROGRESS and rec.work_started_at is None:
+        lines.append(WAITING)
+    elif rec.work_started_at is not None:
         est = estimate_batch(rec, time.time())
         line = f"throughput: {format_rate(est.tokens_per_s)} generated"
         if rec.status is BatchStatus.IN_PROGRESS:
-            line += f"; ETA {format_eta(est.eta_s)} (at the rate measured since it started)"
+            line += f"; ETA {format_eta(est.eta_s)} (at the rate since a worker took it up)"
         lines.append(line)
-    s = rec.stats or {}
-    if "hits" in s or "prefix_hits" in s or u.input_tokens:
-        hits, phits, misses = s.get("hits", 0), s.get("prefix_hits", 0), s.get("misses", 0)
-        n = hits + phits + misses
-        rate = f"{(hits + phits) / n:.0%}" if n else "n/a"
-        lines.append(
-            f"prefix cache: hit rate {rate} (HIT {hits}, PREFIX_HIT {phits}, MISS {misses}); "
-            f"prefill tokens computed {u.input_tokens - u.cached_tokens}, "
-            f"reused {u.cached_tokens}"
-        )
+    if rec.outcomes.total or u.input_tokens:
+        lines.append(f"prefix cache: {cache_text(rec)}")
     return lines
 
 
@@ -78,4 +96,45 @@ def describe(rec: BatchRecord, settings: Settings) -> None:
             where = "in the database" if settings.files_in_database else settings.files_dir / fid
             typer.echo(f"  {label}: {where}  ({fid})")
     if rec.status.terminal and not rec.errors:
-        typer.echo(f"  download: batchmlx results {rec.id} -o {rec.id}.jsonl  (--errors: errors)")
+        typer.echo("  " + download_hint(rec))
+
+
+def download_hint(rec: BatchRecord) -> str:
+    """How to fetch the files a finished batch has (and only those)."""
+    commands = [f"batchmlx results {rec.id}{flag} -o {rec.id}{suffix}.jsonl"
+                for fid, flag, suffix in ((rec.output_file_id, "", ""),
+                                          (rec.error_file_id, " --errors", "_errors"))
+                if fid]  # fmt: skip
+    if not commands:
+        return "no output or error file: the batch has no requests"
+    return "download: " + "; ".join(commands)
+
+
+def worker_hint(live_workers: int) -> str:
+    """After `submit` without --wait: who will run the batch."""
+    if live_workers:
+        return (f"a worker is running ({live_workers} live); it takes this batch up in turn: "
+                "follow it with `batchmlx status ID`")  # fmt: skip
+    return (
+        "no worker is running: start one with `batchmlx worker` (or `batchmlx serve`) to "
+        "run this batch, or submit with --wait to run it here"
+    )
+
+
+# `results` of a batch without the file asked for: not an error (the batch is fine), not a
+# success (nothing was written): its own status, for scripts
+NO_FILE_EXIT = 3
+
+
+def no_file_text(rec: BatchRecord, errors: bool) -> str:
+    """What a finished batch has when it lacks the file `results` was asked for."""
+    c, which = rec.request_counts, "error" if errors else "output"
+    if not c.total:
+        return f"{rec.id} has no {which} file: it has no requests"
+    if errors:
+        return (f"{rec.id} ({rec.status.value}) has no error file: all {c.completed} "
+                f"of its requests succeeded; the output: batchmlx results {rec.id}")  # fmt: skip
+    other = (f"; their errors: batchmlx results {rec.id} --errors"
+             if rec.error_file_id else "")  # fmt: skip
+    return (f"{rec.id} ({rec.status.value}) has no output file: none of its {c.total} "
+            f"requests succeeded ({c.failed} failed){other}")  # fmt: skip

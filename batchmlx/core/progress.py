@@ -1,8 +1,9 @@
 """A batch's throughput and ETA from samples of its progress. Pure: time comes in as arguments.
 
 The rate is measured over the last `window_s` seconds of samples, so it follows the engine as
-it speeds up or slows down; with two samples (the batch's start and now) it is the average since
-the start, which is what `status ID` shows from one look at the database.
+it speeds up or slows down; with two samples (the start of work and now) it is the average since
+a worker took the batch up, which is what `status ID` shows from one look at the database. Time
+a batch spent queued (in_progress, no worker yet) counts for nothing: no rate, no ETA.
 """
 
 from __future__ import annotations
@@ -81,11 +82,11 @@ def sample_of(rec: BatchRecord, t: float, inflight_tokens: int = 0) -> Sample:
 
 
 def batch_meter(rec: BatchRecord, window_s: float = DEFAULT_WINDOW_S) -> RateMeter:
-    """A meter seeded with the batch's start: until newer samples fill the window, its rate
-    is the average since the batch began to run."""
+    """A meter seeded with the start of work on the batch: until newer samples fill the
+    window, its rate is the average since a worker took it up."""
     meter = RateMeter(window_s)
-    if rec.in_progress_at is not None:
-        meter.add(Sample(rec.in_progress_at, 0, 0))
+    if rec.work_started_at is not None:
+        meter.add(Sample(rec.work_started_at, 0, 0))
     return meter
 
 
@@ -93,15 +94,21 @@ def estimate_batch(
     rec: BatchRecord, now: float, meter: RateMeter | None = None, inflight_tokens: int = 0
 ) -> Estimate:
     """Throughput and ETA of a batch: measured by `meter` (fed here) while it runs, the average
-    over its run once it has stopped."""
-    if rec.in_progress_at is None:
+    over its run once it has stopped; nothing while no worker has taken it up."""
+    start = rec.work_started_at
+    if rec.in_progress_at is None or start is None:
         return Estimate(None, None)
     end = run_end(rec)
     if end is not None or rec.status is not BatchStatus.IN_PROGRESS:
-        span = (end if end is not None else now) - rec.in_progress_at
+        # the last result, not the whole second a status move is stamped with: a short run's
+        # span would be off by up to a second
+        last = rec.work_ended_at if rec.work_ended_at is not None else end
+        span = (last if last is not None else now) - start
         rate = rec.usage.output_tokens / span if span > 0 else None
         return Estimate(rate, None)
-    meter = meter or batch_meter(rec)
+    meter = meter or RateMeter()
+    if not meter.samples:  # seeded with the start of work (a meter may predate it)
+        meter.add(Sample(start, 0, 0))
     meter.add(sample_of(rec, now, inflight_tokens))
     return meter.estimate(rec.request_counts.total)
 

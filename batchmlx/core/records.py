@@ -37,6 +37,26 @@ class BatchUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheOutcomes:
+    """How the done requests' prompts met the prefix cache at their first admission, counted
+    live from the requests (a running or cancelling batch has them too, not only a finalized
+    one's stats)."""
+
+    hits: int = 0
+    prefix_hits: int = 0
+    misses: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.hits + self.prefix_hits + self.misses
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Share of requests that reused a cached prefix (None: no request has one yet)."""
+        return (self.hits + self.prefix_hits) / self.total if self.total else None
+
+
+@dataclass(frozen=True, slots=True)
 class BatchRecord:
     id: str  # "batch_…"
     endpoint: str  # "/v1/chat/completions" or "/v1/completions"
@@ -63,6 +83,11 @@ class BatchRecord:
     stats: dict[str, Any] = field(default_factory=dict)
     output_expires_after: int | None = None  # seconds: output/error files expire this long after
     # they are written (None: never)
+    outcomes: CacheOutcomes = field(default_factory=CacheOutcomes)
+    # when a worker took up its first request (seconds; None: still queued): rates are measured
+    # from here, so time spent waiting for a worker does not read as slowness
+    work_started_at: float | None = None
+    work_ended_at: float | None = None  # its last result so far (seconds; None: none yet)
 
 
 @dataclass(frozen=True, slots=True)

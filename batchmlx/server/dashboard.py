@@ -79,8 +79,9 @@ def batch_view(
         "eta_s": est.eta_s,
         "cached_tokens": u.cached_tokens,
         "cache_hit_rate": u.cached_tokens / u.input_tokens if u.input_tokens else None,
-        "outcomes": {k: rec.stats[k] for k in ("hits", "prefix_hits", "misses")
-                     if k in rec.stats},  # fmt: skip
+        # counted live from the requests: a running or cancelling batch has them too
+        "outcomes": {"hits": rec.outcomes.hits, "prefix_hits": rec.outcomes.prefix_hits,
+                     "misses": rec.outcomes.misses},  # fmt: skip
     }
     return obj
 

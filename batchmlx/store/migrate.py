@@ -10,6 +10,7 @@ migration's transaction (migrations/env.py), since hosts share no disk.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from pathlib import Path
 
@@ -32,6 +33,9 @@ def _migrations_dir() -> Path:
 
 
 MIGRATIONS_DIR = _migrations_dir()
+# Alembic says "Context impl SQLiteImpl." and "Will assume non-transactional DDL." at INFO on
+# every open, into the log of each worker and server: nothing a user can act on. Warnings only.
+logging.getLogger("alembic").setLevel(logging.WARNING)
 # pg_advisory_xact_lock key serialising concurrent upgrades ("bmlx" in ASCII)
 MIGRATE_LOCK_KEY = 0x626D6C78
 

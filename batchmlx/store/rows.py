@@ -4,6 +4,7 @@ ClaimedRequest, BatchRef) and what a record is written as. JSON columns are TEXT
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -14,6 +15,7 @@ from batchmlx.core.records import (
     BatchErrorRecord,
     BatchRecord,
     BatchUsage,
+    CacheOutcomes,
     ClaimedRequest,
     FileRecord,
     RequestCounts,
@@ -124,7 +126,12 @@ def _done_sum(col: Any) -> Any:
     return func.coalesce(func.sum(case((R.c.status.in_(DONE), col), else_=0)), 0)
 
 
-# Per batch: total, succeeded, failed, then token sums over done requests.
+def _done_outcome(outcome: str) -> Any:
+    return _done_sum(case((R.c.cache_outcome == outcome, 1), else_=0))
+
+
+# Per batch: total, succeeded, failed, token sums and prefix-cache outcomes over done requests,
+# the first claim still on record (when work on the batch started) and the last result.
 PROGRESS_COLUMNS = (
     func.count(R.c.id),
     func.coalesce(func.sum(case((R.c.status == SUCCEEDED, 1), else_=0)), 0),
@@ -132,22 +139,38 @@ PROGRESS_COLUMNS = (
     _done_sum(R.c.prompt_tokens),
     _done_sum(R.c.cached_tokens),
     _done_sum(R.c.completion_tokens),
+    _done_outcome("HIT"),
+    _done_outcome("PREFIX_HIT"),
+    _done_outcome("MISS"),
+    func.min(R.c.claimed_at),
+    func.max(R.c.finished_at),
 )
 
 
-def _progress(row: Sequence[Any] | None) -> tuple[RequestCounts, BatchUsage]:
+@dataclass(frozen=True, slots=True)
+class _Progress:
+    counts: RequestCounts = RequestCounts()
+    usage: BatchUsage = BatchUsage()
+    outcomes: CacheOutcomes = CacheOutcomes()
+    started_at: float | None = None
+    ended_at: float | None = None
+
+
+def _progress(row: Sequence[Any] | None) -> _Progress:
     if row is None:
-        return RequestCounts(), BatchUsage()
-    total, ok, failed, prompt, cached, completion = row
-    return (
+        return _Progress()
+    total, ok, failed, prompt, cached, completion, hits, prefix_hits, misses, *span = row
+    return _Progress(
         RequestCounts(total=total, completed=ok, failed=failed),
         BatchUsage(input_tokens=prompt, cached_tokens=cached, output_tokens=completion),
+        CacheOutcomes(hits=hits, prefix_hits=prefix_hits, misses=misses),
+        *span,
     )
 
 
 def batch_record(m: Mapping[str, Any], progress: Sequence[Any] | None) -> BatchRecord:
     """A batches row with its PROGRESS_COLUMNS (None: no requests)."""
-    counts, usage = _progress(progress)
+    p = _progress(progress)
     return BatchRecord(
         id=m["id"],
         endpoint=m["endpoint"],
@@ -167,11 +190,14 @@ def batch_record(m: Mapping[str, Any], progress: Sequence[Any] | None) -> BatchR
         output_file_id=m["output_file_id"],
         error_file_id=m["error_file_id"],
         errors=tuple(BatchErrorRecord(**e) for e in loads(m["errors"]) or ()),
-        request_counts=counts,
-        usage=usage,
+        request_counts=p.counts,
+        usage=p.usage,
         metadata=loads(m["metadata"]),
         stats=loads(m["stats"]) or {},
         output_expires_after=m.get("output_expires_after"),
+        outcomes=p.outcomes,
+        work_started_at=p.started_at,
+        work_ended_at=p.ended_at,
     )
 
 

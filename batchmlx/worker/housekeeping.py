@@ -40,6 +40,8 @@ class Housekeeping:
     stop_batch: Callable[[str], Awaitable[None]]  # drop a batch's requests (on the engine thread)
     flush: Callable[[], Awaitable[None]]  # write every ready result now
     hooks: FinalizeHooks = ()  # run by each finalize (the inbox's result copies)
+    # told of each batch a finalize, cancel or expiry of this worker ended
+    on_end: Callable[[BatchRecord], None] | None = None
     _last_beat: float = field(default=-math.inf, init=False)  # the first tick registers us
     # batch -> (retry at, its backoff)
     _parked: dict[str, tuple[float, Backoff]] = field(default_factory=dict, init=False)
@@ -87,9 +89,7 @@ class Housekeeping:
         due = [b for b in active if is_expired(b.status, b.expires_at, now)
                and not self._is_parked(b.id)]  # fmt: skip
         for b in due:
-            rec = await self._end_batch(b.id, "expiry", expire, now=now)
-            if rec is not None:
-                log.info("batch %s: completion window ended; %s", b.id, rec.status.value)
+            await self._end_batch(b.id, "expiry", expire, now=now)
         return bool(due)
 
     async def _end_batch(
@@ -122,6 +122,8 @@ class Housekeeping:
                       batch_id, what, delay, exc_info=exc)  # fmt: skip
             return None
         self._parked.pop(batch_id, None)
+        if self.on_end is not None and isinstance(result, BatchRecord):
+            self.on_end(result)
         return result
 
     def _is_parked(self, batch_id: str) -> bool:

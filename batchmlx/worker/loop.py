@@ -40,6 +40,7 @@ from batchmlx.worker.build import EngineFactory, ServingModel, mlx_engine_factor
 from batchmlx.worker.engine_thread import EngineThread
 from batchmlx.worker.housekeeping import Housekeeping
 from batchmlx.worker.inflight import InFlight
+from batchmlx.worker.journal import Journal
 from batchmlx.worker.metrics import register_worker
 from batchmlx.worker.online import OnlineQueue, OnlineTicket
 from batchmlx.worker.options import WorkerOptions
@@ -99,11 +100,12 @@ class Worker:
             store=store, settings=settings, opts=options, inflight=self.inflight,
             worker_id=self.worker_id, clock=self.clock,
         )  # fmt: skip
+        self.journal = Journal(store, self.inflight.inflight_tokens, options.progress_every_s)
         self.housekeeping = Housekeeping(
             store=store, settings=settings, worker_id=self.worker_id, clock=self.clock,
             stop_batch=lambda b: self.engine.call(self.inflight.abort_batch, b),
             flush=lambda: self._flush(force=True),
-            hooks=tuple(finalize_hooks),
+            hooks=tuple(finalize_hooks), on_end=self.journal.ended,
         )  # fmt: skip
         self._stop = asyncio.Event()  # set by a stop: wakes the idle wait and backoffs at once
         register_worker(self)  # the dashboard and `submit --wait` read inflight_tokens()
@@ -199,6 +201,7 @@ class Worker:
         if housekeeping:
             self._next_housekeeping = now + self.settings.poll_s
             did |= await self.housekeeping.end_batches()
+            await self.journal.progress()
         work = _Round()
         if not self.stop_requested:  # a stopping worker takes nothing new
             work.tickets = fl.online.drain()
@@ -206,6 +209,7 @@ class Worker:
             if housekeeping or more:
                 work.claimed = await self.admission.claim()
                 self._queue_dry = not work.claimed
+                await self.journal.claimed(work.claimed)
         work.live = set(fl.online.live_ids)
         ran = _Ran(embedded=False, stepped=False)
         if work.tickets or work.claimed or fl.embeddings or fl.running or fl.online_pending:

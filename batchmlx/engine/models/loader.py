@@ -18,6 +18,7 @@ from mlx.utils import tree_unflatten
 
 from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec
 from batchmlx.engine.kernels.host_linear import HostFormat
+from batchmlx.engine.models import notes
 from batchmlx.engine.models.default_model import ensure_default_gguf
 from batchmlx.engine.models.dense import cached_dense, save_dense
 from batchmlx.engine.models.gguf import convert_gguf
@@ -67,6 +68,7 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
             f"dtype must be 'auto', 'stored', 'int8' or one of {sorted(_DTYPES)}, got {dtype!r}"
         )
     host = host_format(dtype)  # before the load: without oneDNN, say what to install at once
+    written = notes.writes()
     with _collector_paused():
         import mlx_lm  # heavy import (transformers); keep it off module import
 
@@ -95,6 +97,9 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
     log.info("model %s: weights as %s on %s, from %s", spec.name,
              f"{host.value} (oneDNN)" if host else source, mx.default_device(),
              Path(dense or folder).name)  # fmt: skip
+    if notes.writes() != written:  # a first run: say what the cache holds now
+        notes.note("the model cache %s now holds %s", cache_dir,
+                   notes.size_text(notes.disk_use(Path(cache_dir))))  # fmt: skip
     path = Path(dense or folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
     context = config.get("max_position_embeddings") or _FALLBACK_CONTEXT
     return LoadedModel(

@@ -397,10 +397,12 @@ def test_kv_memory_is_the_gpus_on_cuda(monkeypatch):
     """On MLX's CUDA backend the KV cache's share is of the GPU's free memory, not the host's."""
     import os
 
+    from batchmlx.engine import llm_engine
     from batchmlx.engine.llm_engine import available_memory_bytes
 
     pages = {"SC_AVPHYS_PAGES": 1 << 20, "SC_PAGE_SIZE": 4096}  # a host with 4 GiB available
     monkeypatch.setattr(os, "sysconf", pages.__getitem__)
+    monkeypatch.setattr(llm_engine, "_mem_available", lambda: None)  # no /proc/meminfo
     cuda_info = {"device_name": "NVIDIA H200", "free_memory": 140 << 30, "total_memory": 141 << 30}
     assert available_memory_bytes(on_gpu=True, device_info=cuda_info) == 140 << 30
     assert available_memory_bytes(on_gpu=False) == 4 << 30

@@ -88,12 +88,17 @@ def test_a_database_error_in_the_idle_wait_does_not_end_the_worker(
 def test_idle_polling_ignores_leases_of_models_it_does_not_serve(
     tmp_path: Path, pg_url: str
 ) -> None:
-    # a batch of model "acme/a" whose lease ran out (its worker died); this worker serves "other"
+    # a batch of model A (a local folder) whose lease ran out (its worker died); this worker
+    # serves "other"
+    model_a = tmp_path / "acme-a"
+    model_a.mkdir()
+    (model_a / "config.json").write_text("{}")
+
     async def main() -> int:
         store, worker = await _worker(tmp_path, pg_url, only_models=("other",))
         settings = worker.settings
         rec = await batches.intake.submit(store, settings, _file(2), filename="in.jsonl",
-                                          now=time.time(), model="acme/a")  # fmt: skip
+                                          now=time.time(), model=str(model_a))  # fmt: skip
         now = time.time()
         assert await store.claim("w-dead", 2, now - 100, 1.0, batch_id=rec.id)  # expired
         rounds = 0
@@ -111,7 +116,7 @@ def test_idle_polling_ignores_leases_of_models_it_does_not_serve(
         await asyncio.wait_for(run, 15)
         claimed = (await store.get_batch(rec.id)).request_counts
         await store.close()
-        assert claimed.completed == 0  # left to a worker of "acme/a"
+        assert claimed.completed == 0  # left to a worker of model A
         return rounds
 
     rounds = asyncio.run(main())

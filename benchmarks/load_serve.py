@@ -118,6 +118,8 @@ class Record:
     stream_tokens: int = 0
     embed_s: float | None = None
     rss: list[tuple[float, int]] = field(default_factory=list)  # (s since t0, bytes)
+    # MLX's memory as /metrics reports it: (s since t0, {"active": bytes, "cache": bytes, ...})
+    mlx: list[tuple[float, dict[str, float]]] = field(default_factory=list)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -249,6 +251,20 @@ async def _control_once(c: httpx.AsyncClient, p: Poller, path: str, rec: Record,
         rec.fail(p.name, f"status {r.status_code}", r.text)
         return
     rec.latency.setdefault(p.name, []).append(dt)
+    if p.path == "/metrics":
+        mlx = _mlx_gauges(r.text)
+        if mlx:
+            rec.mlx.append((rec.now(), mlx))
+
+
+def _mlx_gauges(text: str) -> dict[str, float]:
+    """batchmlx_mlx_memory_bytes{kind="..."} lines of a /metrics body."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith('batchmlx_mlx_memory_bytes{kind="'):
+            kind, _, value = line[len('batchmlx_mlx_memory_bytes{kind="'):].partition('"} ')
+            out[kind] = float(value)
+    return out
 
 
 async def poll(c: httpx.AsyncClient, p: Poller, batch_id: str, rec: Record,
@@ -617,7 +633,7 @@ def report(o: Outcome, *, quick: bool, database: str, machine_start: str, wall_s
         f"({'graceful: the log says the shutdown completed' if o.graceful else 'NOT graceful'}"
         "; uvicorn re-raises the SIGTERM it caught, hence -15).",
         "",
-        *_rss_lines(rec.rss),
+        *_rss_lines(rec.rss, rec.mlx),
     ]
     if rec.failures:
         lines += ["", "Errors (the first 20):", ""]
@@ -628,19 +644,26 @@ def report(o: Outcome, *, quick: bool, database: str, machine_start: str, wall_s
     return "\n".join(lines) + "\n"
 
 
-def _rss_lines(rss: list[tuple[float, int]]) -> list[str]:
+def _rss_lines(rss: list[tuple[float, int]],
+               mlx: list[tuple[float, dict[str, float]]] = ()) -> list[str]:  # fmt: skip
     if not rss:
         return ["RSS: no samples."]
     step = max(1, len(rss) // 12)
     pts = rss[::step] + ([rss[-1]] if (len(rss) - 1) % step else [])
     peak = max(b for _, b in rss) / 2**20
-    return [
-        f"RSS of the serve process (MB; {len(rss)} samples, peak {peak:.0f}):",
+    lines = [
+        f"RSS of the serve process (MB; {len(rss)} samples, peak {peak:.0f}), and MLX's "
+        "active and cached memory from the nearest /metrics scrape (MB):",
         "",
         "| s | " + " | ".join(f"{t:.0f}" for t, _ in pts) + " |",
         "|---|" + "---|" * len(pts),
-        "| MB | " + " | ".join(f"{b / 2**20:.0f}" for _, b in pts) + " |",
+        "| RSS | " + " | ".join(f"{b / 2**20:.0f}" for _, b in pts) + " |",
     ]
+    for kind in ("active", "cache") if mlx else ():
+        near = [min(mlx, key=lambda m, t=t: abs(m[0] - t))[1].get(kind) for t, _ in pts]
+        lines.append(f"| MLX {kind} | "
+                     + " | ".join("?" if v is None else f"{v / 2**20:.0f}" for v in near) + " |")
+    return lines
 
 
 def _database_name(url: str | None) -> str:

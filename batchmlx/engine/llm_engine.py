@@ -27,6 +27,7 @@ from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import StepReport, WidthController, WidthPhase, WidthPolicy
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
+from batchmlx.engine.host_memory import HeapTrimmer, release_free_memory
 from batchmlx.engine.kv.decode import DecodeKV
 from batchmlx.engine.kv.paged import BatchLayout, PackedLayout, PagedKVStorage
 from batchmlx.engine.runner import ModelRunner, model_dims
@@ -158,6 +159,7 @@ class Engine:
         self.clock = clock
         self._rand = random.Random(seed)
         size_buffer_cache()
+        self.heap = HeapTrimmer()  # freed heap pages back to the OS (engine/host_memory.py)
         num_layers, n_kv, head_dim = model_dims(model)
         dtype = _kv_dtype(model)
         per_block = PagedKVStorage.bytes_per_block(
@@ -254,6 +256,11 @@ class Engine:
             self._embedder = Embedder(self.runner.model)
         return self._embedder
 
+    def release_memory(self) -> int:
+        """Freed memory back to the OS (MLX's buffer cache, the heap's free pages), after a
+        large one-off piece of work or when idle: bytes MLX's cache held."""
+        return release_free_memory()
+
     @property
     def pool_blocks(self) -> int:
         return self.storage.max_blocks
@@ -277,6 +284,7 @@ class Engine:
             raise StepError([s.seq.seq_id for s in step.seqs], exc) from exc
         done = self.scheduler.update(step, sampled, finished)
         self.stats.step_s += time.perf_counter() - t0
+        self.heap.tick()
         if self.width is not None:
             self._size_width(len(sampled), self.clock() - started)
         # sequences the scheduler ended itself (the pool cannot hold them even alone)

@@ -32,6 +32,7 @@ from batchmlx.core.request import GenerationOutput, GenerationRequest, TokenLogp
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import initial_width
 from batchmlx.engine.grammar import Grammars
+from batchmlx.engine.host_memory import HeapTrimmer, release_free_memory
 from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.faults import crash_point
 
@@ -71,6 +72,7 @@ class UnpagedEngine:
         self._rand = random.Random(seed)
         vocab = getattr(getattr(model, "args", None), "vocab_size", None)
         self.grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
+        self.heap = HeapTrimmer()  # freed heap pages back to the OS (engine/host_memory.py)
         self._live: dict[str, _Live] = {}  # waiting and running
         self._by_uid: dict[int, str] = {}  # running: in mlx-lm's batch
         self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, request id)
@@ -147,6 +149,7 @@ class UnpagedEngine:
         now = self.clock()
         done = [o for r in responses if (o := self._on_response(r, now)) is not None]
         self._step_s += time.perf_counter() - t0
+        self.heap.tick()
         return done
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
@@ -165,6 +168,10 @@ class UnpagedEngine:
             steps=self._steps, step_s=self._step_s, generated_tokens=self.post.generated_tokens,
             misses=self._added, running=len(self._by_uid),
         )  # fmt: skip
+
+    def release_memory(self) -> int:
+        """As the paged engine's: freed memory back to the OS."""
+        return release_free_memory()
 
     def generated_so_far(self, request_id: str) -> int:
         live = self._live.get(request_id)

@@ -54,12 +54,18 @@ class _Wave:
     owner: list[tuple[_Job, int]]  # flat input index -> (its job, its index there)
 
 
+# a wave of at least this many tokens is large: once it ends, the worker gives the memory its
+# passes freed back to the OS (engine/host_memory.py); a small request's wave does not pay that
+LARGE_WAVE_TOKENS = 4096
+
+
 class EmbeddingJobs:
     """Embedding requests waiting for, or in, the running wave of slices."""
 
     def __init__(self) -> None:
         self._jobs: list[_Job] = []  # waiting for the next wave
         self._wave: _Wave | None = None
+        self.large_wave_ended = False  # set when a large wave ends; the worker clears it
 
     def __bool__(self) -> bool:
         return bool(self._jobs) or self._wave is not None
@@ -99,9 +105,9 @@ class EmbeddingJobs:
             done = next(wave.slices)
         except StopIteration:
             done = []
-            self._wave = None
+            self._end_wave()
         except Exception as exc:  # the pass failed: the wave's requests fail, the rest go on
-            self._wave = None
+            self._end_wave()
             err = server_error_result(f"The embedding pass failed: {exc}")
             return [(j.key, err) for j in wave.jobs if not j.done]
         out: list[tuple[int, RequestResult]] = []
@@ -111,8 +117,14 @@ class EmbeddingJobs:
             if job.done:
                 out.append((job.key, _result(job, model)))
         if self._wave is not None and all(j.done for j in wave.jobs):
-            self._wave = None  # nothing left to run: do not wait for a pass to say so
+            self._end_wave()  # nothing left to run: do not wait for a pass to say so
         return out
+
+    def _end_wave(self) -> None:
+        wave, self._wave = self._wave, None
+        if wave is not None:
+            tokens = sum(len(t) for j in wave.jobs for t in j.tokens)
+            self.large_wave_ended |= tokens >= LARGE_WAVE_TOKENS
 
 
 def _result(job: _Job, model: str) -> RequestResult:

@@ -180,6 +180,16 @@ class InFlight:
         assert loaded is not None and loaded.embedder is not None  # set when they were added
         for key, result in self.embeddings.run(loaded.embedder, loaded.translator.model_name):
             self.deliver(key, result)
+        if self.embeddings.large_wave_ended:
+            self.embeddings.large_wave_ended = False
+            self.release_memory()
+
+    def release_memory(self) -> None:
+        """On the engine thread: what the engine's work freed, back to the OS (a large one-off
+        embeddings wave ended, or the worker went idle)."""
+        release = getattr(self.loaded and self.loaded.engine, "release_memory", None)
+        if release is not None:  # test doubles have none
+            log.info("freed memory released: %.0f MB of MLX's buffer cache", release() / 2**20)
 
     def inflight_tokens(self) -> dict[str, int]:
         """Tokens generated so far by batch requests not yet in the store, per batch."""

@@ -51,6 +51,8 @@ log = logging.getLogger("batchmlx.worker")
 
 T = TypeVar("T")
 
+IDLE_RELEASE_S = 2.0  # idle this long after work: its freed memory goes back to the OS
+
 
 @dataclass(slots=True)
 class _Round:
@@ -113,6 +115,7 @@ class Worker:
         self._backoff = Backoff()  # between ticks that failed
         self._next_housekeeping = 0.0  # monotonic time of the next look for other work
         self._queue_dry = False  # the last claim found nothing: wait for housekeeping
+        self._busy_at: float | None = None  # monotonic time of the last busy tick, unreleased
 
     # -- what the server, the CLI and benchmarks read ------------------------------------------
     @property
@@ -169,9 +172,12 @@ class Worker:
                     crash_point("worker_loop")
                 try:
                     busy = await self.tick()
-                    if not busy:
+                    if busy:
+                        self._busy_at = time.monotonic()
+                    else:
                         if self.opts.until_idle:
                             break
+                        await self._release_when_idle()
                         await self._idle()
                 except Exception as exc:
                     await self._pause_after(exc)
@@ -291,6 +297,13 @@ class Worker:
                     log.error("at shutdown, could not %s", what, exc_info=exc)
                     return
                 await asyncio.sleep(backoff.next())
+
+    async def _release_when_idle(self) -> None:
+        """Idle for IDLE_RELEASE_S since the last work: the memory it freed goes back to the OS
+        (MLX's buffer cache, the heap's free pages), once; a pause between requests keeps it."""
+        if self._busy_at is not None and time.monotonic() - self._busy_at >= IDLE_RELEASE_S:
+            self._busy_at = None
+            await self._on_engine(self.inflight.release_memory)
 
     async def _idle(self) -> None:
         """Nothing to do: wait for an online request, new work or a stop. On PostgreSQL a

@@ -61,6 +61,11 @@ PREFIX_OUTCOMES = Counter(
     "batchmlx_prefix_cache_outcomes", "First admissions by prefix-cache outcome", ["outcome"],
     registry=REGISTRY,
 )
+MLX_MEMORY = Gauge(
+    "batchmlx_mlx_memory_bytes", "MLX's memory after the last engine step: active (arrays in "
+    "use), cache (freed buffers kept for reuse, bounded by its limit), peak (active's highest)",
+    ["kind"], registry=REGISTRY,
+)  # fmt: skip
 for _s in ("batch", "online"):
     REQUESTS_COMPLETED.labels(_s)
     REQUESTS_FAILED.labels(_s)
@@ -158,6 +163,17 @@ def inflight_tokens() -> dict[str, int]:
     return out
 
 
+def mlx_memory() -> dict[str, int]:
+    """MLX's memory figures (three C calls; {} where MLX is not imported: test doubles)."""
+    import sys
+
+    mx = sys.modules.get("mlx.core")
+    if mx is None:
+        return {}
+    return {"active": mx.get_active_memory(), "cache": mx.get_cache_memory(),
+            "peak": mx.get_peak_memory()}  # fmt: skip
+
+
 class EngineMetrics:
     """One worker's hook: turns an engine's cumulative counters into increments."""
 
@@ -187,6 +203,8 @@ class EngineMetrics:
         KV_BLOCKS.labels("in_use").set(c.blocks_in_use)
         KV_BLOCKS.labels("cached").set(c.blocks_cached)
         KV_BLOCKS.labels("free").set(c.blocks_free)
+        for kind, value in mlx_memory().items():
+            MLX_MEMORY.labels(kind).set(value)
         self.series.add(now, c.generated_tokens - last.generated_tokens, c.running,
                         c.step_s - last.step_s)  # fmt: skip
         self.series.latest = c

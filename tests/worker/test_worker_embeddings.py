@@ -166,3 +166,29 @@ def test_each_run_is_one_slice_and_requests_end_as_they_finish() -> None:
     while jobs:
         rounds.append([key for key, _ in jobs.run(emb, "m")])
     assert rounds == [[1], [], [], [2]]  # a request ends with its last input, not the wave's
+
+
+def test_a_large_wave_ending_asks_for_its_memory_back(monkeypatch) -> None:
+    """Only a large wave (LARGE_WAVE_TOKENS) ending sets the flag the worker releases memory
+    on: a small request's wave does not empty MLX's cache under load."""
+    from batchmlx.core.records import ClaimedRequest
+    from batchmlx.worker import embeddings
+    from batchmlx.worker.embeddings import EmbeddingJobs
+
+    tr = Translator(FakeTokenizer(), "fake-model", 64, [], vocab_size=VOCAB)
+    jobs = EmbeddingJobs()
+
+    def wave(threshold: int) -> bool:
+        monkeypatch.setattr(embeddings, "LARGE_WAVE_TOKENS", threshold)
+        c = ClaimedRequest(
+            id=1, batch_id="b", custom_id="1", line=1, endpoint="/v1/embeddings",
+            model=None, body={"model": "m", "input": ["a", "b", "c"]}, attempts=1,
+        )  # fmt: skip
+        assert jobs.add(c, tr, DIMS) is None
+        while jobs:
+            jobs.run(SlicedEmbedder(), "m")
+        ended, jobs.large_wave_ended = jobs.large_wave_ended, False
+        return ended
+
+    assert not wave(10_000)
+    assert wave(3)

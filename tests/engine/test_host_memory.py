@@ -1,0 +1,83 @@
+"""Freed memory is given back (engine/host_memory.py): the heap's free pages by the engine's
+steps, MLX's buffer cache after a large one-off request. Tiny random model, in-process."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from batchmlx.core.engine_api import EngineSettings
+from batchmlx.core.request import GenerationRequest, SamplingParams
+from batchmlx.engine.host_memory import HeapTrimmer, trim_heap
+from batchmlx.engine.llm_engine import CPU_BUFFER_CACHE, Engine
+
+MB = 1 << 20
+glibc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _fragment() -> list[mx.array]:
+    """200 freed 2 MiB buffers the heap keeps: glibc's mmap threshold rises past 2 MiB at the
+    first free of a larger mmapped buffer, and small live buffers between them stop the heap
+    shrinking from its top (what serve's mixed steps did: 150-700 MB kept)."""
+    w = mx.ones((MB,))  # 4 MiB, mmapped; freed, it raises the threshold
+    mx.eval(w)
+    del w
+    big, small = [], []
+    for _ in range(200):
+        a, s = mx.ones((MB // 2,)), mx.ones((16,))
+        mx.eval(a, s)
+        big.append(a)
+        small.append(s)
+    big.clear()
+    return small
+
+
+def _engine(model) -> Engine:
+    cfg = EngineSettings(block_size=4, cache_memory_mb=64, max_prefill_tokens=64)
+    return Engine(model, None, context_length=256, config=cfg, seed=0)
+
+
+@glibc
+def test_engine_steps_give_the_heaps_freed_pages_back(tiny_model):
+    e = _engine(tiny_model)
+    e.heap = HeapTrimmer(every_s=0.0)  # every step trims (the default: every 5 s of steps)
+    limit = mx.set_cache_limit(0)  # MLX's own cache out of the picture: the heap alone
+    try:
+        before = _rss()
+        keep = _fragment()
+        assert _rss() - before > 300 * MB  # the heap kept them
+        e.generate([GenerationRequest("r", [1, 2, 3], SamplingParams(max_tokens=2), [])])
+        assert _rss() - before < 100 * MB, "the step's trim gave the heap's free pages back"
+        assert e.heap.trims >= 1
+        del keep
+    finally:
+        mx.set_cache_limit(limit)
+        trim_heap()
+
+
+def test_heap_trimmer_trims_at_most_every_interval():
+    now = [0.0]
+    t = HeapTrimmer(every_s=5.0, clock=lambda: now[0])
+    for now[0] in (1.0, 4.9, 5.0, 6.0, 9.9, 10.1):
+        t.tick()
+    assert t.trims == 2  # at 5.0 and 10.1
+
+
+def test_release_after_a_large_embeddings_request_empties_mlx_cache(tiny_model):
+    e = _engine(tiny_model)
+    inputs = [[(i * 7 + j) % 250 + 1 for j in range(40)] for i in range(200)]  # 8,000 tokens
+    e.embedder.embed(inputs)
+    assert mx.get_cache_memory() > 0  # the passes' freed buffers, kept for reuse
+    assert mx.get_cache_memory() <= CPU_BUFFER_CACHE  # its bound (size_buffer_cache)
+    assert e.release_memory() > 0
+    assert mx.get_cache_memory() == 0

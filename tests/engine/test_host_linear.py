@@ -46,8 +46,8 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 def _linear(w, b=None, fmt=HostFormat.BF16) -> HostLinear:
-    return HostLinear(SharedGemm([mx.array(w)], fmt, [None if b is None else mx.array(b)]), 0,
-                      owner=True)  # fmt: skip
+    gemm = SharedGemm([mx.array(w)], fmt, [None if b is None else mx.array(b)], keep_plain=True)
+    return HostLinear(gemm, 0, owner=True)
 
 
 def test_quantize_rows_is_symmetric_per_row_and_keeps_zero_rows() -> None:
@@ -70,7 +70,8 @@ def test_int8_matmul_is_the_quantized_product_and_near_float64(lead) -> None:
     assert got.shape == (*lead, n)
     # exactly the product of the quantized operands (int32 sums are exact), to float32 rounding
     p, t = quantize_rows(x.reshape(-1, k))
-    q, s = np.array(layer.weight).astype(np.float64), np.array(layer.scales).astype(np.float64)
+    plain = layer._gemm.plain
+    q, s = np.array(plain.data).astype(np.float64), np.array(plain.scales).astype(np.float64)
     exact = (p.astype(np.float64) @ q.T) * t[:, None] * s[None, :] + b
     np.testing.assert_allclose(got.reshape(-1, n), exact, rtol=1e-5, atol=1e-5)
     # and within the quantization's error of the float64 product (measured ~1e-2 here)
@@ -121,7 +122,8 @@ def test_shared_input_layers_are_one_gemm_with_their_own_slices(fmt) -> None:
         assert _rel(got, np.array(x, np.float64) @ w.T) < TOLERANCE[fmt]
     np.array(layers[1](x))  # every reader had its slice: the same input again is a new GEMM
     assert len(calls) == 2
-    assert "weight" in layers[0] and "weight" not in layers[1]  # the weights counted once
+    assert "packed" in layers[0] and "packed" not in layers[1]  # the weights counted once
+    assert gemm.plain is None  # held once: packed only
 
 
 @needs_onednn

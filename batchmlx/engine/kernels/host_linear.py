@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -86,26 +86,36 @@ class _Local(threading.local):
 class SharedGemm:
     """One GEMM for the layers that read the same input: weights concatenated along N, each
     layer's output a slice of the result. The last input and its outputs are kept per thread,
-    so the second and third reader of that input get theirs without another GEMM."""
+    so the second and third reader of that input get theirs without another GEMM. The weights
+    are held once, in oneDNN's packed layout (`packed`, an MLX array so that the model's
+    parameters count it); `keep_plain` keeps the row-major ones too (an embedding's lookup)."""
 
     def __init__(self, weights: list[mx.array], fmt: HostFormat,
-                 biases: list[mx.array | None] | None = None) -> None:  # fmt: skip
+                 biases: list[mx.array | None] | None = None, *,
+                 keep_plain: bool = False) -> None:  # fmt: skip
+        self.fmt = fmt
         self.splits: list[tuple[int, int]] = []
         at = 0
         for w in weights:
             self.splits.append((at, at + w.shape[0]))
             at += w.shape[0]
         full = weights[0] if len(weights) == 1 else mx.concatenate(weights, axis=0)
-        self.weights = HostWeights.of(full, fmt)
+        plain = HostWeights.of(full, fmt)
         biases = biases or [None] * len(weights)
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = np.concatenate([
                 np.zeros(w.shape[0], np.float32) if b is None else np.asarray(b.astype(mx.float32))
                 for w, b in zip(weights, biases, strict=True)])  # fmt: skip
-        data = self.weights.data
-        self._w = np.asarray(data.view(mx.uint16) if data.dtype == mx.bfloat16 else data)
-        self._s = None if self.weights.scales is None else np.asarray(self.weights.scales)
+        bf16 = fmt is HostFormat.BF16
+        rows = np.asarray(plain.data.view(mx.uint16) if bf16 else plain.data)
+        packed = load_library().pack(rows, DataType.BF16 if bf16 else DataType.S8,
+                                     scaled=not bf16)  # fmt: skip
+        self.packed = mx.array(packed.buffer)  # MLX owns the bytes from here on
+        self._w = replace(packed, buffer=np.asarray(self.packed))
+        self.scales = plain.scales
+        self._s = None if plain.scales is None else np.asarray(plain.scales)
+        self.plain = plain if keep_plain else None
         self._local = _Local()
 
     def output(self, x: mx.array, index: int) -> mx.array:
@@ -123,20 +133,20 @@ class SharedGemm:
 
     def _compute(self, x: mx.array) -> mx.array:
         lib = load_library()
-        n, k = self._w.shape
+        n, k = self._w.n, self._w.k
         out = mx.zeros((*x.shape[:-1], n), mx.float32)  # the buffer the result goes into
         o = None
-        if self.weights.fmt is HostFormat.BF16:
+        if self.fmt is HostFormat.BF16:
             bits = x.astype(mx.bfloat16).view(mx.uint16)  # rounded in MLX, in this evaluation
             mx.eval(bits, out)
             o = np.asarray(out).reshape(-1, n)  # writable view of MLX's buffer
-            lib.matmul(np.asarray(bits).reshape(-1, k), self._w, o, DataType.BF16)
+            lib.matmul(np.asarray(bits).reshape(-1, k), self._w, o)
         else:
             mx.eval(x, out)
             flat = np.asarray(x).reshape(-1, k)
             q, t = quantize_rows(np.ascontiguousarray(flat, dtype=np.float32))
             o = np.asarray(out).reshape(-1, n)
-            lib.matmul(q, self._w, o, DataType.S8, self._s)
+            lib.matmul(q, self._w, o, self._s)
             o *= t[:, None]
         if self.bias is not None:
             o += self.bias
@@ -153,9 +163,9 @@ class HostLinear(nn.Module):
         self._gemm = gemm
         self._index = index
         if owner:
-            self.weight = gemm.weights.data
-            if gemm.weights.scales is not None:
-                self.scales = gemm.weights.scales
+            self.packed = gemm.packed
+            if gemm.scales is not None:
+                self.scales = gemm.scales
 
     def __call__(self, x: mx.array) -> mx.array:
         return self._gemm.output(x, self._index)
@@ -167,10 +177,12 @@ class HostEmbedding(nn.Module):
 
     def __init__(self, weight: mx.array, fmt: HostFormat) -> None:
         super().__init__()
-        self._gemm = SharedGemm([weight], fmt)
-        self.weight = self._gemm.weights.data
-        if self._gemm.weights.scales is not None:
-            self.scales = self._gemm.weights.scales
+        self._gemm = SharedGemm([weight], fmt, keep_plain=True)
+        assert self._gemm.plain is not None
+        self.weight = self._gemm.plain.data  # row-major, for the lookup
+        self.packed = self._gemm.packed  # for the tied head's GEMM
+        if self._gemm.scales is not None:
+            self.scales = self._gemm.scales
 
     def __call__(self, ids: mx.array) -> mx.array:
         rows = self.weight[ids].astype(mx.float32)

@@ -19,6 +19,7 @@ import enum
 import glob
 import os
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,6 +33,7 @@ INSTALL_HINT = (
 )
 _LIB_NAMES = ("libdnnl.so.3.2", "libdnnl.so.3*", "libdnnl.so")
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_SCALES = 1, 17, 33, 4096
+_TAG_ANY, _QUERY_WEIGHTS_MD = 1, 131  # dnnl_format_tag_any, dnnl_query_weights_md
 _p = ctypes.c_void_p
 # Primitives kept (one per shape and type seen); past this many they are all dropped and remade
 MAX_PRIMITIVES = 2048
@@ -47,6 +49,18 @@ class DataType(enum.IntEnum):
     BF16 = 2
     F32 = 3
     S8 = 5
+
+
+@dataclass(frozen=True, eq=False)
+class Packed:
+    """Weights [N, K] in oneDNN's own layout for matmuls of their shape (OneDNN.pack)."""
+
+    md: ctypes.c_void_p  # its memory descriptor (owned)
+    buffer: np.ndarray  # the packed bytes
+    n: int
+    k: int
+    dt: DataType
+    scaled: bool  # per-output-channel scales are applied (int8)
 
 
 class _ExecArg(ctypes.Structure):
@@ -74,6 +88,15 @@ class OneDNN:
         lib.dnnl_primitive_attr_set_scales_mask.argtypes = [_p, ctypes.c_int, ctypes.c_int]
         lib.dnnl_stream_create.argtypes = [_p, _p, ctypes.c_uint]
         lib.dnnl_primitive_destroy.argtypes = lib.dnnl_memory_destroy.argtypes = [_p]
+        lib.dnnl_primitive_desc_query_md.restype = _p
+        lib.dnnl_primitive_desc_query_md.argtypes = [_p, ctypes.c_int, ctypes.c_int]
+        lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
+        lib.dnnl_memory_desc_get_size.argtypes = [_p]
+        lib.dnnl_memory_desc_clone.argtypes = [_p, _p]
+        lib.dnnl_primitive_desc_destroy.argtypes = [_p]
+        lib.dnnl_memory_desc_create_with_tag.argtypes = [_p, ctypes.c_int, _p, ctypes.c_int,
+                                                         ctypes.c_int]  # fmt: skip
+        lib.dnnl_reorder_primitive_desc_create.argtypes = [_p, _p, _p, _p, _p, _p]
         self.engine, self.stream = _p(), _p()
         self._ok(lib.dnnl_engine_create(ctypes.byref(self.engine), 1, ctypes.c_size_t(0)))
         self._ok(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, 1))
@@ -95,19 +118,60 @@ class OneDNN:
             ctypes.byref(md), len(dims), d, dt, s))  # fmt: skip
         return md
 
-    def _primitive(self, m: int, n: int, k: int, dt: DataType, scaled: bool) -> tuple:
+    def _matmul_pd(self, m: int, n: int, k: int, dt: DataType, scaled: bool, wts: _p) -> _p:
         lib = self.lib
         src = self._md((m, k), dt, (k, 1))
-        wts = self._md((k, n), dt, (1, k))  # W[N, K] row-major is [K, N] with strides (1, K)
         dst = self._md((m, n), DataType.F32, (n, 1))
         attr = _p()
         self._ok(lib.dnnl_primitive_attr_create(ctypes.byref(attr)))
         if scaled:
             self._ok(lib.dnnl_primitive_attr_set_scales_mask(attr, _ARG_WEIGHTS, 1 << 1))
-        pd, prim = _p(), _p()
+        pd = _p()
         self._ok(lib.dnnl_matmul_primitive_desc_create(
             ctypes.byref(pd), self.engine, src, wts, None, dst, attr))  # fmt: skip
+        return pd
+
+    def pack(self, w: np.ndarray, dt: DataType, *, scaled: bool) -> Packed:
+        """w[N, K] (C-contiguous, of type `dt`) reordered once into the layout oneDNN's matmul
+        kernels read best (blocked; the same for every M, checked at M 1-2048): plain
+        weights cost every GEMM a repacking of them, ~40% of a decode step's GEMM time."""
+        lib = self.lib
+        n, k = w.shape
+        anyfmt, dims = _p(), (ctypes.c_int64 * 12)(k, n)
+        self._ok(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(anyfmt), 2, dims, dt, _TAG_ANY))
+        pd = self._matmul_pd(1, n, k, dt, scaled, anyfmt)
+        md = _p()
+        self._ok(lib.dnnl_memory_desc_clone(ctypes.byref(md), lib.dnnl_primitive_desc_query_md(
+            pd, _QUERY_WEIGHTS_MD, 0)))  # fmt: skip
+        lib.dnnl_primitive_desc_destroy(pd)
+        buf = np.zeros(lib.dnnl_memory_desc_get_size(md), np.uint8)
+        plain = self._md((k, n), dt, (1, k))  # W[N, K] row-major is [K, N], strides (1, K)
+        rpd, prim = _p(), _p()
+        self._ok(lib.dnnl_reorder_primitive_desc_create(
+            ctypes.byref(rpd), plain, self.engine, md, self.engine, None))  # fmt: skip
+        self._ok(lib.dnnl_primitive_create(ctypes.byref(prim), rpd))
+        a, b = _p(), _p()
+        self._ok(lib.dnnl_memory_create(ctypes.byref(a), plain, self.engine, _p(w.ctypes.data)))
+        self._ok(lib.dnnl_memory_create(ctypes.byref(b), md, self.engine, _p(buf.ctypes.data)))
+        args = (_ExecArg * 2)(_ExecArg(_ARG_SRC, a), _ExecArg(_ARG_DST, b))
+        with self._lock:
+            self._ok(lib.dnnl_primitive_execute(prim, self.stream, 2, args))
+            self._ok(lib.dnnl_stream_wait(self.stream))
+        for mem in (a, b):
+            lib.dnnl_memory_destroy(mem)
+        lib.dnnl_primitive_destroy(prim)
+        lib.dnnl_primitive_desc_destroy(rpd)
+        return Packed(md, buf, n, k, dt, scaled)
+
+    def _primitive(self, m: int, w: Packed) -> tuple:
+        lib = self.lib
+        pd, prim = self._matmul_pd(m, w.n, w.k, w.dt, w.scaled, w.md), _p()
         self._ok(lib.dnnl_primitive_create(ctypes.byref(prim), pd))
+        scaled = w.scaled
+        src = self._md((m, w.k), w.dt, (w.k, 1))
+        dst = self._md((m, w.n), DataType.F32, (w.n, 1))
+        wts = w.md
+        n = w.n
         mds = [src, wts, dst] + ([self._md((n,), DataType.F32, (1,))] if scaled else [])
         mems = []
         for md in mds:
@@ -131,21 +195,20 @@ class OneDNN:
             self._omp_set(want)  # this thread's team size (OpenMP keeps it per thread)
             self._local.threads = want
 
-    def matmul(self, x: np.ndarray, w: np.ndarray, out: np.ndarray, dt: DataType,
+    def matmul(self, x: np.ndarray, w: Packed, out: np.ndarray,
                scales: np.ndarray | None = None) -> None:  # fmt: skip
-        """out[M, N] = x[M, K] . w[N, K]^T (* scales[N]); x, w of type `dt` (bf16 as uint16),
-        out float32, all C-contiguous."""
-        m, k = x.shape
-        n = w.shape[0]
-        key = (m, n, k, int(dt), scales is not None)  # buffers are set per call
-        arrays = (x, w, out) if scales is None else (x, w, out, scales)
+        """out[M, N] = x[M, K] . w[N, K]^T (* scales[N], when `w` was packed scaled); x of the
+        weights' type (bf16 as uint16), out float32, both C-contiguous."""
+        m = x.shape[0]
+        key = (m, w.n, w.k, int(w.dt), w.scaled)  # one layout per shape: buffers set per call
+        arrays = (x, w.buffer, out) if scales is None else (x, w.buffer, out, scales)
         with self._lock:
             self._fit_threads()
             entry = self._prims.get(key)
             if entry is None:
                 if len(self._prims) >= MAX_PRIMITIVES:
                     self._clear()
-                entry = self._prims[key] = self._primitive(m, n, k, dt, scales is not None)
+                entry = self._prims[key] = self._primitive(m, w)
             prim, mems, args = entry
             for mem, arr in zip(mems, arrays, strict=True):
                 self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data)
@@ -186,9 +249,12 @@ def load_library() -> OneDNN:
     if mx.default_device().type != mx.DeviceType.cpu:
         raise OneDNNUnavailable("the host weight formats run on MLX's CPU backend only; on a "
                                 "GPU use --dtype auto (quantized MLX kernels)")  # fmt: skip
-    # idle OpenMP threads sleep instead of spinning against the MLX work between two layers
-    # (a value set by the user is kept); read when libgomp starts
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # between two GEMMs MLX evaluates the layer's other ops (~0.1-0.3 ms): OpenMP's threads
+    # spin through such a gap and then sleep (GOMP_SPINCOUNT, ~ms), where sleeping at once
+    # cost a wake-up per GEMM (decode tok/s at width 8: 88 -> 124, measured, 3 runs each);
+    # values set by the user are kept; read when libgomp starts
+    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", "2000000")
     errors = []
     for path in library_candidates():
         try:

@@ -30,11 +30,12 @@ def test_submit_wait_prints_plain_progress_with_rate_and_eta(cli: Cli, tiny_mode
                         r"\d+s", lines[-1]), lines  # fmt: skip
     assert "throughput: " in proc.stdout
 
-    # a batch nobody runs: in progress, nothing done, so no ETA to give yet
+    # a batch nobody runs: no rate and no ETA to give, and the reason said instead
     queued = cli("submit", batch_file(cli.home.parent / "more.jsonl", 2), "--model", "default")
     assert queued.returncode == 0, describe(queued)
     status = cli("status", queued.stdout.split()[0])
-    assert re.search(r"throughput: [\d.,]+ tok/s generated; ETA n/a", status.stdout), status.stdout
+    assert "waiting for a worker: none has taken this batch up yet" in status.stdout, status.stdout
+    assert "ETA" not in status.stdout
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

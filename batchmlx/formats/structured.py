@@ -39,7 +39,7 @@ class Grammar:
     """What a constrained request must produce."""
 
     kind: FormatKind  # JSON_OBJECT or JSON_SCHEMA
-    schema: str  # canonical JSON text of the schema (sorted keys, compact)
+    schema: str  # the schema's compact JSON text, its key order kept (see canonical_schema)
     name: str  # the format's name (json_schema), or "json_object"
     param: str  # where it came from: "response_format" or "text.format"
 
@@ -55,7 +55,10 @@ class FormatError(Exception):
 
 
 def canonical_schema(schema: dict[str, Any]) -> str:
-    return orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode()
+    """The schema as compact JSON text, in the order it was written: llguidance emits the
+    properties in the order of `properties`, and OpenAI's answers follow the schema's order
+    (sorted keys made every answer's properties alphabetical)."""
+    return orjson.dumps(schema).decode()
 
 
 def _kind(fmt: Any, param: str) -> FormatKind:

@@ -30,12 +30,23 @@ def default_model_dir(engine_cache_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model(engine_cache_dir: Path, default_model_dir: Path):
-    """The default model loaded as stored (4-bit); shared, so tests must not mutate it."""
+    """The default model loaded as a user gets it (--dtype auto: bf16 GEMMs on the CPU);
+    shared, so tests must not mutate it."""
     from batchmlx.core.models import resolve_model
     from batchmlx.engine.models.loader import load_model
 
     spec = resolve_model("default", cache_dir=engine_cache_dir)
     return load_model(spec, cache_dir=engine_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def default_model_f32(engine_cache_dir: Path):
+    """The default model in float32 (exact to mlx-lm); shared, so tests must not mutate it."""
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.models.loader import load_model
+
+    spec = resolve_model("default", cache_dir=engine_cache_dir)
+    return load_model(spec, cache_dir=engine_cache_dir, dtype="float32")
 
 
 @pytest.fixture

@@ -78,7 +78,11 @@ def test_greedy_tokens_identical_under_preemption(default_model, prompts):
     assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
 
 
-def test_batched_and_single_logprobs_agree(default_model, prompts):
+# float32 sums in another order only; bf16 rounds each GEMM's input, so a last-bit difference
+# upstream (attention's order of sums) can move a rounding and the logprobs by ~2% (measured)
+@pytest.mark.parametrize(("which", "atol"), [("default_model_f32", 1e-3), ("default_model", 5e-2)])
+def test_batched_and_single_logprobs_agree(which, atol, prompts, request):
+    default_model = request.getfixturevalue(which)
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=2)
     single = [
         make_engine(default_model).generate([GenerationRequest("s", p, params)])[0]
@@ -89,7 +93,7 @@ def test_batched_and_single_logprobs_agree(default_model, prompts):
     )
     for s, b in zip(single, batch, strict=True):
         np.testing.assert_allclose(
-            [t.logprob for t in s.logprobs], [t.logprob for t in b.logprobs], atol=1e-3
+            [t.logprob for t in s.logprobs], [t.logprob for t in b.logprobs], atol=atol
         )
 
 

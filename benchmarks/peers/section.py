@@ -78,7 +78,8 @@ def measure(case: Case, runner: Callable[..., PeerRun] = run) -> list[PeerRun | 
             r = runner(s.peer, case.workload, case.model, **s.options)
         except Exception as exc:  # one peer failing must not stop the others
             _log(f"  FAILED after {time.perf_counter() - t:.0f} s: {exc}")
-            out.append(f"{s.peer} {s.options}: failed: {str(exc)[:300]}")
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            out.append(f"{s.peer} {s.options}: failed: {first[:200]}".replace("|", "/"))
             continue
         _log("  " + r.summary())
         out.append(r)

@@ -119,13 +119,19 @@ def run_batchmlx(data: bytes, label: str, source: Path | None = None) -> Process
     subprocess.run([*cli, "results", batch["id"], "-o", "out.jsonl"], cwd=work, env=env,
                    check=True, capture_output=True)  # fmt: skip
     wall = time.perf_counter() - t0
+    texts, tokens = read_output(work / "out.jsonl")
+    return ProcessRun(label, wall, texts, tokens, {"batch": batch.get("usage")})
+
+
+def read_output(path: Path) -> tuple[dict[str, str], int]:
+    """A chat batch's output file: its texts by custom_id and its completion tokens."""
     texts, tokens = {}, 0
-    for line in (work / "out.jsonl").read_bytes().splitlines():
+    for line in path.read_bytes().splitlines():
         rec = orjson.loads(line)
         body = rec["response"]["body"]
         texts[rec["custom_id"]] = body["choices"][0]["message"]["content"]
         tokens += body["usage"]["completion_tokens"]
-    return ProcessRun(label, wall, texts, tokens, {"batch": batch.get("usage")})
+    return texts, tokens
 
 
 def run_peer(data: bytes, label: str = "mlx_lm.batch_generate") -> ProcessRun:

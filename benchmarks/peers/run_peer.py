@@ -382,7 +382,7 @@ def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = No
     """batchmlx as a user runs it on the very requests the peers get: `submit --wait` then
     `results -o`, a fresh process each (the defaults, or `--dtype`); ready = the line that
     says how the weights were loaded."""
-    from benchmarks.whole_process import REPO, _env
+    from benchmarks.whole_process import REPO, _env, read_output
 
     reqs = requests_of(wl, _tokenizer(model))
     work = Path(tempfile.mkdtemp(prefix="bmx-peers-"))
@@ -404,12 +404,7 @@ def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = No
     subprocess.run([*cli, "results", batch["id"], "-o", "out.jsonl"], cwd=work, env=env,
                    check=True, capture_output=True)  # fmt: skip
     wall = submit_s + time.perf_counter() - t0
-    texts, tokens = {}, 0
-    for line in (work / "out.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        body = rec["response"]["body"]
-        texts[rec["custom_id"]] = body["choices"][0]["message"]["content"]
-        tokens += body["usage"]["completion_tokens"]
+    texts, tokens = read_output(work / "out.jsonl")
     precision = loaded.split(": weights as ", 1)[1].split(" on ", 1)[0]
     label = "batchmlx" + (f" --dtype {dtype}" if dtype else " (defaults)")
     return PeerRun(label, "batchmlx", model, precision, wall, ready,

@@ -188,24 +188,29 @@ REAL_QUESTIONS = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
-@needs_onednn
-def test_real_model_int8_greedy_agrees_with_float32(engine_cache_dir) -> None:
+def _beside_float32(cache_dir, dtype: str, max_tokens: int):
+    """The default model in float32 and in `dtype`, the REAL_QUESTIONS prompts, and both
+    models' greedy runs of them (8 at a time)."""
     from batchmlx.core.models import resolve_model
     from batchmlx.engine.models.loader import load_model
     from tests.engine.test_engine_real import chat_ids, greedy_reqs, make_engine
 
-    spec = resolve_model("default", cache_dir=engine_cache_dir)
-    f32 = load_model(spec, cache_dir=engine_cache_dir, dtype="float32")
-    i8 = load_model(spec, cache_dir=engine_cache_dir, dtype="int8")
+    spec = resolve_model("default", cache_dir=cache_dir)
+    f32 = load_model(spec, cache_dir=cache_dir, dtype="float32")
+    other = load_model(spec, cache_dir=cache_dir, dtype=dtype)
     prompts = [chat_ids(f32.tokenizer, q) for q in REAL_QUESTIONS]
-    runs = [make_engine(m, max_batch_size=8).generate(greedy_reqs(prompts, f32.eos_token_ids, 16))
-            for m in (f32, i8)]  # fmt: skip
-    first_diff = []
-    for a, b in zip(*runs, strict=True):
-        n = min(len(a.token_ids), len(b.token_ids))
-        first_diff.append(next((i for i in range(n) if a.token_ids[i] != b.token_ids[i]), n))
+    runs = [make_engine(m, max_batch_size=8).generate(greedy_reqs(prompts, f32.eos_token_ids,
+                                                                  max_tokens))
+            for m in (f32, other)]  # fmt: skip
+    return f32, other, prompts, runs
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@needs_onednn
+def test_real_model_int8_greedy_agrees_with_float32(engine_cache_dir) -> None:
+    f32, i8, prompts, runs = _beside_float32(engine_cache_dir, "int8", 16)
+    first_diff = [_first_difference(a.token_ids, b.token_ids) for a, b in zip(*runs, strict=True)]
     assert min(first_diff) >= 1, first_diff  # the first token always
     assert sum(d >= 8 for d in first_diff) >= len(prompts) // 2, first_diff  # 8 on most
     for p in prompts:
@@ -222,17 +227,8 @@ def test_real_model_int8_greedy_agrees_with_float32(engine_cache_dir) -> None:
 @pytest.mark.real_model
 @needs_onednn
 def test_real_model_bf16_greedy_follows_float32(engine_cache_dir) -> None:
-    from batchmlx.core.models import resolve_model
-    from batchmlx.engine.models.loader import load_model
-    from tests.engine.test_engine_real import chat_ids, greedy_reqs, make_engine
-
-    spec = resolve_model("default", cache_dir=engine_cache_dir)
-    f32 = load_model(spec, cache_dir=engine_cache_dir, dtype="float32")
-    bf = load_model(spec, cache_dir=engine_cache_dir, dtype="auto")  # the CPU default
+    f32, bf, prompts, runs = _beside_float32(engine_cache_dir, "auto", 32)  # the CPU default
     assert {type(m) for _, m in bf.model.named_modules()} >= {HostLinear, HostEmbedding}
-    prompts = [chat_ids(f32.tokenizer, q) for q in REAL_QUESTIONS]
-    runs = [make_engine(m, max_batch_size=8).generate(greedy_reqs(prompts, f32.eos_token_ids, 32))
-            for m in (f32, bf)]  # fmt: skip
     same = [a.token_ids == b.token_ids for a, b in zip(*runs, strict=True)]
     first_diff = [_first_difference(a.token_ids, b.token_ids) for a, b in zip(*runs, strict=True)]
     assert sum(same) >= 6, first_diff

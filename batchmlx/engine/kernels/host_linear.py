@@ -71,11 +71,6 @@ class HostWeights:
         mx.eval(out.data, *([] if out.scales is None else [out.scales]))
         return out
 
-    def dequantized(self) -> mx.array:
-        """The weights as float32 (what the GEMM multiplies by)."""
-        w = self.data.astype(mx.float32)
-        return w if self.scales is None else w * self.scales[:, None]
-
 
 class _Local(threading.local):
     x: mx.array | None = None  # the last input (held, so its identity cannot be reused)
@@ -135,7 +130,6 @@ class SharedGemm:
         lib = load_library()
         n, k = self._w.n, self._w.k
         out = mx.zeros((*x.shape[:-1], n), mx.float32)  # the buffer the result goes into
-        o = None
         if self.fmt is HostFormat.BF16:
             bits = x.astype(mx.bfloat16).view(mx.uint16)  # rounded in MLX, in this evaluation
             mx.eval(bits, out)

@@ -28,6 +28,7 @@ from batchmlx.core.width import StepReport, WidthController, WidthPhase, WidthPo
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
 from batchmlx.engine.host_memory import HeapTrimmer, release_free_memory
+from batchmlx.engine.kv.decode import BUDGET_BYTES as DECODE_KV_BUDGET
 from batchmlx.engine.kv.decode import DecodeKV
 from batchmlx.engine.kv.paged import BatchLayout, PackedLayout, PagedKVStorage
 from batchmlx.engine.runner import ModelRunner, model_dims
@@ -184,8 +185,9 @@ class Engine:
         # whose masks the packed segments do not carry, keeps prefill-or-decode steps)
         self.mixed_steps = cfg.mixed_steps and self.runner.packs and sliding_window is None
         # the decodes' KV kept contiguous (packed steps only), in at most half the KV bound
+        # and at most decode.BUDGET_BYTES
         self.decode_kv = (
-            DecodeKV(self.storage, budget_bytes=kv_bound // 2)
+            DecodeKV(self.storage, budget_bytes=min(kv_bound // 2, DECODE_KV_BUDGET))
             if self.mixed_steps and cfg.dense_decode
             else None
         )

@@ -1,5 +1,5 @@
 """Request bodies read within a bound: JSON bodies (media type checked) and the counting
-`receive` that multipart uploads are parsed through."""
+`receive` that multipart uploads are parsed through; and the JSON response of large bodies."""
 
 from __future__ import annotations
 
@@ -7,11 +7,22 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.types import Message, Receive
 
 from batchmlx.server.errors import ApiError
 
 JSON_MEDIA_TYPE = "application/json"
+
+
+class FastJSONResponse(JSONResponse):
+    """A JSON response encoded by orjson. The encoding runs on the event loop: 2,048 embeddings
+    of 576 floats take starlette's json.dumps 705 ms (every other route waited; issue 21's load
+    test) and orjson 43 ms."""
+
+    def render(self, content: Any) -> bytes:
+        # numpy scalars and arrays as starlette's encoder takes float64 (a float subclass)
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 class BodyTooLarge(Exception):

@@ -17,7 +17,7 @@ from batchmlx.core.model_rule import Refused, choose_model, served_hint
 from batchmlx.formats.chunks import StreamChunks
 from batchmlx.formats.params import parse_request
 from batchmlx.formats.request import Endpoint, ParsedRequest, RequestError
-from batchmlx.server.bodies import json_body
+from batchmlx.server.bodies import FastJSONResponse, json_body
 from batchmlx.server.context import ServerContext
 from batchmlx.server.errors import ApiError
 from batchmlx.server.streaming import ChoiceStream
@@ -145,7 +145,7 @@ async def _complete(request: Request, endpoint: Endpoint) -> Response:
     from batchmlx.worker.online import DoneEvent
 
     if isinstance(first, DoneEvent) and (first.status_code != 200 or not stream):
-        return JSONResponse(first.body, first.status_code)
+        return FastJSONResponse(first.body, first.status_code)
     if not stream:
         try:
             while not isinstance(event := await ticket.events.get(), DoneEvent):
@@ -153,7 +153,7 @@ async def _complete(request: Request, endpoint: Endpoint) -> Response:
         except asyncio.CancelledError:
             ctx.worker.online.cancel(ticket)
             raise
-        return JSONResponse(event.body, event.status_code)
+        return FastJSONResponse(event.body, event.status_code)
     assert parsed is not None  # embeddings never stream (_NO_STREAM)
     return StreamingResponse(
         _stream(ctx, ticket, parsed, first, include_usage),

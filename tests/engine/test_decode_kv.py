@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.kv.decode import DecodeKV
+from batchmlx.engine.kv.decode import MAX_SLOTS, DecodeKV
 from batchmlx.engine.kv.paged import PagedKVStorage
 from tests.engine.test_engine_tiny import (
     GREEDY,
@@ -168,3 +168,13 @@ def test_a_long_sequence_among_short_ones_gathers_and_the_copy_is_kept(kv):
     # d gone: a, b and c missed that step in the copy, and refill their own slots
     p = kv.plan(["a", "b", "c"], [5, 5, 5], [tables[s] for s in "abc"])
     assert p.rebuild_runs is None and kv.refills == 3 and kv.held == [6, 6, 6]
+
+
+def test_no_copy_wider_than_its_slot_bound_those_steps_gather(kv):
+    n = MAX_SLOTS + 1
+    ids = [f"s{i}" for i in range(n)]
+    tables = [[1 + i] for i in range(n)]
+    assert kv.plan(ids, [2] * n, tables) is None  # one decode too many: the step gathers
+    assert kv.capacity == 0 and kv.rebuilds == 0
+    p = kv.plan(ids[:MAX_SLOTS], [2] * MAX_SLOTS, tables[:MAX_SLOTS])
+    assert p is not None and kv.rebuilds == 1 and len(kv.slots) == MAX_SLOTS

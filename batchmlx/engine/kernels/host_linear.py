@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -72,6 +72,27 @@ class HostWeights:
         return out
 
 
+@dataclass(eq=False)
+class PackedCache:
+    """The host layers' arrays kept between starts (engine/models/host_cache.py writes them
+    to disk): packing is most of a load (1.7B: 25 s, 8B: 169 s), reading back the packed
+    bytes is not. Arrays are keyed `<layer key>.<part>` (packed, scales, bias, plain); `found`
+    holds what a file had (lazy: read as each layer takes it), `kept` what the model ended
+    with, `packed` how many layers were packed anew (0: nothing to write)."""
+
+    found: dict[str, mx.array] = field(default_factory=dict)
+    kept: dict[str, mx.array] = field(default_factory=dict)
+    packed: int = 0
+
+    def take(self, key: str) -> dict[str, mx.array] | None:
+        head = f"{key}."
+        parts = {k[len(head):]: v for k, v in self.found.items() if k.startswith(head)}
+        return parts if "packed" in parts else None
+
+    def keep(self, key: str, parts: dict[str, mx.array | None]) -> None:
+        self.kept.update({f"{key}.{k}": v for k, v in parts.items() if v is not None})
+
+
 class _Local(threading.local):
     x: mx.array | None = None  # the last input (held, so its identity cannot be reused)
     outs: list[mx.array] = []
@@ -87,16 +108,30 @@ class SharedGemm:
 
     def __init__(self, weights: list[mx.array], fmt: HostFormat,
                  biases: list[mx.array | None] | None = None, *,
-                 keep_plain: bool = False) -> None:  # fmt: skip
+                 keep_plain: bool = False, cache: PackedCache | None = None,
+                 key: str = "") -> None:  # fmt: skip
         self.fmt = fmt
         self.splits: list[tuple[int, int]] = []
         at = 0
         for w in weights:
             self.splits.append((at, at + w.shape[0]))
             at += w.shape[0]
+        self._local = _Local()
+        hit = cache.take(key) if cache is not None else None
+        if hit is None or not self._adopt(hit, at, weights[0].shape[1], keep_plain):
+            self._pack(weights, biases or [None] * len(weights), keep_plain)
+            if cache is not None:
+                cache.packed += 1
+        if cache is not None:
+            cache.keep(key, {"packed": self.packed, "scales": self.scales,
+                             "bias": None if self.bias is None else mx.array(self.bias),
+                             "plain": None if self.plain is None else self.plain.data})  # fmt: skip
+
+    def _pack(self, weights: list[mx.array], biases: list[mx.array | None],
+              keep_plain: bool) -> None:  # fmt: skip
+        fmt = self.fmt
         full = weights[0] if len(weights) == 1 else mx.concatenate(weights, axis=0)
         plain = HostWeights.of(full, fmt)
-        biases = biases or [None] * len(weights)
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = np.concatenate([
@@ -111,7 +146,23 @@ class SharedGemm:
         self.scales = plain.scales
         self._s = None if plain.scales is None else np.asarray(plain.scales)
         self.plain = plain if keep_plain else None
-        self._local = _Local()
+
+    def _adopt(self, hit: dict[str, mx.array], n: int, k: int, keep_plain: bool) -> bool:
+        """Take a cached layer's arrays (False: they do not fit this shape or library)."""
+        bf16 = self.fmt is HostFormat.BF16
+        if (keep_plain and "plain" not in hit) or (not bf16 and "scales" not in hit):
+            return False
+        packed = hit["packed"]
+        w = load_library().adopt(np.asarray(packed), n, k, DataType.BF16 if bf16 else DataType.S8,
+                                 scaled=not bf16)  # fmt: skip
+        if w is None:
+            return False
+        self.packed, self._w = packed, w
+        self.scales = hit.get("scales") if not bf16 else None
+        self._s = None if self.scales is None else np.asarray(self.scales)
+        self.bias = np.asarray(hit["bias"]) if "bias" in hit else None
+        self.plain = HostWeights(self.fmt, hit["plain"], self.scales) if keep_plain else None
+        return True
 
     def output(self, x: mx.array, index: int) -> mx.array:
         if len(self.splits) == 1:
@@ -169,9 +220,10 @@ class HostEmbedding(nn.Module):
     """nn.Embedding in a host format: a lookup dequantizes its rows in MLX; `as_linear` (a
     tied lm_head) is a host GEMM."""
 
-    def __init__(self, weight: mx.array, fmt: HostFormat) -> None:
+    def __init__(self, weight: mx.array, fmt: HostFormat, *, cache: PackedCache | None = None,
+                 key: str = "") -> None:  # fmt: skip
         super().__init__()
-        self._gemm = SharedGemm([weight], fmt, keep_plain=True)
+        self._gemm = SharedGemm([weight], fmt, keep_plain=True, cache=cache, key=key)
         assert self._gemm.plain is not None
         self.weight = self._gemm.plain.data  # row-major, for the lookup
         self.packed = self._gemm.packed  # for the tied head's GEMM
@@ -203,8 +255,10 @@ def _linears(module: nn.Module) -> dict[str, nn.Module]:
             if isinstance(child, (nn.Linear, nn.QuantizedLinear))}  # fmt: skip
 
 
-def _host_layers(module: nn.Module, fmt: HostFormat) -> dict[str, nn.Module]:
-    """The host layers replacing `module`'s linear children, shared-input siblings fused."""
+def _host_layers(module: nn.Module, fmt: HostFormat, cache: PackedCache | None,
+                 where: str) -> dict[str, nn.Module]:  # fmt: skip
+    """The host layers replacing `module` (at `where` in the model)'s linear children,
+    shared-input siblings fused."""
     linears = _linears(module)
     out: dict[str, nn.Module] = {}
     for names in SHARED_INPUT_GROUPS:
@@ -212,31 +266,36 @@ def _host_layers(module: nn.Module, fmt: HostFormat) -> dict[str, nn.Module]:
             members = [linears[n] for n in names]
             if len({_float_weight(m).shape[1] for m in members}) == 1:
                 gemm = SharedGemm([_float_weight(m) for m in members], fmt,
-                                  [m.get("bias") for m in members])  # fmt: skip
+                                  [m.get("bias") for m in members], cache=cache,
+                                  key=f"{where}.{'+'.join(names)}")  # fmt: skip
                 for i, n in enumerate(names):
                     out[n] = HostLinear(gemm, i, owner=i == 0)
     for n, m in linears.items():
         if n not in out:
-            out[n] = HostLinear(SharedGemm([_float_weight(m)], fmt, [m.get("bias")]), 0,
-                                owner=True)  # fmt: skip
+            gemm = SharedGemm([_float_weight(m)], fmt, [m.get("bias")], cache=cache,
+                              key=f"{where}.{n}")  # fmt: skip
+            out[n] = HostLinear(gemm, 0, owner=True)
     return out
 
 
-def to_host_format(model: nn.Module, fmt: HostFormat) -> nn.Module:
+def to_host_format(model: nn.Module, fmt: HostFormat,
+                   cache: PackedCache | None = None) -> nn.Module:  # fmt: skip
     """Replace every linear layer and embedding of `model` by its host form in `fmt`, one parent
     module at a time (so only one layer's float weights exist at once beside the rest), and
-    make the remaining floating parameters (norms) float32. Checks the library first
-    (OneDNNUnavailable names what to install). Mutates and returns."""
+    make the remaining floating parameters (norms) float32. With a `cache`, layers it holds
+    are taken from it (their float weights never read) and the others packed into it. Checks
+    the library first (OneDNNUnavailable names what to install). Mutates and returns."""
     load_library()
     # parents only: a list holding the linear layers themselves would keep every float
     # weight alive until the end
-    parents = [m for _, m in model.named_modules() if any(
+    parents = [(where, m) for where, m in model.named_modules() if any(
         isinstance(c, _CONVERTED) for c in m.children().values())]  # fmt: skip
-    for parent in parents:
-        layers = _host_layers(parent, fmt)
+    for where, parent in parents:
+        layers = _host_layers(parent, fmt, cache, where)
         for name, child in parent.children().items():
             if isinstance(child, (nn.Embedding, nn.QuantizedEmbedding)):
-                layers[name] = HostEmbedding(_float_weight(child), fmt)
+                layers[name] = HostEmbedding(_float_weight(child), fmt, cache=cache,
+                                             key=f"{where}.{name}")  # fmt: skip
         for name, layer in layers.items():
             setattr(parent, name, layer)
     _norms_to_float32(model)

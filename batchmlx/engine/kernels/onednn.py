@@ -63,6 +63,12 @@ class Packed:
     scaled: bool  # per-output-channel scales are applied (int8)
 
 
+class _Version(ctypes.Structure):  # dnnl_version_t
+    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
+                ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint),
+                ("gpu_runtime", ctypes.c_uint)]  # fmt: skip
+
+
 class _ExecArg(ctypes.Structure):
     _fields_ = [("arg", ctypes.c_int), ("memory", _p)]
 
@@ -94,6 +100,8 @@ class OneDNN:
         lib.dnnl_memory_desc_get_size.argtypes = [_p]
         lib.dnnl_memory_desc_clone.argtypes = [_p, _p]
         lib.dnnl_primitive_desc_destroy.argtypes = [_p]
+        lib.dnnl_memory_desc_destroy.argtypes = [_p]
+        lib.dnnl_version.restype = ctypes.POINTER(_Version)
         lib.dnnl_memory_desc_create_with_tag.argtypes = [_p, ctypes.c_int, _p, ctypes.c_int,
                                                          ctypes.c_int]  # fmt: skip
         lib.dnnl_reorder_primitive_desc_create.argtypes = [_p, _p, _p, _p, _p, _p]
@@ -131,12 +139,10 @@ class OneDNN:
             ctypes.byref(pd), self.engine, src, wts, None, dst, attr))  # fmt: skip
         return pd
 
-    def pack(self, w: np.ndarray, dt: DataType, *, scaled: bool) -> Packed:
-        """w[N, K] (C-contiguous, of type `dt`) reordered once into the layout oneDNN's matmul
-        kernels read best (blocked; the same for every M, checked at M 1-2048): plain
-        weights cost every GEMM a repacking of them, ~40% of a decode step's GEMM time."""
+    def _packed_md(self, n: int, k: int, dt: DataType, scaled: bool) -> _p:
+        """The layout oneDNN's matmul kernels read best for weights [N, K] (blocked, chosen by
+        version and CPU; the same for every M, checked at M 1-2048): an owned descriptor."""
         lib = self.lib
-        n, k = w.shape
         anyfmt, dims = _p(), (ctypes.c_int64 * 12)(k, n)
         self._ok(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(anyfmt), 2, dims, dt, _TAG_ANY))
         pd = self._matmul_pd(1, n, k, dt, scaled, anyfmt)
@@ -144,6 +150,14 @@ class OneDNN:
         self._ok(lib.dnnl_memory_desc_clone(ctypes.byref(md), lib.dnnl_primitive_desc_query_md(
             pd, _QUERY_WEIGHTS_MD, 0)))  # fmt: skip
         lib.dnnl_primitive_desc_destroy(pd)
+        return md
+
+    def pack(self, w: np.ndarray, dt: DataType, *, scaled: bool) -> Packed:
+        """w[N, K] (C-contiguous, of type `dt`) reordered once into that layout: plain weights
+        cost every GEMM a repacking of them, ~40% of a decode step's GEMM time."""
+        lib = self.lib
+        n, k = w.shape
+        md = self._packed_md(n, k, dt, scaled)
         buf = np.zeros(lib.dnnl_memory_desc_get_size(md), np.uint8)
         plain = self._md((k, n), dt, (1, k))  # W[N, K] row-major is [K, N], strides (1, K)
         rpd, prim = _p(), _p()
@@ -162,6 +176,23 @@ class OneDNN:
         lib.dnnl_primitive_destroy(prim)
         lib.dnnl_primitive_desc_destroy(rpd)
         return Packed(md, buf, n, k, dt, scaled)
+
+    def adopt(self, buffer: np.ndarray, n: int, k: int, dt: DataType, *,
+              scaled: bool) -> Packed | None:  # fmt: skip
+        """Bytes `pack` made earlier (a weights cache) taken as they are; None when this
+        library would lay the weights out in another size (pack them again)."""
+        md = self._packed_md(n, k, dt, scaled)
+        if self.lib.dnnl_memory_desc_get_size(md) != buffer.nbytes:
+            self.lib.dnnl_memory_desc_destroy(md)
+            return None
+        return Packed(md, buffer, n, k, dt, scaled)
+
+    def fingerprint(self) -> str:
+        """What decides the packed layout: oneDNN's version and the CPU ISA it runs (a packed
+        weights cache is valid only under the same)."""
+        v = self.lib.dnnl_version().contents
+        isa = self.lib.dnnl_get_effective_cpu_isa()
+        return f"oneDNN {v.major}.{v.minor}.{v.patch} {v.hash.decode()} isa {isa:#x}"
 
     def _primitive(self, m: int, w: Packed) -> tuple:
         lib = self.lib

@@ -90,17 +90,15 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
             save_dense(Path(folder), source, model)
     if host or source in _DTYPES:
         config = {k: v for k, v in config.items() if k not in _QUANTIZATION_KEYS}
+    path = Path(dense or folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
     if host:
-        from batchmlx.engine.kernels.host_linear import to_host_format
-
-        to_host_format(model, host)
+        _to_host(model, host, path, Path(cache_dir))
     log.info("model %s: weights as %s on %s, from %s", spec.name,
              f"{host.value} (oneDNN)" if host else source, mx.default_device(),
              Path(dense or folder).name)  # fmt: skip
     if notes.writes() != written:  # a first run: say what the cache holds now
         notes.note("the model cache %s now holds %s", cache_dir,
                    notes.size_text(notes.disk_use(Path(cache_dir))))  # fmt: skip
-    path = Path(dense or folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
     context = config.get("max_position_embeddings") or _FALLBACK_CONTEXT
     return LoadedModel(
         spec=spec,
@@ -111,6 +109,22 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
         context_length=int(context),
         eos_token_ids=frozenset(int(i) for i in tokenizer.eos_token_ids),
     )
+
+
+def _to_host(model: nn.Module, fmt: HostFormat, source: Path, cache_dir: Path) -> None:
+    """The model's layers in `fmt`, read from the host weights cache where it holds them
+    (host_cache.py), packed (and the cache written) where not."""
+    from batchmlx.engine.kernels.host_linear import to_host_format
+    from batchmlx.engine.models import host_cache
+
+    if not host_cache.enabled() or not source.is_dir():
+        to_host_format(model, fmt)
+        return
+    where, sig = host_cache.cache_path(cache_dir, source, fmt), host_cache.signature(source, fmt)
+    cache = host_cache.open_cache(where, sig)
+    to_host_format(model, fmt, cache)
+    if cache.packed:
+        host_cache.save_cache(where, cache, sig)
 
 
 def host_format(dtype: str, *, on_cpu: bool | None = None) -> HostFormat | None:

@@ -1,0 +1,120 @@
+"""The host weights cache (engine/models/host_cache.py): oneDNN's packed bytes read back at the
+next start instead of converted again, the same GEMMs bit for bit, and packed anew whenever
+the source, the format or the library differs."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from batchmlx.core.models import resolve_model
+from batchmlx.engine.kernels import onednn
+from batchmlx.engine.kernels.host_linear import HostFormat, PackedCache, to_host_format
+from batchmlx.engine.models import host_cache
+from batchmlx.engine.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="oneDNN (onednn-cpu-gomp)")
+TOKENS = mx.array([[5, 17, 99, 3, 250, 8]])
+
+
+def _poisoned(model) -> None:
+    """Every linear and embedding weight NaN: a layer built from them gives NaN."""
+    import mlx.nn as nn
+
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            m.weight = mx.full(m.weight.shape, float("nan"), m.weight.dtype)
+
+
+@pytest.mark.parametrize("fmt", list(HostFormat))
+def test_a_cached_model_computes_the_same_without_reading_its_float_weights(
+        tiny_model, fmt, tmp_path):  # fmt: skip
+    weights = [(k, mx.array(v)) for k, v in _flat(tiny_model)]
+    args = tiny_model.args
+    first = PackedCache()
+    to_host_format(tiny_model, fmt, first)
+    want = np.array(tiny_model(TOKENS))
+    assert first.packed > 0 and first.kept
+    path = tmp_path / "m.safetensors"
+    assert host_cache.save_cache(path, first, "sig")
+
+    again = _fresh(args, weights)
+    _poisoned(again)  # the cache must be all the second model reads
+    second = host_cache.open_cache(path, "sig")
+    to_host_format(again, fmt, second)
+    assert second.packed == 0
+    assert not host_cache.save_cache(path, second, "sig")  # nothing new: not rewritten
+    np.testing.assert_array_equal(np.array(again(TOKENS)), want)
+    control = _fresh(args, weights)
+    _poisoned(control)
+    to_host_format(control, fmt)  # the poison shows where no cache is read
+    assert np.isnan(np.array(control(TOKENS))).all()
+
+
+def test_another_signature_packs_again(tiny_model, tmp_path):
+    first = PackedCache()
+    to_host_format(tiny_model, HostFormat.BF16, first)
+    path = tmp_path / "m.safetensors"
+    host_cache.save_cache(path, first, "sig-a")
+    assert host_cache.open_cache(path, "sig-b").found == {}
+    assert host_cache.open_cache(tmp_path / "missing.safetensors", "sig-a").found == {}
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    assert host_cache.open_cache(tmp_path / "junk.safetensors", "sig-a").found == {}
+
+
+def test_packed_bytes_of_another_size_are_not_adopted():
+    lib = onednn.load_library()
+    w = np.zeros((64, 32), np.uint16)
+    packed = lib.pack(w, onednn.DataType.BF16, scaled=False)
+    assert lib.adopt(packed.buffer, 64, 32, onednn.DataType.BF16, scaled=False) is not None
+    assert lib.adopt(packed.buffer[:-64], 64, 32, onednn.DataType.BF16, scaled=False) is None
+
+
+def test_the_signature_follows_the_source_files_and_the_format(tiny_model_dir):
+    sig = host_cache.signature(tiny_model_dir, HostFormat.BF16)
+    assert sig == host_cache.signature(tiny_model_dir, HostFormat.BF16)
+    assert sig != host_cache.signature(tiny_model_dir, HostFormat.INT8)
+    weights = sorted(tiny_model_dir.glob("*.safetensors"))[0]
+    st = weights.stat()
+    try:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        assert sig != host_cache.signature(tiny_model_dir, HostFormat.BF16)
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_load_model_writes_the_cache_once_then_reads_it(tiny_model_dir, tmp_path, monkeypatch):
+    spec = resolve_model(str(tiny_model_dir), cache_dir=tmp_path)
+    first = load_model(spec, cache_dir=tmp_path, dtype="bfloat16")
+    files = list((tmp_path / "host").glob("*.bfloat16.safetensors"))
+    assert len(files) == 1
+    stamp = files[0].stat().st_mtime_ns
+    calls = []
+    real_pack = onednn.OneDNN.pack
+    monkeypatch.setattr(onednn.OneDNN, "pack",
+                        lambda self, *a, **k: calls.append(1) or real_pack(self, *a, **k))
+    second = load_model(spec, cache_dir=tmp_path, dtype="bfloat16")
+    assert calls == [] and files[0].stat().st_mtime_ns == stamp  # read back, not packed
+    np.testing.assert_array_equal(np.array(second.model(TOKENS)), np.array(first.model(TOKENS)))
+    monkeypatch.setenv(host_cache.SWITCH, "0")
+    load_model(spec, cache_dir=tmp_path, dtype="bfloat16")
+    assert calls  # off: packed at the start, as without a cache
+
+
+def _flat(model):
+    from mlx.utils import tree_flatten
+
+    return [(k, np.array(v)) for k, v in tree_flatten(model.parameters())]
+
+
+def _fresh(args, weights):
+    """A second tiny model with the first one's weights (before its conversion)."""
+    from mlx_lm.models.llama import Model
+
+    model = Model(args)
+    model.load_weights(weights)
+    mx.eval(model.parameters())
+    return model

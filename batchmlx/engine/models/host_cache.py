@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from batchmlx.engine.kernels.host_linear import HostFormat, PackedCache
 from batchmlx.engine.kernels.onednn import load_library
+from batchmlx.engine.models import notes
 
 SWITCH = "BATCHMLX_HOST_CACHE"
 HOST_CACHE_VERSION = 1  # bump when the keys or parts change: older files are then rewritten
@@ -68,7 +69,7 @@ def open_cache(path: Path, sig: str) -> PackedCache:
     return PackedCache(found=arrays)
 
 
-def save_cache(path: Path, cache: PackedCache, sig: str) -> bool:
+def save_cache(path: Path, cache: PackedCache, sig: str, fmt: HostFormat | None = None) -> bool:
     """Write what the model ended with when a layer was packed anew (atomically: a temporary
     file renamed). False when there was nothing to write or it could not be written."""
     if cache.packed == 0 or not cache.kept:
@@ -82,11 +83,14 @@ def save_cache(path: Path, cache: PackedCache, sig: str) -> bool:
             log.info("host weights cache not written: %d MB needed, %d MB free in %s",
                      size >> 20, free >> 20, path.parent)  # fmt: skip
             return False
+        notes.note("saving the %sweights packed for oneDNN (%s), so that later starts read "
+                   "them instead of packing again: %s", f"{fmt.value} " if fmt else "",
+                   notes.size_text(size), path)  # fmt: skip
         mx.save_safetensors(str(tmp), cache.kept, metadata={_SIGNATURE_KEY: sig})
         os.replace(tmp, path)
     except (OSError, RuntimeError, ValueError) as exc:
         log.warning("host weights cache %s not written: %s", path, exc)
         tmp.unlink(missing_ok=True)
         return False
-    log.info("host weights cached: %s (%d MB), read back at the next start", path, size >> 20)
+    notes.wrote()
     return True

@@ -91,8 +91,8 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
     if host or source in _DTYPES:
         config = {k: v for k, v in config.items() if k not in _QUANTIZATION_KEYS}
     path = Path(dense or folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
-    if host:
-        _to_host(model, host, path, Path(cache_dir))
+    if host:  # keyed on the folder converted, not on its float32 copy (absent at first start)
+        _to_host(model, host, Path(folder) if spec.kind != "hub" else path, Path(cache_dir))
     log.info("model %s: weights as %s on %s, from %s", spec.name,
              f"{host.value} (oneDNN)" if host else source, mx.default_device(),
              Path(dense or folder).name)  # fmt: skip
@@ -124,7 +124,7 @@ def _to_host(model: nn.Module, fmt: HostFormat, source: Path, cache_dir: Path) -
     cache = host_cache.open_cache(where, sig)
     to_host_format(model, fmt, cache)
     if cache.packed:
-        host_cache.save_cache(where, cache, sig)
+        host_cache.save_cache(where, cache, sig, fmt)
 
 
 def host_format(dtype: str, *, on_cpu: bool | None = None) -> HostFormat | None:

@@ -437,7 +437,8 @@ def workload(name: str, requests: int | None = None, max_tokens: int | None = No
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peer", action="append", choices=[*PEERS, "all"], default=[])
+    p.add_argument("--peer", action="append", choices=[*PEERS, "batchmlx", "all"], default=[])
+    p.add_argument("--dtype", help="batchmlx's --dtype (default: its own)")
     p.add_argument("--workload", default="unique", choices=sorted(WORKLOADS))
     p.add_argument("--requests", type=int, help="default: the workload's (64)")
     p.add_argument("--max-tokens", type=int, help="default: the workload's (128 / 32)")
@@ -458,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         kw: dict[str, Any] = {"ignore_eos": args.ignore_eos}
         if peer == "vllm":
             kw["dtype"] = args.vllm_dtype
+        elif peer == "batchmlx":
+            kw["dtype"] = args.dtype
         elif args.quant:
             kw["quant"] = args.quant
         log(f"{peer}: {wl.name}, {wl.requests} x {wl.max_tokens} tokens, model {args.model}")

@@ -117,10 +117,12 @@ def best(runs: list[PeerRun | str], peer: str, key: str = "tok_s") -> PeerRun | 
     return max(mine, key=lambda r: getattr(r, key), default=None)
 
 
-def run_all(quick: bool = False, out_json: Path | None = None) -> dict[tuple[str, str], list]:
+def run_all(quick: bool = False, out_json: Path | None = None,
+            without: frozenset[str] = frozenset()) -> dict[tuple[str, str], list]:  # fmt: skip
     results: dict[tuple[str, str], list] = {}
     for c in cases(quick):
-        results[(c.model, c.workload.name)] = measure(c)
+        kept = Case(c.model, c.workload, tuple(s for s in c.systems if s.peer not in without))
+        results[(c.model, c.workload.name)] = measure(kept)
         if out_json is not None:  # after every case: a crash later keeps what was measured
             out_json.write_text(json.dumps(
                 {f"{m} {w}": [asdict(r) if isinstance(r, PeerRun) else r for r in rs]
@@ -187,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", type=Path, default=Path("/tmp/batchmlx-peers.json"))
+    p.add_argument("--without", action="append", default=[], choices=["llama", "openvino", "vllm"],
+                   help="leave this peer out (its rows then read as not measured)")  # fmt: skip
     a = p.parse_args(argv)
-    results = run_all(a.quick, a.json)
+    results = run_all(a.quick, a.json, frozenset(a.without))
     print("\n".join(markdown(results, a.quick)))
     for name, got, ok in targets(results):
         print(f"- {name}: {got} {'MET' if ok else 'MISSED'}")

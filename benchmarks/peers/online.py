@@ -67,8 +67,13 @@ from benchmarks.peers.setup import ensure
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "benchmarks" / "RESULTS-online-peers.md"
 BATCH_QUESTION = "Tell story number {i}."  # long answers: every batch row runs its 32 tokens
-SYSTEMS = ("batchmlx", "llama")
-NAMES = {"batchmlx": "batchmlx serve", "llama": "llama-server"}
+# llama-server with the peers' threads (the CPUs this process may use), and with one: on a
+# shared machine ggml's spinning thread team stalls when a neighbour holds a core, which
+# batchmlx avoids by counting the free CPUs (batchmlx/threads.py)
+SYSTEMS = ("batchmlx", "llama", "llama-1t")
+LLAMAS = SYSTEMS[1:]
+NAMES = {"batchmlx": "batchmlx serve", "llama": "llama-server",
+         "llama-1t": "llama-server -t 1"}  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -134,14 +139,15 @@ async def serving(system: str, setup: Setup, underneath: bool, info: Info,
         inst = ensure("llama")
         gguf = Path(path_for("default", _default_quant("default")))
         slots = setup.batch + max(setup.streams) if underneath else setup.alone_slots
-        port = _free_port()
+        port, threads = _free_port(), 1 if system == "llama-1t" else _threads()
         logf = home / "server.log"
         with logf.open("wb") as out:
-            cmd = llama_server_cmd(inst.server, gguf, port, slots, _llama_per_slot(setup))
+            cmd = llama_server_cmd(inst.server, gguf, port, slots, _llama_per_slot(setup),
+                                   threads)  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         server = Server(proc, f"http://{HOST}:{port}", logf)
         info.precision[system] = f"{gguf_type(gguf)} ({gguf.name})"
-        info.threads[system] = f"-t {_threads()} -tb {_threads()}"
+        info.threads[system] = f"-t {threads} -tb {threads}"
         info.version = inst.version
     try:
         ready = await _ready(server, setup)
@@ -321,19 +327,19 @@ def table(rows: list[Row]) -> list[str]:
                 lines.append(f"| {n} | {NAMES[s]} | {r.requests} | {r.chunks} | "
                              + " | ".join(_ms(_fig(r, a, q)) for _, a, q in FIGS)
                              + f" | {tok:.1f} |")  # fmt: skip
-        if len(by) == 2:
-            b, ll = by["batchmlx"], by["llama"]
-            lines.append(f"| {n} | **batchmlx / llama** | | | "
+        for peer in (p for p in LLAMAS if "batchmlx" in by and p in by):
+            b, ll = by["batchmlx"], by[peer]
+            lines.append(f"| {n} | **batchmlx / {NAMES[peer]}** | | | "
                          + " | ".join(_ratio(_fig(b, a, q), _fig(ll, a, q)) for _, a, q in FIGS)
                          + f" | {_ratio(_pct(b.tok_s, 50), _pct(ll.tok_s, 50))} |")  # fmt: skip
     return lines
 
 
-def target(rows: list[Row], n: int = 8) -> tuple[str, bool] | None:
+def target(rows: list[Row], peer: str, n: int = 8) -> tuple[str, bool] | None:
     by = {r.system: r for r in rows if r.streams == n}
-    if len(by) < 2:
+    if "batchmlx" not in by or peer not in by:
         return None
-    b, ll = by["batchmlx"], by["llama"]
+    b, ll = by["batchmlx"], by[peer]
     parts, ok = [], True
     for name, attr in (("TTFT p50", "ttft"), ("ITL p50", "itl")):
         x, y = _fig(b, attr, 50), _fig(ll, attr, 50)
@@ -356,8 +362,9 @@ def report(rows: list[Row], setup: Setup, info: Info, *, quick: bool, machine_st
         f"- batchmlx serve (defaults): weights {info.precision.get('batchmlx', '?')}; threads: "
         f"{info.threads.get('batchmlx', '?')}.",
         f"- llama-server ({info.version}): weights {info.precision.get('llama', '?')}; "
-        f"{info.threads.get('llama', '?')}, --cont-batching, -np {setup.alone_slots} alone, "
-        f"-np {setup.batch} + {max(setup.streams)} with the batch.",
+        f"{info.threads.get('llama', '?')} (the peers' threads: the CPUs this process may use) "
+        f"and, as a second row, {info.threads.get('llama-1t', '?')}; --cont-batching, "
+        f"-np {setup.alone_slots} alone, -np {setup.batch} + {max(setup.streams)} with the batch.",
         "",
         f"Each stream: {setup.rounds} streamed chat requests one after another (distinct "
         f"questions, the same for both systems; greedy, max_tokens {setup.max_tokens}); stream i "
@@ -386,9 +393,11 @@ def report(rows: list[Row], setup: Setup, info: Info, *, quick: bool, machine_st
         "",
     ]
     for name, under in (("alone", False), ("with a batch underneath", True)):
-        t = target([r for r in rows if r.underneath == under])
-        if t:
-            lines.append(f"- {name}: {t[0]}: **{'met' if t[1] else 'not met'}**")
+        for peer in LLAMAS:
+            t = target([r for r in rows if r.underneath == under], peer)
+            if t:
+                lines.append(f"- {name}, against {NAMES[peer]}: {t[0]}: "
+                             f"**{'met' if t[1] else 'not met'}**")  # fmt: skip
     fails = [f"{NAMES[r.system]} {r.streams}: {f}" for r in rows for f in r.failures]
     if fails:
         lines += ["", f"Errors ({len(fails)}; the first 10):", "", *(f"- {f}" for f in fails[:10])]

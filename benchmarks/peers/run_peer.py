@@ -245,10 +245,11 @@ def _wait_healthy(w: Watched, port: int, timeout: float = 600) -> float:
     raise TimeoutError(f"llama-server not healthy after {timeout} s:\n{w.tail()}")
 
 
-def llama_server_cmd(server: str, gguf: Path, port: int, slots: int, per_slot: int) -> list[str]:
+def llama_server_cmd(server: str, gguf: Path, port: int, slots: int, per_slot: int,
+                     threads: int | None = None) -> list[str]:  # fmt: skip
     """`llama-server` on 127.0.0.1:`port`, `slots` slots of `per_slot` context each, continuous
-    batching, threads = the CPUs this process may use."""
-    threads = _threads()
+    batching, `threads` (default: the CPUs this process may use)."""
+    threads = threads or _threads()
     return [server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(slots), "-c", str(slots * per_slot), "--cont-batching", "-t", str(threads),
             "-tb", str(threads), "--no-webui"]  # fmt: skip

@@ -72,6 +72,7 @@ BATCH_QUESTION = "Tell story number {i}."  # long answers: every batch row runs 
 # batchmlx avoids by counting the free CPUs (batchmlx/threads.py)
 SYSTEMS = ("batchmlx", "llama", "llama-1t")
 LLAMAS = SYSTEMS[1:]
+LLAMA_MAX_SEQ = 256  # llama.cpp's most slots (LLAMA_MAX_SEQ): -np 257 exits at start
 NAMES = {"batchmlx": "batchmlx serve", "llama": "llama-server",
          "llama-1t": "llama-server -t 1"}  # fmt: skip
 
@@ -83,7 +84,7 @@ def log(msg: str) -> None:
 @dataclass(frozen=True)
 class Setup:
     streams: tuple[int, ...] = (1, 8, 32)
-    rounds: int = 8  # each stream's requests, one after another
+    rounds: int = 6  # each stream's requests, one after another
     max_tokens: int = 32
     batch: int = 256  # requests of the batch underneath
     batch_max_tokens: int = 32
@@ -117,6 +118,7 @@ class Info:
     precision: dict[str, str] = field(default_factory=dict)
     threads: dict[str, str] = field(default_factory=dict)
     version: str = ""
+    failed: list[str] = field(default_factory=list)  # runs that did not finish
 
 
 # -- the servers ------------------------------------------------------------------------------
@@ -138,7 +140,8 @@ async def serving(system: str, setup: Setup, underneath: bool, info: Info,
     else:
         inst = ensure("llama")
         gguf = Path(path_for("default", _default_quant("default")))
-        slots = setup.batch + max(setup.streams) if underneath else setup.alone_slots
+        slots = min(setup.batch + max(setup.streams), LLAMA_MAX_SEQ) if underneath else (
+            setup.alone_slots)  # fmt: skip
         port, threads = _free_port(), 1 if system == "llama-1t" else _threads()
         logf = home / "server.log"
         with logf.open("wb") as out:
@@ -239,10 +242,12 @@ class BmxBatch:
 
 
 class LlamaBatch:
-    """The same requests, non-streamed, all at once (llama-server has no batch API)."""
+    """The same requests, non-streamed, all at once (llama-server has no batch API), at most
+    `in_flight` at a time, so that a stream never waits for a free slot."""
 
-    def __init__(self, c: httpx.AsyncClient, setup: Setup) -> None:
+    def __init__(self, c: httpx.AsyncClient, setup: Setup, in_flight: int) -> None:
         self.c, self.setup = c, setup
+        self.gate = asyncio.Semaphore(in_flight)
         self.tasks: list[asyncio.Task] = []
         self.t0 = 0.0
 
@@ -250,9 +255,12 @@ class LlamaBatch:
         self.t0 = time.perf_counter()
         bodies = [orjson.loads(line)["body"] for line in batch_lines(
             self.setup.batch, self.setup.batch_max_tokens, BATCH_QUESTION).splitlines()]
-        self.tasks = [asyncio.create_task(self.c.post("/v1/chat/completions", json=b,
-                                                      timeout=self.setup.timeout_s))
-                      for b in bodies]  # fmt: skip
+        self.tasks = [asyncio.create_task(self._one(b)) for b in bodies]
+
+    async def _one(self, body: dict) -> httpx.Response:
+        async with self.gate:
+            return await self.c.post("/v1/chat/completions", json=body,
+                                     timeout=self.setup.timeout_s)  # fmt: skip
 
     async def progress(self) -> str:
         return f"{sum(t.done() for t in self.tasks)}/{len(self.tasks)}"
@@ -262,6 +270,10 @@ class LlamaBatch:
         bad = sum(1 for r in done if isinstance(r, Exception) or r.status_code != 200)
         state = "completed" if not bad else f"{bad} failed"
         return f"{state} in {time.perf_counter() - self.t0:.1f} s"
+
+
+def _batch_in_flight(setup: Setup) -> int:
+    return min(setup.batch, LLAMA_MAX_SEQ - max(setup.streams))
 
 
 async def measure(system: str, setup: Setup, underneath: bool, info: Info) -> list[Row]:
@@ -276,7 +288,7 @@ async def measure(system: str, setup: Setup, underneath: bool, info: Info) -> li
                     bg = None
                     if underneath:
                         bg = BmxBatch(c, server, setup) if system == "batchmlx" else LlamaBatch(
-                            c, setup)  # fmt: skip
+                            c, setup, _batch_in_flight(setup))  # fmt: skip
                         await bg.start()
                         await asyncio.sleep(setup.settle_s)
                     t = time.perf_counter()
@@ -364,7 +376,8 @@ def report(rows: list[Row], setup: Setup, info: Info, *, quick: bool, machine_st
         f"- llama-server ({info.version}): weights {info.precision.get('llama', '?')}; "
         f"{info.threads.get('llama', '?')} (the peers' threads: the CPUs this process may use) "
         f"and, as a second row, {info.threads.get('llama-1t', '?')}; --cont-batching, "
-        f"-np {setup.alone_slots} alone, -np {setup.batch} + {max(setup.streams)} with the batch.",
+        f"-np {setup.alone_slots} alone, -np "
+        f"{min(setup.batch + max(setup.streams), LLAMA_MAX_SEQ)} with the batch.",
         "",
         f"Each stream: {setup.rounds} streamed chat requests one after another (distinct "
         f"questions, the same for both systems; greedy, max_tokens {setup.max_tokens}); stream i "
@@ -382,7 +395,9 @@ def report(rows: list[Row], setup: Setup, info: Info, *, quick: bool, machine_st
         f"batchmlx: a real batch ({setup.batch} chats x {setup.batch_max_tokens} tokens, Files + "
         f"Batches API), created {setup.settle_s:g} s before the streams start (once it left "
         "`validating`). llama-server has no batch API: the same requests sent non-streamed, all "
-        f"at once, {setup.settle_s:g} s before the streams, each in a slot of its own.",
+        f"at once, {setup.settle_s:g} s before the streams, at most {_batch_in_flight(setup)} "
+        f"at a time (llama.cpp's {LLAMA_MAX_SEQ} slots at most, less the streams: a stream never "
+        "waits for a slot).",
         "",
         *table([r for r in rows if r.underneath]),
         "",
@@ -398,7 +413,8 @@ def report(rows: list[Row], setup: Setup, info: Info, *, quick: bool, machine_st
             if t:
                 lines.append(f"- {name}, against {NAMES[peer]}: {t[0]}: "
                              f"**{'met' if t[1] else 'not met'}**")  # fmt: skip
-    fails = [f"{NAMES[r.system]} {r.streams}: {f}" for r in rows for f in r.failures]
+    fails = info.failed + [f"{NAMES[r.system]} {r.streams}: {f}" for r in rows
+                           for f in r.failures]  # fmt: skip
     if fails:
         lines += ["", f"Errors ({len(fails)}; the first 10):", "", *(f"- {f}" for f in fails[:10])]
     return "\n".join(lines) + "\n"
@@ -411,7 +427,12 @@ async def run_all(setup: Setup, info: Info) -> list[Row]:
     rows = []
     for underneath in (False, True):
         for system in SYSTEMS:
-            rows += await measure(system, setup, underneath, info)
+            try:
+                rows += await measure(system, setup, underneath, info)
+            except Exception as exc:  # noqa: BLE001 - reported; the other runs go on
+                log(f"{system}: FAILED: {type(exc).__name__}: {exc}")
+                info.failed.append(f"{NAMES[system]}{' with the batch' * underneath}: "
+                                   f"{type(exc).__name__}: {exc}")  # fmt: skip
     return rows
 
 

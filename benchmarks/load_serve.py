@@ -216,21 +216,21 @@ async def wait_ready(server: Server, timeout_s: float) -> float:
 # ---------------------------------------------------------------- the load
 
 
-def batch_lines(n: int, max_tokens: int) -> bytes:
+def batch_lines(n: int, max_tokens: int,
+                question: str = "Name one colour. This is request {i}.") -> bytes:  # fmt: skip
     lines = (
         {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": "default", "max_tokens": max_tokens, "temperature": 0,
-                  "messages": [{"role": "user",
-                                "content": f"Name one colour. This is request {i}."}]}}
+                  "messages": [{"role": "user", "content": question.format(i=i)}]}}
         for i in range(n)
     )  # fmt: skip
     return "".join(json.dumps(x) + "\n" for x in lines).encode()
 
 
-async def create_batch(c: httpx.AsyncClient, plan: Plan) -> str:
+async def create_batch(c: httpx.AsyncClient, plan: Plan, question: str | None = None) -> str:
+    data = batch_lines(plan.batch, plan.batch_max_tokens, *([question] if question else []))
     up = await c.post("/v1/files", data={"purpose": "batch"},
-                      files={"file": ("load.jsonl", batch_lines(plan.batch, plan.batch_max_tokens),
-                                      "application/jsonl")})  # fmt: skip
+                      files={"file": ("load.jsonl", data, "application/jsonl")})  # fmt: skip
     up.raise_for_status()
     b = await c.post("/v1/batches", json={"input_file_id": up.json()["id"],
                                           "endpoint": "/v1/chat/completions",

@@ -4,7 +4,8 @@ Sections: 1 throughput (simple vs continuous vs mlx_lm.batch_generate), 2 TTFT a
 speed, 3 shared system prompt, 4 KV memory with and without block sharing, 5 prefix cache
 outcomes, 6 whole process (a batch file in, results out, vs batch_generate and an earlier
 revision), 7 running width, 8 mixed steps, 9 prefill vs its floor and decode MFU, 10 scale
-(10,000 requests, 50,000-line ingest), 11 targets. Results are memoized per run, so sections
+(10,000 requests, 50,000-line ingest), 11 targets, 12 CPU peers, 13 online serving beside
+llama-server (benchmarks/peers/online.py). Results are memoized per run, so sections
 that need the same measurement (2 and 11 reuse 1, 3, 6 and 9) run it once.
 """
 
@@ -30,7 +31,7 @@ from benchmarks.common import QUICK, Settings, fast_blas
 from benchmarks.measure import RunResult, agreement, run_ours, run_peer, summary
 from benchmarks.prefix_trie import block_prefix_lower_bound
 
-ALL_SECTIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+ALL_SECTIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
 
 
 _T0 = time.perf_counter()
@@ -538,6 +539,12 @@ def section_peers(b: Bench) -> list[str]:
             *section.markdown(peer_results(b), b.quick)]  # fmt: skip
 
 
+def section_online_peers(b: Bench) -> list[str]:
+    from benchmarks.peers import online
+
+    return online.section(b.quick, title="13. Online serving beside llama-server", level=2)
+
+
 def section_targets(b: Bench) -> list[str]:
     found = targets(b) + issue_targets(b)
     if b.with_peers:
@@ -561,6 +568,7 @@ SECTIONS = {
     10: section_scale,
     11: section_targets,
     12: section_peers,
+    13: section_online_peers,
 }
 
 

@@ -245,6 +245,16 @@ def _wait_healthy(w: Watched, port: int, timeout: float = 600) -> float:
     raise TimeoutError(f"llama-server not healthy after {timeout} s:\n{w.tail()}")
 
 
+def llama_server_cmd(server: str, gguf: Path, port: int, slots: int, per_slot: int,
+                     threads: int | None = None) -> list[str]:  # fmt: skip
+    """`llama-server` on 127.0.0.1:`port`, `slots` slots of `per_slot` context each, continuous
+    batching, `threads` (default: the CPUs this process may use)."""
+    threads = threads or _threads()
+    return [server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(slots), "-c", str(slots * per_slot), "--cont-batching", "-t", str(threads),
+            "-tb", str(threads), "--no-webui"]  # fmt: skip
+
+
 def run_llama(wl: Workload, model: str = "default", quant: str | None = None, *,
               slots: int | None = None, ignore_eos: bool | None = None) -> PeerRun:  # fmt: skip
     inst = ensure("llama")
@@ -254,9 +264,7 @@ def run_llama(wl: Workload, model: str = "default", quant: str | None = None, *,
     n = slots or len(reqs)
     per_slot = max(_prompt_lengths(tok, reqs)) + wl.max_tokens + 64
     port, threads = _free_port(), _threads()
-    cmd = [inst.server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "-np", str(n), "-c", str(n * per_slot), "--cont-batching", "-t", str(threads),
-           "-tb", str(threads), "--no-webui"]  # fmt: skip
+    cmd = llama_server_cmd(inst.server, gguf, port, n, per_slot)
     skip_eos = _ignore_eos(model, ignore_eos)
     w = Watched(cmd, log_path=Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1]))
     try:

@@ -65,6 +65,24 @@ def test_another_signature_packs_again(tiny_model, tmp_path):
     assert host_cache.open_cache(tmp_path / "junk.safetensors", "sig-a").found == {}
 
 
+def test_a_damaged_file_is_packed_again_and_rewritten(tiny_model, tmp_path):
+    weights = [(k, mx.array(v)) for k, v in _flat(tiny_model)]
+    args = tiny_model.args
+    first = PackedCache()
+    to_host_format(tiny_model, HostFormat.BF16, first)
+    want = np.array(tiny_model(TOKENS))
+    path = tmp_path / "m.safetensors"
+    host_cache.save_cache(path, first, "sig")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # cut in the middle of the layers' bytes
+    again = _fresh(args, weights)
+    cache = host_cache.open_cache(path, "sig")
+    to_host_format(again, HostFormat.BF16, cache)
+    np.testing.assert_array_equal(np.array(again(TOKENS)), want)
+    assert cache.packed > 0 and host_cache.save_cache(path, cache, "sig")
+    assert host_cache.open_cache(path, "sig").found  # whole again
+
+
 def test_packed_bytes_of_another_size_are_not_adopted():
     lib = onednn.load_library()
     w = np.zeros((64, 32), np.uint16)

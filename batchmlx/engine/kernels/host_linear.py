@@ -153,7 +153,11 @@ class SharedGemm:
         if (keep_plain and "plain" not in hit) or (not bf16 and "scales" not in hit):
             return False
         packed = hit["packed"]
-        w = load_library().adopt(np.asarray(packed), n, k, DataType.BF16 if bf16 else DataType.S8,
+        try:
+            buffer = np.asarray(packed)  # read from the file here
+        except RuntimeError:  # a damaged file: pack this layer again (the file is rewritten)
+            return False
+        w = load_library().adopt(buffer, n, k, DataType.BF16 if bf16 else DataType.S8,
                                  scaled=not bf16)  # fmt: skip
         if w is None:
             return False

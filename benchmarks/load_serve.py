@@ -525,7 +525,7 @@ class Target:
 
 
 def _ms(s: float) -> str:
-    return "n/a" if s != s else f"{s * 1000:.0f} ms"
+    return "n/a" if s != s else f"{s * 1000:.0f} ms" if s >= 0.01 else f"{s * 1000:.1f} ms"
 
 
 def rss_flat(rss: list[tuple[float, int]]) -> tuple[float, float, float] | None:

@@ -15,9 +15,10 @@ both servers). tok/s per stream = its text chunks over the time its requests wer
 
 With a batch underneath: batchmlx runs a real batch (Files + Batches API, 256 chats x 32
 tokens) while the streams run; llama-server has no batch API, so the same 256 requests go to it
-non-streamed, all at once, each in a slot of its own (-np batch + streams: nothing waits for a
-slot). Either batch starts `settle_s` before the streams; how far it had got when they ended
-is in the report. Writes benchmarks/RESULTS-online-peers.md (a full run) or `--out`.
+non-streamed, all at once, at most LLAMA_MAX_SEQ less the streams in flight (llama.cpp's slots
+at most 256), so that a stream never waits for a slot. Either batch starts `settle_s` before
+the streams; how far it had got when they ended is in the report. Writes
+benchmarks/RESULTS-online-peers.md (a full run) or `--out`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from benchmarks.load_serve import (
     Server,
     _commit,
     _machine,
+    _ms,
     _pct,
     batch_lines,
     create_batch,
@@ -140,8 +142,7 @@ async def serving(system: str, setup: Setup, underneath: bool, info: Info,
     else:
         inst = ensure("llama")
         gguf = Path(path_for("default", _default_quant("default")))
-        slots = min(setup.batch + max(setup.streams), LLAMA_MAX_SEQ) if underneath else (
-            setup.alone_slots)  # fmt: skip
+        slots = _llama_slots(setup) if underneath else setup.alone_slots
         port, threads = _free_port(), 1 if system == "llama-1t" else _threads()
         logf = home / "server.log"
         with logf.open("wb") as out:
@@ -272,6 +273,12 @@ class LlamaBatch:
         return f"{state} in {time.perf_counter() - self.t0:.1f} s"
 
 
+def _llama_slots(setup: Setup) -> int:
+    """llama-server's slots with a batch underneath: the batch and the streams, at most
+    llama.cpp's LLAMA_MAX_SEQ."""
+    return min(setup.batch + max(setup.streams), LLAMA_MAX_SEQ)
+
+
 def _batch_in_flight(setup: Setup) -> int:
     return min(setup.batch, LLAMA_MAX_SEQ - max(setup.streams))
 
@@ -308,10 +315,6 @@ async def measure(system: str, setup: Setup, underneath: bool, info: Info) -> li
 
 
 # -- the report -------------------------------------------------------------------------------
-
-
-def _ms(s: float) -> str:
-    return "n/a" if s != s else f"{s * 1000:.0f} ms" if s >= 0.01 else f"{s * 1000:.1f} ms"
 
 
 def _ratio(a: float, b: float) -> str:
@@ -376,8 +379,7 @@ def report(rows: list[Row], setup: Setup, info: Info, *, quick: bool, machine_st
         f"- llama-server ({info.version}): weights {info.precision.get('llama', '?')}; "
         f"{info.threads.get('llama', '?')} (the peers' threads: the CPUs this process may use) "
         f"and, as a second row, {info.threads.get('llama-1t', '?')}; --cont-batching, "
-        f"-np {setup.alone_slots} alone, -np "
-        f"{min(setup.batch + max(setup.streams), LLAMA_MAX_SEQ)} with the batch.",
+        f"-np {setup.alone_slots} alone, -np {_llama_slots(setup)} with the batch.",
         "",
         f"Each stream: {setup.rounds} streamed chat requests one after another (distinct "
         f"questions, the same for both systems; greedy, max_tokens {setup.max_tokens}); stream i "

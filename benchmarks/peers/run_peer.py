@@ -264,7 +264,7 @@ def run_llama(wl: Workload, model: str = "default", quant: str | None = None, *,
     n = slots or len(reqs)
     per_slot = max(_prompt_lengths(tok, reqs)) + wl.max_tokens + 64
     port, threads = _free_port(), _threads()
-    cmd = llama_server_cmd(inst.server, gguf, port, n, per_slot)
+    cmd = llama_server_cmd(inst.server, gguf, port, n, per_slot, threads)
     skip_eos = _ignore_eos(model, ignore_eos)
     w = Watched(cmd, log_path=Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1]))
     try:

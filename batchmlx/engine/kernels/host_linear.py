@@ -72,6 +72,9 @@ class HostWeights:
         return out
 
 
+PACKED_PARTS = ("packed", "scales", "bias", "plain")  # what a layer keeps in a PackedCache
+
+
 @dataclass(eq=False)
 class PackedCache:
     """The host layers' arrays kept between starts (engine/models/host_cache.py writes them
@@ -85,8 +88,7 @@ class PackedCache:
     packed: int = 0
 
     def take(self, key: str) -> dict[str, mx.array] | None:
-        head = f"{key}."
-        parts = {k[len(head):]: v for k, v in self.found.items() if k.startswith(head)}
+        parts = {p: self.found[f"{key}.{p}"] for p in PACKED_PARTS if f"{key}.{p}" in self.found}
         return parts if "packed" in parts else None
 
     def keep(self, key: str, parts: dict[str, mx.array | None]) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from batchmlx.engine.host_decode import HostDecoder
 from batchmlx.engine.kernels.attention import (
     AttentionRoute,
     PrefixAttention,
@@ -45,6 +46,8 @@ class ModelRunner:
         self.storage = storage
         self.body, self.head = _split(model)
         self.attention = AttentionRoute(model, prefix_attention)
+        # decode-only steps on the host alone, where the model is one it runs (host_decode.py)
+        self.host = HostDecoder.of(model, storage) if self.packs else None
 
     @property
     def packs(self) -> bool:
@@ -56,6 +59,9 @@ class ModelRunner:
         """Hidden states of each sequence's last new token → logits [len(rows), V].
 
         rows: which sequences of the layout need logits (None = all)."""
+        if self.host is not None and self.host.runs(layout):
+            assert isinstance(layout, PackedLayout)
+            return self.host.forward(layout, rows)
         caches = [
             PagedLayerCache(self.storage, i, layout) for i in range(self.storage.num_layers)
         ]

@@ -184,24 +184,41 @@ class SharedGemm:
         return out
 
     def _compute(self, x: mx.array) -> mx.array:
-        lib = load_library()
-        n, k = self._w.n, self._w.k
-        out = mx.zeros((*x.shape[:-1], n), mx.float32)  # the buffer the result goes into
+        out = mx.zeros((*x.shape[:-1], self._w.n), mx.float32)  # the buffer the result goes into
         if self.fmt is HostFormat.BF16:
-            bits = x.astype(mx.bfloat16).view(mx.uint16)  # rounded in MLX, in this evaluation
-            mx.eval(bits, out)
-            o = np.asarray(out).reshape(-1, n)  # writable view of MLX's buffer
-            lib.matmul(np.asarray(bits).reshape(-1, k), self._w, o)
+            src = x.astype(mx.bfloat16).view(mx.uint16)  # rounded in MLX, in this evaluation
         else:
-            mx.eval(x, out)
-            flat = np.asarray(x).reshape(-1, k)
-            q, t = quantize_rows(np.ascontiguousarray(flat, dtype=np.float32))
-            o = np.asarray(out).reshape(-1, n)
-            lib.matmul(q, self._w, o, self._s)
-            o *= t[:, None]
-        if self.bias is not None:
-            o += self.bias
+            src = x
+        mx.eval(src, out)
+        # writes into a writable view of MLX's buffer
+        self.host(np.asarray(src).reshape(-1, self._w.k), np.asarray(out).reshape(-1, self._w.n))
         return out
+
+    def host(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """out[M, N] = x[M, K] . W^T (+ bias) on numpy arrays: x float32 (bf16: its bits as
+        uint16 are taken as they are), out float32 C-contiguous (allocated when None). The
+        MLX layers' GEMM and the host decode steps' (engine/host_decode.py)."""
+        lib = load_library()
+        if out is None:
+            out = np.empty((x.shape[0], self._w.n), np.float32)
+        if self.fmt is HostFormat.BF16:
+            bits = x if x.dtype == np.uint16 else bf16_bits(x)
+            lib.matmul(np.ascontiguousarray(bits), self._w, out)
+        else:
+            q, t = quantize_rows(np.ascontiguousarray(x, dtype=np.float32))
+            lib.matmul(q, self._w, out, self._s)
+            out *= t[:, None]
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 (nearest, ties to even, as MLX's astype), as uint16 bits."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = u + ((u >> np.uint32(16)) & np.uint32(1))
+    r += np.uint32(0x7FFF)
+    return (r >> np.uint32(16)).astype(np.uint16)
 
 
 class HostLinear(nn.Module):

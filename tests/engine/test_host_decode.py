@@ -1,0 +1,154 @@
+"""Decode steps on the host alone (engine/host_decode.py): every such step's logits against the
+MLX path's on the same step (dense copy, gathered keys, a shared prefix, sequences moving
+between host steps and MLX steps with prompt chunks), greedy tokens equal, the models it
+declines; on the real default model, text equal to the MLX path's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.models import llama
+
+from batchmlx.core.request import GenerationRequest, SamplingParams
+from batchmlx.engine import host_decode
+from batchmlx.engine.host_decode import HostDecoder, unsupported
+from batchmlx.engine.kernels import onednn
+from batchmlx.engine.kernels.host_linear import HostFormat, to_host_format
+from tests.engine.test_decode_kv import churn
+from tests.engine.test_engine_tiny import engine, staggered
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="oneDNN (onednn-cpu-gomp)")
+FORMATS = [HostFormat.BF16, HostFormat.INT8]
+# bound on max |host - MLX| / max |MLX| of a step's logits: the same arithmetic in another
+# order of float32 sums, whose last-bit differences move some GEMM inputs across a bf16
+# rounding (or int8 quantization) step: one such flip moves a product by up to 2^-8 of an
+# input (measured on these models, whose weights are scaled up: bf16 <= 4.7e-3, int8 <= 1.7e-2)
+TOLERANCE = {HostFormat.BF16: 1.5e-2, HostFormat.INT8: 6e-2}
+
+
+def tiny(fmt: HostFormat, traditional: bool = False):
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=97, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=True, rope_traditional=traditional,
+    )  # fmt: skip
+    m = llama.Model(args)
+    m.set_dtype(mx.float32)
+    m.update(tree_map(lambda p: p * 4.0, m.parameters()))  # argmax decided by the context
+    mx.eval(m.parameters())
+    return to_host_format(m, fmt)
+
+
+class Compare:
+    """Runs every host step twice, the MLX path first, and keeps the logits' difference."""
+
+    def __init__(self, eng) -> None:
+        self.runner = eng.runner
+        self.host = eng.runner.host
+        assert self.host is not None
+        self.forward = eng.runner.forward
+        self.diffs: list[float] = []
+        self.argmax_equal = True
+        eng.runner.forward = self
+
+    def __call__(self, layout, rows):
+        if not self.host.runs(layout):
+            return self.forward(layout, rows)
+        self.runner.host = None
+        want = np.array(self.forward(layout, rows))  # writes the same KV rows the host rewrites
+        self.runner.host = self.host
+        got = np.array(self.forward(layout, rows))
+        self.diffs.append(float(np.abs(got - want).max() / np.abs(want).max()))
+        self.argmax_equal &= bool((got.argmax(-1) == want.argmax(-1)).all())
+        return mx.array(got)
+
+
+def _tokens(outs) -> dict[str, list[int]]:
+    return {k: o.token_ids for k, o in outs.items()}
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+@pytest.mark.parametrize("dense", [True, False], ids=["dense-copy", "gathered"])
+def test_host_steps_match_the_mlx_path_with_sequences_joining_and_leaving(fmt, dense):
+    model = tiny(fmt)
+    work = churn()  # arrivals while others decode: host steps and mixed MLX steps alternate
+    e = engine(model, max_batch_size=8, max_prefill_tokens=24, block_size=8, dense_decode=dense)
+    cmp = Compare(e)
+    outs = staggered(e, work)
+    assert len(cmp.diffs) >= 20 and cmp.host.steps >= 20
+    assert e.stats.mixed_steps > 0  # sequences went through MLX steps too
+    if dense:
+        assert e.decode_kv.rebuilds >= 2 and e.decode_kv.joins >= 2
+    assert max(cmp.diffs) < TOLERANCE[fmt], max(cmp.diffs)
+    assert cmp.argmax_equal
+    # and the same tokens as an engine that never runs host steps
+    monkey = engine(model, max_batch_size=8, max_prefill_tokens=24, block_size=8,
+                    dense_decode=dense)  # fmt: skip
+    monkey.runner.host = None
+    assert _tokens(outs) == _tokens(staggered(monkey, work))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_decodes_behind_a_shared_prefix_match_the_mlx_path(fmt):
+    model = tiny(fmt, traditional=True)
+    rng = np.random.default_rng(5)
+    shared = rng.integers(1, 97, size=140).tolist()  # 17 blocks of 8: cascade attention
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    rs = [GenerationRequest(f"p{i}", shared + rng.integers(1, 97, size=3 + i).tolist(), params)
+          for i in range(6)]  # fmt: skip
+    e = engine(model, max_batch_size=8, block_size=8, max_prefill_tokens=512)
+    cmp = Compare(e)
+    got = e.generate(rs)
+    assert e.decode_kv.prefix_gathers >= 1  # the decodes read the prefix once, kept
+    assert max(cmp.diffs) < TOLERANCE[fmt] and cmp.argmax_equal
+    ref = engine(model, max_batch_size=8, block_size=8, max_prefill_tokens=512)
+    ref.runner.host = None
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref.generate(rs)]
+
+
+def test_models_it_does_not_run_keep_the_mlx_path(monkeypatch):
+    f32 = tiny(HostFormat.BF16)
+    e = engine(f32)
+    assert e.runner.host is not None
+    mx.random.seed(0)
+    plain = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=97, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=True))  # fmt: skip
+    plain.set_dtype(mx.float32)
+    e = engine(plain)
+    assert e.runner.host is None  # float32 weights: MLX's own GEMMs, exact to mlx-lm
+    assert unsupported(plain, e.storage) == "embedding not in a host format"
+    monkeypatch.setenv(host_decode.ENV, "0")
+    assert HostDecoder.of(f32, engine(f32).storage) is None
+    e = engine(f32)
+    assert e.runner.host is None
+
+
+@pytest.mark.slow
+def test_real_model_text_equals_the_mlx_path(default_model):
+    lm = default_model
+    qs = [f"Question {i}: tell me a fact about the number {i * 7 + 3}." for i in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    reqs = [GenerationRequest(f"q{i}", lm.tokenizer.encode(q), params) for i, q in enumerate(qs)]
+
+    def run(host: bool):
+        from batchmlx.core.engine_api import EngineSettings
+        from batchmlx.engine.llm_engine import Engine
+
+        e = Engine(lm.model, lm.tokenizer, context_length=lm.context_length,
+                   config=EngineSettings(max_batch_size=8, adaptive_width=False))  # fmt: skip
+        if not host:
+            e.runner.host = None
+        cmp = Compare(e) if host else None
+        return [o.token_ids for o in e.generate(reqs)], cmp
+
+    want, _ = run(False)
+    got, cmp = run(True)
+    assert cmp.host.steps >= 20
+    assert max(cmp.diffs) < 5e-2, max(cmp.diffs)  # 30 layers: measured <= 1.8e-2
+    assert sum(g == w for g, w in zip(got, want, strict=True)) >= 7
+    assert all(g[:8] == w[:8] for g, w in zip(got, want, strict=True))

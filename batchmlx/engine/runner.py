@@ -7,7 +7,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from batchmlx.engine.host_decode import HostDecoder
+from batchmlx.engine.host_step import HostStep
 from batchmlx.engine.kernels.attention import (
     AttentionRoute,
     PrefixAttention,
@@ -46,8 +46,8 @@ class ModelRunner:
         self.storage = storage
         self.body, self.head = _split(model)
         self.attention = AttentionRoute(model, prefix_attention)
-        # decode-only steps on the host alone, where the model is one it runs (host_decode.py)
-        self.host = HostDecoder.of(model, storage) if self.packs else None
+        # packed steps on the host alone, where the model is one it runs (host_step.py)
+        self.host = HostStep.of(model, storage) if self.packs else None
 
     @property
     def packs(self) -> bool:

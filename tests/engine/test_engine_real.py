@@ -133,6 +133,8 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts
     from batchmlx.engine.kv import paged as kv_cache
 
     monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 1)  # the template's 2-block prefix too
+    # the MLX path's kernels (host steps, engine/host_step.py, replace them where they run)
+    monkeypatch.setenv("BATCHMLX_HOST_STEPS", "0")
 
     tok = default_model.tokenizer
     story = " ".join(f"Line {i}: the library opens at nine and closes at five." for i in range(30))

@@ -61,3 +61,35 @@ def host_swiglu(gate: mx.array, x: mx.array) -> mx.array:
     else:
         _swiglu_range(g, u, o, 0, n)
     return out
+
+
+def swiglu_halves(gu: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """silu(gate) * up of a fused gate-up GEMM's output gu [M, 2I] (gate the first half of each
+    row, up the second), as [M, I] float32: rows tile by tile (each tile's passes in L2), the
+    halves of a large one on two threads. The host steps' MLP (engine/host_step.py)."""
+    m, two = gu.shape
+    i = two // 2
+    if out is None:
+        out = np.empty((m, i), np.float32)
+    rows = max(1, TILE // i)  # rows per tile
+    if THREADS > 1 and m * i >= MIN_HOST_ELEMENTS:
+        mid = m // 2
+        job = workers().submit(_swiglu_rows, gu, out, i, mid, m, rows)
+        _swiglu_rows(gu, out, i, 0, mid, rows)
+        job.result()
+    else:
+        _swiglu_rows(gu, out, i, 0, m, rows)
+    return out
+
+
+def _swiglu_rows(gu: np.ndarray, out: np.ndarray, i: int, lo: int, hi: int, rows: int) -> None:
+    scratch = np.empty((min(rows, max(hi - lo, 1)), i), np.float32)
+    with np.errstate(over="ignore"):  # exp(-g) -> inf for g < -88: g / inf = -0, silu's limit
+        for a in range(lo, hi, rows):
+            b = min(hi, a + rows)
+            g, s = gu[a:b, :i], scratch[: b - a]
+            np.negative(g, out=s)
+            np.exp(s, out=s)
+            s += np.float32(1.0)
+            np.divide(g, s, out=s)
+            np.multiply(s, gu[a:b, i:], out=out[a:b])

@@ -1,6 +1,6 @@
-"""Decode steps on the host alone (engine/host_decode.py): every such step's logits against the
-MLX path's on the same step (dense copy, gathered keys, a shared prefix, sequences moving
-between host steps and MLX steps with prompt chunks), greedy tokens equal, the models it
+"""Packed steps on the host alone (engine/host_step.py): every step's logits against the MLX
+path's on the same step (decodes over the dense copy or gathered keys, prompt chunks alone,
+padded together or beside decodes, behind a shared prefix), greedy tokens equal, the models it
 declines; on the real default model, text equal to the MLX path's."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from mlx.utils import tree_map
 from mlx_lm.models import llama
 
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine import host_decode
-from batchmlx.engine.host_decode import HostDecoder, unsupported
+from batchmlx.engine import host_step
+from batchmlx.engine.host_step import HostStep, unsupported
 from batchmlx.engine.kernels import onednn
 from batchmlx.engine.kernels.host_linear import HostFormat, to_host_format
 from tests.engine.test_decode_kv import churn
@@ -78,8 +78,8 @@ def test_host_steps_match_the_mlx_path_with_sequences_joining_and_leaving(fmt, d
     e = engine(model, max_batch_size=8, max_prefill_tokens=24, block_size=8, dense_decode=dense)
     cmp = Compare(e)
     outs = staggered(e, work)
-    assert len(cmp.diffs) >= 20 and cmp.host.steps >= 20
-    assert e.stats.mixed_steps > 0  # sequences went through MLX steps too
+    assert len(cmp.diffs) == cmp.host.steps == e.stats.steps >= 20  # every step, on the host
+    assert e.stats.mixed_steps > 0  # prompt chunks beside decodes
     if dense:
         assert e.decode_kv.rebuilds >= 2 and e.decode_kv.joins >= 2
     assert max(cmp.diffs) < TOLERANCE[fmt], max(cmp.diffs)
@@ -92,21 +92,27 @@ def test_host_steps_match_the_mlx_path_with_sequences_joining_and_leaving(fmt, d
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
-def test_decodes_behind_a_shared_prefix_match_the_mlx_path(fmt):
+@pytest.mark.parametrize("dense", [True, False], ids=["dense-copy", "gathered"])
+def test_steps_behind_a_shared_prefix_match_the_mlx_path(fmt, dense):
     model = tiny(fmt, traditional=True)
     rng = np.random.default_rng(5)
     shared = rng.integers(1, 97, size=140).tolist()  # 17 blocks of 8: cascade attention
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    rs = [GenerationRequest(f"p{i}", shared + rng.integers(1, 97, size=3 + i).tolist(), params)
-          for i in range(6)]  # fmt: skip
-    e = engine(model, max_batch_size=8, block_size=8, max_prefill_tokens=512)
+    # four at once (chunks padded together behind the cached prefix), then one at a time
+    work = [(at, GenerationRequest(f"p{i}", shared + rng.integers(1, 97, size=3 + i).tolist(),
+                                   params))
+            for i, at in enumerate((0, 0, 0, 0, 5, 9))]  # fmt: skip
+    cfg = dict(max_batch_size=8, block_size=8, max_prefill_tokens=512, dense_decode=dense)
+    e = engine(model, **cfg)
     cmp = Compare(e)
-    got = e.generate(rs)
-    assert e.decode_kv.prefix_gathers >= 1  # the decodes read the prefix once, kept
+    got = staggered(e, work)
+    if dense:
+        assert e.decode_kv.prefix_gathers >= 1  # the decodes read the prefix once, kept
+    assert e.scheduler.stats.prefix_hits + e.scheduler.stats.hits >= 4
     assert max(cmp.diffs) < TOLERANCE[fmt] and cmp.argmax_equal
-    ref = engine(model, max_batch_size=8, block_size=8, max_prefill_tokens=512)
+    ref = engine(model, **cfg)
     ref.runner.host = None
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref.generate(rs)]
+    assert _tokens(got) == _tokens(staggered(ref, work))
 
 
 def test_models_it_does_not_run_keep_the_mlx_path(monkeypatch):
@@ -122,8 +128,8 @@ def test_models_it_does_not_run_keep_the_mlx_path(monkeypatch):
     e = engine(plain)
     assert e.runner.host is None  # float32 weights: MLX's own GEMMs, exact to mlx-lm
     assert unsupported(plain, e.storage) == "embedding not in a host format"
-    monkeypatch.setenv(host_decode.ENV, "0")
-    assert HostDecoder.of(f32, engine(f32).storage) is None
+    monkeypatch.setenv(host_step.ENV, "0")
+    assert HostStep.of(f32, engine(f32).storage) is None
     e = engine(f32)
     assert e.runner.host is None
 

@@ -1,18 +1,18 @@
-"""Decode steps of a llama-family model in a host weight format, run on the host alone.
+"""Packed steps of a llama-family model in a host weight format, run on the host alone.
 
 On MLX's CPU backend a host-format step (kernels/host_linear.py) hands every GEMM's input to
 the host through an evaluation barrier: 121 a step at 135M, ~350 us each, 42 ms of a width-8
 decode step's 81 (measured 2026-12-02), and the norms, RoPE and SwiGLU between them run in
-MLX's slow CPU elementwise kernels. A step in which every row decodes one token is the same
-short chain of work each time, so here it runs as numpy and oneDNN calls over the very same
-packed weights, paged KV pool and decodes' dense copy (kv/decode.py), and only the logits go
-back to MLX, in a buffer MLX owns. Steps with a prompt chunk, and models this does not know,
-keep the MLX path; both read and write the same KV, so a sequence moves between them freely.
+MLX's slow CPU elementwise kernels. Here a packed step (decodes, prompt chunks, or both) runs
+as numpy and oneDNN calls over the very same packed weights, paged KV pool and decodes' dense
+copy (kv/decode.py), each segment's attention in host_attention's kernels, and only the logits
+go back to MLX, in a buffer MLX owns. Models this does not know keep the MLX path; both read
+and write the same KV, so the two paths can take turns on one sequence.
 
 The arithmetic is the MLX path's: float32 activations, GEMM inputs rounded to bf16 (or
 quantized per token for int8) exactly as host_linear does, float32 norms, RoPE and softmax;
 only the order of float32 sums differs (logits within ~1e-5 of the MLX path's, greedy tokens
-equal: tests/engine/test_host_decode.py). BATCHMLX_HOST_DECODE=0 turns it off.
+equal: tests/engine/test_host_step.py). BATCHMLX_HOST_STEPS=0 turns it off.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ import mlx.nn as nn
 import numpy as np
 
 from batchmlx.engine.kernels import host_attention
+from batchmlx.engine.kernels.host_elementwise import swiglu_halves
 from batchmlx.engine.kernels.host_linear import HostEmbedding, HostFormat, HostLinear, SharedGemm
+from batchmlx.engine.kv.decode import DecodePlan
 from batchmlx.engine.kv.paged import PackedLayout, PagedKVStorage, Segment, SegmentKind
 
-ENV = "BATCHMLX_HOST_DECODE"
+ENV = "BATCHMLX_HOST_STEPS"
 # mlx-lm architectures whose blocks are exactly llama's: x + attn(norm(x)), then + mlp(norm(.)),
 # q/k/v/o projections (biases allowed), plain RoPE, SwiGLU MLP
 ARCHITECTURES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.mistral")
@@ -68,7 +70,7 @@ def _gemm(layer: object, members: int) -> SharedGemm | None:
 
 
 def unsupported(model: nn.Module, storage: PagedKVStorage) -> str | None:
-    """Why `model` cannot run host decode steps over `storage` (None: it can)."""
+    """Why `model` cannot run host steps over `storage` (None: it can)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if inner is None or not layers:
@@ -107,8 +109,8 @@ def unsupported(model: nn.Module, storage: PagedKVStorage) -> str | None:
     return None
 
 
-class HostDecoder:
-    """Runs decode-only packed steps of a supported model on the host (see the module doc)."""
+class HostStep:
+    """Runs the packed steps of a supported model on the host (see the module doc)."""
 
     def __init__(self, model: nn.Module, storage: PagedKVStorage) -> None:
         inner = model.model
@@ -147,20 +149,16 @@ class HostDecoder:
         self.steps = 0  # steps run here (tests and benchmarks read it)
 
     @classmethod
-    def of(cls, model: nn.Module, storage: PagedKVStorage) -> HostDecoder | None:
-        """A decoder for `model`, or None when it is off or the model is not one it runs."""
+    def of(cls, model: nn.Module, storage: PagedKVStorage) -> HostStep | None:
+        """Host steps for `model`, or None when they are off or the model is not one they run."""
         if not enabled() or unsupported(model, storage) is not None:
             return None
         return cls(model, storage)
 
     @staticmethod
     def runs(layout: object) -> bool:
-        """Whether this step is one it runs: packed, every row one decoded token."""
-        return (
-            isinstance(layout, PackedLayout)
-            and len(layout.segments) == 1
-            and layout.segments[0].kind is SegmentKind.ROWS
-        )
+        """Whether this step is one it runs: a packed one (every segment kind)."""
+        return isinstance(layout, PackedLayout)
 
     # -- the step ------------------------------------------------------------------------------
     def forward(self, layout: PackedLayout, rows: list[int] | None) -> mx.array:
@@ -168,28 +166,26 @@ class HostDecoder:
         MLX array; the step's keys and values written to the pool (and the dense copy)."""
         storage = self.storage
         mx.eval(storage.keys, storage.values, layout.tokens, layout.offsets, layout.write_rows)
-        seg = layout.segments[0]
         tokens = np.asarray(layout.tokens).reshape(-1)
-        b = tokens.shape[0]
-        x = self._embedding(tokens)  # [B, hidden] float32
+        t = tokens.shape[0]
+        x = self._embedding(tokens)  # [T, hidden] float32
         cos, sin = self._rope_table(np.asarray(layout.offsets))
-        kv = _StepKV(storage, seg, np.asarray(layout.write_rows))
+        kv = _StepKV(storage, layout)
         hq, h, d = self.n_heads, self.n_kv, self.head_dim
         q_end, k_end = hq * d, (hq + h) * d
         for i, blk in enumerate(self.blocks):
             hn = _rms_norm(x, blk.ln1, self.eps)
             qkv = blk.qkv.host(hn)
-            q = qkv[:, :q_end].reshape(b, hq, d)
-            k = qkv[:, q_end:k_end].reshape(b, h, d)
-            v = qkv[:, k_end:].reshape(b, h, d)
-            q = self._rotate(q, cos, sin) * self.scale
+            q = qkv[:, :q_end].reshape(t, hq, d)
+            k = qkv[:, q_end:k_end].reshape(t, h, d)
+            v = qkv[:, k_end:].reshape(t, h, d)
+            q = self._rotate(q, cos, sin)
+            q *= self.scale
             k = self._rotate(k, cos, sin)
-            o = kv.attend(i, q, np.ascontiguousarray(k), np.ascontiguousarray(v))
-            x += blk.o.host(o.reshape(b, hq * d))
+            o = kv.attend(i, q, k, np.ascontiguousarray(v))
+            x += blk.o.host(o.reshape(t, hq * d))
             hn = _rms_norm(x, blk.ln2, self.eps)
-            gu = blk.gate_up.host(hn)
-            half = gu.shape[1] // 2
-            x += blk.down.host(_swiglu(gu[:, :half], gu[:, half:]))
+            x += blk.down.host(swiglu_halves(blk.gate_up.host(hn)))
         last = np.asarray(layout.last_index)
         if rows is not None:
             last = last[np.asarray(rows, dtype=np.int64)]
@@ -245,97 +241,151 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
     return out
 
 
-def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """silu(gate) * up = gate * up / (1 + exp(-gate)), float32."""
-    e = np.negative(gate)
-    np.exp(e, out=e)
-    e += np.float32(1.0)
-    out = gate * up
-    out /= e
-    return out
-
-
 class _StepKV:
-    """One host step's keys and values: the new rows into the pool (and the decodes' dense
-    copy, when the step has its plan), the keys each row attends to, and its attention. The
-    pool's and the copy's arrays are MLX's, evaluated; they are written through numpy views
-    of their buffers, as the MLX path's in-place scatters write them."""
+    """One host step's keys and values: every token's new rows into the pool (and the decodes'
+    into their dense copy, when the step has its plan), and each segment's attention over the
+    keys its rows see, as attention._segment regroups them. The pool's and the copy's arrays
+    are MLX's, evaluated; they are written through numpy views of their buffers, as the MLX
+    path's in-place scatters write them."""
 
-    def __init__(self, storage: PagedKVStorage, seg: Segment, write_rows: np.ndarray) -> None:
+    def __init__(self, storage: PagedKVStorage, layout: PackedLayout) -> None:
         self.storage = storage
-        self.plan = seg.dense
         self.run = storage.block_size * storage.head_dim
-        self.write_rows = write_rows  # the pool row of each new key, token-major then head
-        plan = self.plan
-        self.bias = np.asarray(plan.bias if plan is not None else seg.bias)
-        self.slot_rows = None if plan is None or plan.slot_rows is None else np.asarray(
-            plan.slot_rows)  # fmt: skip
-        self.row_slots = None if plan is None or plan.row_slots is None else np.asarray(
-            plan.row_slots)  # fmt: skip
-        if plan is not None:
-            self.plan_rows = np.asarray(plan.write_rows)
-            self.join = None if plan.join_rows is None else (
-                np.asarray(plan.join_rows), np.asarray(plan.join_src))  # fmt: skip
-            self.rebuild = None if plan.rebuild_runs is None else np.asarray(
-                plan.rebuild_runs).reshape(-1)  # fmt: skip
-            self.prefix_runs = None if plan.prefix_runs is None else np.asarray(plan.prefix_runs)
-        else:
-            self.gather = np.asarray(seg.gather_runs)
-            self.prefix_runs = None if seg.prefix_runs is None else np.asarray(seg.prefix_runs)
+        self.write_rows = np.asarray(layout.write_rows)  # token-major, then head
+        self.segments = [_SegmentPlan.of(seg) for seg in layout.segments]
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """q [B, Hq, D] (scaled, rotated), k, v [B, H, D] (rotated keys): writes k, v and
-        returns the attention output [B, Hq, D]."""
+        """q [T, Hq, D] (scaled, rotated), k, v [T, H, D] (k rotated): writes k, v and returns
+        the attention output [T, Hq, D] in row order."""
         s = self.storage
-        b, h, d = k.shape
+        t, h, d = k.shape
         kpool, vpool = _view(s.keys[layer]), _view(s.values[layer])
-        kpool[self.write_rows] = k.reshape(b * h, d)
-        vpool[self.write_rows] = v.reshape(b * h, d)
-        prefix = None
-        if self.plan is not None:
-            keys, values, prefix = self._dense(layer, kpool, vpool, k, v)
-            if self.slot_rows is not None:
-                q = q[self.slot_rows]
-        else:
-            kr, vr = kpool.reshape(-1, self.run), vpool.reshape(-1, self.run)
-            keys = kr[self.gather].reshape(b, h, -1, d)
-            values = vr[self.gather].reshape(b, h, -1, d)
-            if self.prefix_runs is not None:
-                prefix = (kr[self.prefix_runs].reshape(h, -1, d),
-                          vr[self.prefix_runs].reshape(h, -1, d))  # fmt: skip
-        n = q.shape[0]
-        out = host_attention.decode_attention(q.reshape(n, h, q.shape[1] // h, d), keys, values,
-                                              self.bias, prefix).reshape(n, -1, d)  # fmt: skip
-        if self.row_slots is not None:
-            out = out[self.row_slots]
+        kpool[self.write_rows] = k.reshape(t * h, d)
+        vpool[self.write_rows] = v.reshape(t * h, d)
+        kr, vr = kpool.reshape(-1, self.run), vpool.reshape(-1, self.run)
+        out = np.empty(q.shape, np.float32)
+        for p in self.segments:
+            rows = slice(p.seg.first, p.seg.first + p.seg.length)
+            out[rows] = p.attend(layer, q[rows], k[rows], v[rows], kpool, vpool, kr, vr)
         return out
 
-    def _dense(self, layer: int, kpool: np.ndarray, vpool: np.ndarray, k: np.ndarray,
-               v: np.ndarray) -> tuple:  # fmt: skip
-        """DecodePlan.fetch in numpy: the copy's keys and values [S, H, L, D] with the new
-        rows in, and the shared prefix's [H, P, D] (or None)."""
+
+@dataclass(slots=True)
+class _SegmentPlan:
+    """One segment's indices as numpy (read once a step, used by every layer)."""
+
+    seg: Segment
+    bias: np.ndarray
+    gather: np.ndarray | None  # [B, H, K / block_size] pool runs (no dense copy)
+    prefix_runs: np.ndarray | None  # [H, P / block_size] a shared prefix's runs
+    dense: _DensePlan | None = None
+    pad_rows: np.ndarray | None = None  # CHUNKS
+    real_rows: np.ndarray | None = None
+    valid: np.ndarray | None = None  # CHUNKS behind a prefix: [B, Q] the real queries
+
+    @classmethod
+    def of(cls, seg: Segment) -> _SegmentPlan:
+        plan = seg.dense
+        if plan is not None:
+            return cls(seg, np.asarray(plan.bias), None, None, _DensePlan.of(plan))
+        p = cls(seg, np.asarray(seg.bias), np.asarray(seg.gather_runs),
+                None if seg.prefix_runs is None else np.asarray(seg.prefix_runs))  # fmt: skip
+        if seg.kind is SegmentKind.CHUNKS:
+            p.pad_rows, p.real_rows = np.asarray(seg.pad_rows), np.asarray(seg.real_rows)
+            if p.prefix_runs is not None and seg.queries <= host_attention.TILE_QUERIES:
+                valid = np.zeros(seg.batch * seg.queries, dtype=bool)
+                valid[p.real_rows] = True
+                p.valid = valid.reshape(seg.batch, seg.queries)
+        return p
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+               kpool: np.ndarray, vpool: np.ndarray, kr: np.ndarray,
+               vr: np.ndarray) -> np.ndarray:  # fmt: skip
+        """This segment's rows: q [n, Hq, D], k, v [n, H, D] -> [n, Hq, D]."""
+        seg = self.seg
+        n, hq, d = q.shape
+        h = k.shape[1]
+        rep = hq // h
+        if self.dense is not None:
+            keys, values, prefix = self.dense.fetch(layer, kpool, vpool, k, v, self.seg)
+            dp = self.dense
+            qs = q if dp.slot_rows is None else q[dp.slot_rows]
+            o = host_attention.decode_attention(qs.reshape(-1, h, rep, d), keys, values,
+                                                self.bias, prefix).reshape(-1, hq, d)  # fmt: skip
+            return o if dp.row_slots is None else o[dp.row_slots]
+        b = seg.batch
+        keys = kr[self.gather].reshape(b, h, -1, d)
+        values = vr[self.gather].reshape(b, h, -1, d)
+        prefix = None
+        if self.prefix_runs is not None:
+            prefix = (kr[self.prefix_runs].reshape(h, -1, d),
+                      vr[self.prefix_runs].reshape(h, -1, d))  # fmt: skip
+        if seg.kind is SegmentKind.ROWS:
+            o = host_attention.decode_attention(q.reshape(n, h, rep, d), keys, values,
+                                                self.bias, prefix)  # fmt: skip
+            return o.reshape(n, hq, d)
+        if seg.kind is SegmentKind.CHUNK:  # one sequence: [1, H, rep, L, D]
+            q5 = q.transpose(1, 0, 2).reshape(1, h, rep, n, d)
+        else:  # padded chunks: [B, H, rep, Q, D]
+            q5 = q[self.pad_rows].reshape(b, seg.queries, h, rep, d).transpose(0, 2, 3, 1, 4)
+        o = host_attention._attend(np.ascontiguousarray(q5), keys, values, self.bias,
+                                   seg.causal_offset, host_attention.TILE_QUERIES, prefix,
+                                   self.valid)  # fmt: skip
+        if seg.kind is SegmentKind.CHUNK:
+            return o.reshape(hq, n, d).transpose(1, 0, 2)
+        o = o.reshape(b, hq, seg.queries, d).transpose(0, 2, 1, 3).reshape(-1, hq, d)
+        return o[self.real_rows]
+
+
+@dataclass(slots=True)
+class _DensePlan:
+    """A DecodePlan's indices as numpy; `fetch` is DecodePlan.fetch in numpy."""
+
+    plan: DecodePlan
+    write_rows: np.ndarray
+    join: tuple[np.ndarray, np.ndarray] | None
+    rebuild: np.ndarray | None
+    prefix_runs: np.ndarray | None
+    slot_rows: np.ndarray | None
+    row_slots: np.ndarray | None
+
+    @classmethod
+    def of(cls, plan: DecodePlan) -> _DensePlan:
+        def host(a: mx.array | None) -> np.ndarray | None:
+            return None if a is None else np.asarray(a)
+
+        join = None if plan.join_rows is None else (host(plan.join_rows), host(plan.join_src))
+        rebuild = None if plan.rebuild_runs is None else np.asarray(plan.rebuild_runs).reshape(-1)
+        return cls(plan, np.asarray(plan.write_rows), join, rebuild, host(plan.prefix_runs),
+                   host(plan.slot_rows), host(plan.row_slots))  # fmt: skip
+
+    def fetch(self, layer: int, kpool: np.ndarray, vpool: np.ndarray, k: np.ndarray,
+              v: np.ndarray, seg: Segment) -> tuple:  # fmt: skip
+        """The copy's keys and values [S, H, L, D] with the new rows in, and the shared
+        prefix's [H, P, D] (or None)."""
         plan = self.plan
         kv = plan.owner
         d = kpool.shape[-1]
+        run = kv.block_size * d
         out = []
         for pool, new, arrays in ((kpool, k, kv.keys), (vpool, v, kv.values)):
             if self.rebuild is not None:  # the pool already holds the step's new rows
-                buf = mx.zeros((self.rebuild.shape[0] * self.run // d, d), mx.float32)
+                buf = mx.zeros((self.rebuild.shape[0] * kv.block_size, d), mx.float32)
                 mx.eval(buf)
-                np.take(pool.reshape(-1, self.run), self.rebuild, axis=0,
-                        out=_view(buf).reshape(-1, self.run))  # fmt: skip
+                np.take(pool.reshape(-1, run), self.rebuild, axis=0,
+                        out=_view(buf).reshape(-1, run))  # fmt: skip
                 arrays[layer] = buf
                 arr = _view(buf)
             else:
                 arr = _view(arrays[layer])
                 if self.join is not None:
                     arr[self.join[0]] = pool[self.join[1]]
-                arr[self.plan_rows] = new.reshape(-1, d)
+                arr[self.write_rows] = new.reshape(-1, d)
             out.append(arr.reshape(plan.slots, kv.n_kv_heads, plan.capacity, d))
-        if self.prefix_runs is not None:
+        if self.prefix_runs is not None:  # gathered this step, kept while shared
             h = kv.n_kv_heads
-            kp = kpool.reshape(-1, self.run)[self.prefix_runs].reshape(h, -1, d)
-            vp = vpool.reshape(-1, self.run)[self.prefix_runs].reshape(h, -1, d)
+            kp = kpool.reshape(-1, run)[self.prefix_runs].reshape(h, -1, d)
+            vp = vpool.reshape(-1, run)[self.prefix_runs].reshape(h, -1, d)
             kv.prefix[layer] = (mx.array(kp), mx.array(vp))
         prefix = None
         if kv.prefix_blocks:

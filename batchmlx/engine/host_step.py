@@ -17,6 +17,7 @@ equal: tests/engine/test_host_step.py). BATCHMLX_HOST_STEPS=0 turns it off.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from batchmlx.engine.kernels.host_elementwise import swiglu_halves
 from batchmlx.engine.kernels.host_linear import HostEmbedding, HostFormat, HostLinear, SharedGemm
 from batchmlx.engine.kv.decode import DecodePlan
 from batchmlx.engine.kv.paged import PackedLayout, PagedKVStorage, Segment, SegmentKind
+
+log = logging.getLogger("batchmlx.engine")
 
 ENV = "BATCHMLX_HOST_STEPS"
 # mlx-lm architectures whose blocks are exactly llama's: x + attn(norm(x)), then + mlp(norm(.)),
@@ -151,7 +154,13 @@ class HostStep:
     @classmethod
     def of(cls, model: nn.Module, storage: PagedKVStorage) -> HostStep | None:
         """Host steps for `model`, or None when they are off or the model is not one they run."""
-        if not enabled() or unsupported(model, storage) is not None:
+        if not enabled():
+            return None
+        why = unsupported(model, storage)
+        if why is not None:
+            host_layers = any(isinstance(m, HostLinear) for _, m in model.named_modules())
+            if host_layers:  # a host format whose steps stay in MLX: say why, once a load
+                log.info("steps run in MLX, not on the host alone: %s", why)
             return None
         return cls(model, storage)
 

@@ -197,7 +197,7 @@ class SharedGemm:
     def host(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """out[M, N] = x[M, K] . W^T (+ bias) on numpy arrays: x float32 (bf16: its bits as
         uint16 are taken as they are), out float32 C-contiguous (allocated when None). The
-        MLX layers' GEMM and the host decode steps' (engine/host_decode.py)."""
+        MLX layers' GEMM and the host steps' (engine/host_step.py)."""
         lib = load_library()
         if out is None:
             out = np.empty((x.shape[0], self._w.n), np.float32)

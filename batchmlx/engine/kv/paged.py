@@ -74,7 +74,7 @@ class PagedKVStorage:
             return
         # grown by a quarter at least: each growth copies the whole pool (a 135M model's
         # ~500 MB at width 64, ~12 ms a step averaged over the steps between fixed 64-block
-        # growths), so copies stay few however large it gets, at most a quarter unused
+        # growths), so copies stay few however large it gets, at most a fifth of it unused
         grow = max(self.grow_blocks, self.capacity_blocks // 4)
         target = min(self.max_blocks, max(num_blocks, self.capacity_blocks + grow))
         extra = (target - self.capacity_blocks) * self.n_kv_heads * self.block_size

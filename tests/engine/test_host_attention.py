@@ -132,3 +132,33 @@ def test_engine_tokens_and_logprobs_same_on_the_host(tiny_model, monkeypatch) ->
     for a, b in zip(on_host, in_mlx, strict=True):
         np.testing.assert_allclose([x.logprob for x in a.logprobs],
                                    [x.logprob for x in b.logprobs], atol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["alone", "split"])
+@pytest.mark.parametrize("with_prefix", [False, True], ids=["own-keys", "behind-a-prefix"])
+def test_decode_attention_equals_naive_over_own_keys_and_a_shared_prefix(
+    split, with_prefix, monkeypatch
+) -> None:
+    """The one-query kernel of host steps: S sequences with their own key lengths (the bias
+    masks the rest), optionally behind a prefix every one of them sees."""
+    monkeypatch.setattr(host_attention, "MIN_SPLIT_DECODE_SCORES", 1 if split else 1 << 40)
+    monkeypatch.setattr(host_attention, "THREADS", 2)
+    rng = np.random.default_rng(7)
+    s, h, rep, d, kl, p = 5, 2, 3, 16, 12, 9
+    q = rng.standard_normal((s, h, rep, d)).astype(np.float32) * 0.5
+    k, v = (rng.standard_normal((s, h, kl, d)).astype(np.float32) for _ in range(2))
+    lens = np.array([1, 4, 12, 7, 9])
+    seen = np.arange(kl)[None, :] < lens[:, None]  # [S, K]
+    bias = np.where(seen, 0, -np.inf).astype(np.float32)[:, None, None, :]
+    prefix = None
+    if with_prefix:  # the naive reference: the prefix's keys ahead of each sequence's own
+        pk, pv = (rng.standard_normal((h, p, d)).astype(np.float32) for _ in range(2))
+        prefix = (pk, pv)
+        k_all = np.concatenate([np.broadcast_to(pk, (s, h, p, d)), k], axis=2)
+        v_all = np.concatenate([np.broadcast_to(pv, (s, h, p, d)), v], axis=2)
+        seen = np.concatenate([np.ones((s, p), bool), seen], axis=1)
+    else:
+        k_all, v_all = k, v
+    got = host_attention.decode_attention(q, k, v, bias, prefix)  # q already scaled
+    want = naive(q.reshape(s, h * rep, 1, d), k_all, v_all, 1.0, seen[:, None, None, :])
+    np.testing.assert_allclose(got.reshape(s, h * rep, 1, d), want, rtol=1e-5, atol=1e-5)

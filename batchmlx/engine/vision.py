@@ -1,0 +1,361 @@
+"""Vision-language models through mlx-vlm (the `vision` extra): prompts with images, and an engine.
+
+`VisionPrompter` turns chat messages and their images into what the engine runs: the model's
+chat template (an image entry per image), the processor's pixels and its expanded placeholder
+tokens, and one `MediaSpan` per image (its placeholder run keyed by the image's digest, for the
+prefix cache: core/media.py).
+
+`VisionEngine` is EngineProtocol over mlx-vlm's model classes, one request at a time (said in
+the log): mlx-vlm's models take their own per-layer caches, which the paged engine's batched
+steps do not fit. What it shares with the paged engine: the block pool and KV manager of core
+(prefix-cache lookup, registration, release, eviction by LRU), each sampled token's
+post-processing step (core/postprocess.py) and the sampler (engine/sampler.py). The KV of each
+registered block is kept here by block id; a hit is the concatenation of its blocks' KV, and
+when every image of the prompt lies in the hit blocks the vision tower is not run at all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import io
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from batchmlx.core.blocks import BlockPool
+from batchmlx.core.engine_api import EngineSettings, StepError, TokenCallback
+from batchmlx.core.finish import FinishRules
+from batchmlx.core.kv_manager import KVCacheManager
+from batchmlx.core.media import MediaSpan
+from batchmlx.core.postprocess import Generation, Postprocessor
+from batchmlx.core.request import CacheOutcome, GenerationOutput, GenerationRequest
+from batchmlx.core.sequence import Sequence
+from batchmlx.core.telemetry import EngineCounters
+from batchmlx.engine.sampler import SampleRow, sample
+from batchmlx.formats.media import MediaKind, MediaPart
+
+log = logging.getLogger("batchmlx.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class VisionInputs:
+    """What the engine feeds the vision tower of one prompt (GenerationRequest.media)."""
+
+    pixel_values: Any  # mx.array, as the processor made it
+    extra: dict[str, Any] = field(default_factory=dict)  # other processor outputs (image sizes)
+
+
+class PromptRefused(ValueError):
+    """A prompt the model cannot take (a video on an image-only model): the line's 400."""
+
+
+class VisionPrompter:
+    """Messages and resolved media parts → (prompt tokens, spans, inputs), through the model's
+    own processor (mlx-vlm loads it with the model)."""
+
+    def __init__(self, processor: Any, config: dict[str, Any], model_name: str) -> None:
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.model_name = model_name
+        self.image_token_id = int(
+            config.get("image_token_index", config.get("image_token_id", -1))
+        )
+
+    def prompt(
+        self, messages: Seq[dict[str, str]], media: Seq[MediaPart]
+    ) -> tuple[list[int], str, tuple[MediaSpan, ...], VisionInputs | None]:
+        from PIL import Image
+
+        for part in media:
+            if part.kind is not MediaKind.IMAGE:
+                raise PromptRefused(
+                    f"the model '{self.model_name}' takes images only; {part.param} is a "
+                    f"{part.kind.value}."
+                )
+        per_message = [0] * len(messages)
+        for part in media:
+            per_message[part.message] += 1
+        chat = []
+        for m, count in zip(messages, per_message, strict=True):
+            content = [{"type": "image"}] * count + [{"type": "text", "text": m["content"]}]
+            chat.append({"role": m["role"], "content": content})
+        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                  tokenize=False)  # fmt: skip
+        if not media:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return list(ids), text, (), None
+        images = []
+        for part in media:
+            try:
+                images.append(Image.open(io.BytesIO(part.data or b"")).convert("RGB"))
+            except Exception as exc:  # PIL raises several kinds for bytes that are no image
+                raise PromptRefused(f"{part.param} is not an image PIL can read ({exc}).") from None
+        out = self.processor(text=[text], images=images)
+        ids = [int(t) for t in mx.array(out["input_ids"]).reshape(-1).tolist()]
+        spans = _spans(ids, self.image_token_id, media)
+        pixel_values = mx.array(out["pixel_values"])
+        extra = {k: mx.array(v) for k, v in out.items()
+                 if k not in ("input_ids", "attention_mask", "pixel_values")}  # fmt: skip
+        return ids, text, spans, VisionInputs(pixel_values, extra)
+
+
+def _spans(ids: list[int], image_token: int, media: Seq[MediaPart]) -> tuple[MediaSpan, ...]:
+    """The runs of placeholder tokens, one per image, in order."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != image_token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    if len(runs) != len(media):
+        raise PromptRefused(
+            f"the prompt holds {len(runs)} image placeholder runs for {len(media)} images; "
+            "this model's template takes one image per placeholder."
+        )
+    return tuple(MediaSpan(s, n, p.digest or b"") for (s, n), p in zip(runs, media, strict=True))
+
+
+@dataclass(slots=True)
+class _Live:
+    gen: Generation
+    seq: Sequence
+    entropy: int
+    cache: list[Any] | None = None  # the mlx-vlm per-layer caches once running
+    cached_tokens: int = 0
+    outcome: CacheOutcome = CacheOutcome.MISS
+    next_logits: Any = None
+
+
+class VisionEngine:
+    """EngineProtocol and EngineTelemetry over an mlx-vlm model, one request at a time."""
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        *,
+        context_length: int,
+        config: EngineSettings | None = None,
+        clock=time.perf_counter,
+        seed: int | None = None,
+    ) -> None:
+        self.cfg = config or EngineSettings()
+        self.model = model
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.context_length = context_length
+        self.clock = clock
+        self._rand = random.Random(seed)
+        self.pool = BlockPool(self.cfg.cache_max_blocks, self.cfg.block_size)
+        self.kv = KVCacheManager(self.pool, enable_prefix_cache=self.cfg.use_paged_cache)
+        self._blocks: dict[int, list[tuple[Any, Any]]] = {}  # block id → per-layer (keys, values)
+        self._live: dict[str, _Live] = {}
+        self._waiting: list[tuple[int, int, str]] = []  # (priority, order, request id)
+        self._order = itertools.count()
+        self._current: _Live | None = None
+        self.post = Postprocessor(self)
+        self.on_token: TokenCallback | None = None
+        # cumulative: steps, step seconds, first admissions by cache outcome
+        self.steps, self.step_s = 0, 0.0
+        self.outcomes = dict.fromkeys(CacheOutcome, 0)
+        self.vision_runs = 0  # prompts whose images went through the vision tower
+        log.info("vision engine: one request at a time (mlx-vlm's caches are per request; "
+                 "no batched steps)")  # fmt: skip
+
+    # -- EngineProtocol ------------------------------------------------------------------------
+    @property
+    def max_context_tokens(self) -> int:
+        return self.context_length
+
+    @property
+    def running_limit(self) -> int:
+        return 1
+
+    def add(self, req: GenerationRequest) -> None:
+        rules = FinishRules.for_request(req, self.max_context_tokens)
+        gen = Generation(req, rules, self.clock())
+        live = _Live(gen, Sequence(req, next(self._order)), self._rand.getrandbits(63))
+        self._live[req.request_id] = live
+        heapq.heappush(self._waiting, (req.priority, live.seq.arrival, req.request_id))
+
+    def abort(self, request_id: str) -> bool:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return False
+        if live is self._current:
+            self._release(live)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def generated_so_far(self, request_id: str) -> int:
+        live = self._live.get(request_id)
+        return 0 if live is None else len(live.gen.tokens)
+
+    def step(self) -> list[GenerationOutput]:
+        t0 = time.perf_counter()
+        live = self._current or self._next()
+        if live is None:
+            return []
+        try:
+            if live.cache is None:
+                self._prefill(live)
+            token, lp = self._sample(live)
+            # FinishRules bound max tokens by the context, so the room is never passed
+            reason = self.post(live.gen, token, lp, self.clock())
+            done: list[GenerationOutput] = []
+            if reason is not None or not self.kv.reserve(live.seq, 1):
+                done.append(self._finish(live))
+            else:
+                self._decode(live, token)
+        except Exception as exc:
+            self._live.pop(live.seq.seq_id, None)
+            self._release(live)
+            raise StepError([live.seq.seq_id], exc) from exc
+        self.steps += 1
+        self.step_s += time.perf_counter() - t0
+        return done
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+        """Run requests to completion (tests, benchmarks, scripts)."""
+        for r in requests:
+            self.add(r)
+        outs: dict[str, GenerationOutput] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                outs[o.request_id] = o
+        return [outs[r.request_id] for r in requests]
+
+    def counters(self) -> EngineCounters:
+        o = self.outcomes
+        return EngineCounters(
+            steps=self.steps, step_s=self.step_s, generated_tokens=self.post.generated_tokens,
+            hits=o[CacheOutcome.HIT], prefix_hits=o[CacheOutcome.PREFIX_HIT],
+            misses=o[CacheOutcome.MISS], running=1 if self._current is not None else 0,
+            blocks_in_use=self.pool.num_used, blocks_cached=self.pool.num_cached,
+            blocks_free=self.pool.num_free,
+        )  # fmt: skip
+
+    @property
+    def embedder(self) -> Any:
+        raise ValueError("embeddings are not computed for vision-language models")
+
+    # -- internals -----------------------------------------------------------------------------
+    def _next(self) -> _Live | None:
+        while self._waiting:
+            _, _, rid = heapq.heappop(self._waiting)
+            live = self._live.get(rid)
+            if live is not None:
+                self._current = live
+                return live
+        return None
+
+    def _prefill(self, live: _Live) -> None:
+        from mlx_vlm.models.cache import make_prompt_cache
+
+        seq, bs = live.seq, self.cfg.block_size
+        hits = self.kv.cached_prefix(seq)
+        if not self.kv.admit(seq, hits, seq.num_tokens - len(hits) * bs):
+            raise MemoryError(f"the KV cache ({self.pool.num_usable} blocks) cannot hold "
+                              f"{seq.num_tokens} prompt tokens")  # fmt: skip
+        lm = self.model.language_model
+        cache = make_prompt_cache(lm)
+        cached = len(hits) * bs
+        if hits:
+            for layer, c in enumerate(cache):
+                keys = mx.concatenate([self._blocks[b.block_id][layer][0] for b in hits], axis=2)
+                values = mx.concatenate([self._blocks[b.block_id][layer][1] for b in hits], axis=2)
+                c.update_and_fetch(keys, values)
+        ids = mx.array([seq.token_ids])
+        spans = seq.request.media_spans
+        inputs: VisionInputs | None = seq.request.media
+        if inputs is None or all(s.end <= cached for s in spans):
+            embeds = lm.model.embed_tokens(ids[:, cached:])  # every image is in the hit blocks
+        else:
+            self.vision_runs += 1
+            full = self.model.get_input_embeddings(ids, inputs.pixel_values, **inputs.extra)
+            embeds = full.inputs_embeds[:, cached:]
+        out = lm(ids[:, cached:], inputs_embeds=embeds, cache=cache)
+        live.next_logits = _logits(out)[:, -1, :]
+        live.cache = cache
+        live.cached_tokens = cached
+        max_hit = self.kv.max_cached_blocks(seq, bs)
+        if cached == 0:
+            live.outcome = CacheOutcome.MISS
+        elif len(hits) == max_hit:
+            live.outcome = CacheOutcome.HIT
+        else:
+            live.outcome = CacheOutcome.PREFIX_HIT
+        self.outcomes[live.outcome] += 1
+        seq.num_computed_tokens = seq.num_tokens
+        self._register(live)
+
+    def _sample(self, live: _Live) -> tuple[int, Any]:
+        p = live.gen.request.params
+        (tok,), (lp,) = sample(live.next_logits, [SampleRow(p, len(live.gen.tokens), live.entropy)])
+        return tok, lp
+
+    def _decode(self, live: _Live, token: int) -> None:
+        seq = live.seq
+        seq.token_ids.append(token)
+        out = self.model.language_model(mx.array([[token]]), cache=live.cache)
+        live.next_logits = _logits(out)[:, -1, :]
+        seq.num_computed_tokens = seq.num_tokens
+        self._register(live)
+
+    def _register(self, live: _Live) -> None:
+        """Offer the newly full blocks to the prefix cache, keeping their KV by block id."""
+        seq, bs = live.seq, self.cfg.block_size
+        before = seq.num_registered_blocks
+        self.kv.register_full_blocks(seq)
+        if seq.num_registered_blocks == before or live.cache is None:
+            return
+        kept = []
+        for i in range(before, seq.num_registered_blocks):
+            layers = [
+                (c.keys[:, :, i * bs : (i + 1) * bs, :], c.values[:, :, i * bs : (i + 1) * bs, :])
+                for c in live.cache
+            ]
+            self._blocks[seq.block_table[i]] = layers
+            kept.extend(a for kv in layers for a in kv)
+        mx.eval(*kept)  # copies: the slices keep no hold on the request's whole cache
+
+    def _finish(self, live: _Live) -> GenerationOutput:
+        out = live.gen.output(cached_tokens=live.cached_tokens, cache_outcome=live.outcome)
+        self._live.pop(live.seq.seq_id, None)
+        self._release(live)
+        return out
+
+    def _release(self, live: _Live) -> None:
+        if live.seq.block_table:
+            self.kv.free(live.seq)
+        live.cache = None
+        if self._current is live:
+            self._current = None
+
+
+def _logits(out: Any) -> Any:
+    return getattr(out, "logits", out)
+
+
+def load_vision(path: str) -> tuple[Any, Any, dict[str, Any]]:
+    """mlx-vlm's model and processor of a local folder or hub id, and its config."""
+    try:
+        from mlx_vlm import load
+        from mlx_vlm.utils import load_config
+    except ImportError as exc:
+        raise ValueError(
+            "this is a vision-language model: install batchmlx's vision extra "
+            "(pip install 'batchmlx[vision]') to serve it"
+        ) from exc
+    model, processor = load(path)
+    return model, processor, load_config(path)

@@ -1,0 +1,111 @@
+"""The vision engine (engine/vision.py) on a tiny random-weight LLaVA built from mlx-vlm's own
+classes: greedy tokens equal mlx-vlm's own generation loop on the same weights and image, alone
+and several requests in a row; the prefix cache's three image cases, with `cached_tokens`."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from batchmlx.core.request import CacheOutcome, GenerationRequest, SamplingParams
+from batchmlx.formats.params import parse_request
+from tests.tiny_vlm import IMAGE_TOKENS, png
+
+pytest.importorskip("mlx_vlm")
+
+MAX = 6
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_vlm_dir):
+    from batchmlx.engine.vision import VisionPrompter, load_vision
+
+    model, processor, config = load_vision(str(tiny_vlm_dir))
+    return model, processor, VisionPrompter(processor, config, "tiny-llava")
+
+
+def engine(loaded, **settings):
+    from batchmlx.core.engine_api import EngineSettings
+    from batchmlx.engine.vision import VisionEngine
+
+    model, processor, _ = loaded
+    cfg = EngineSettings(cache_max_blocks=256, **settings)
+    return VisionEngine(model, processor, context_length=2048, config=cfg)
+
+
+def request(loaded, image: bytes | None, question: str, rid: str) -> GenerationRequest:
+    content: list[dict] = [{"type": "text", "text": question}]
+    if image is not None:
+        url = "data:image/png;base64," + base64.b64encode(image).decode()
+        content.insert(0, {"type": "image_url", "image_url": {"url": url}})
+    parsed = parse_request("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "system", "content": "You look at pictures."},
+        {"role": "user", "content": content}]})  # fmt: skip
+    assert not isinstance(parsed, Exception) and hasattr(parsed, "media"), parsed
+    tokens, _, spans, inputs = loaded[2].prompt(parsed.messages, parsed.media)
+    return GenerationRequest(rid, tokens, SamplingParams(max_tokens=MAX, temperature=0.0),
+                             media_spans=spans, media=inputs)  # fmt: skip
+
+
+def reference(loaded, req: GenerationRequest) -> list[int]:
+    """mlx-vlm's own loop (generate_step, what its generate runs) on the same inputs."""
+    import mlx.core as mx
+    from mlx_vlm.generate import generate_step
+
+    model = loaded[0]
+    pixels = None if req.media is None else req.media.pixel_values
+    steps = generate_step(mx.array([req.prompt_tokens]), model, pixels, None,
+                          max_tokens=MAX, temperature=0.0)  # fmt: skip
+    return [int(t) for t, _ in steps]
+
+
+def test_the_prompt_holds_one_placeholder_run_keyed_by_the_image(loaded):
+    a = request(loaded, png(1), "What is this?", "a")
+    (span,) = a.media_spans
+    assert span.length == IMAGE_TOKENS
+    assert a.prompt_tokens[span.start : span.end] == [loaded[2].image_token_id] * IMAGE_TOKENS
+    assert request(loaded, png(2), "What is this?", "b").media_spans[0].digest != span.digest
+
+
+def test_greedy_tokens_equal_mlx_vlm_alone_and_in_a_row(loaded):
+    reqs = [request(loaded, png(i), q, f"r{i}") for i, q in
+            enumerate(["What is this?", "Name the colours.", "Describe it."])]  # fmt: skip
+    eng = engine(loaded, use_paged_cache=False)
+    outs = eng.generate(reqs)
+    for req, out in zip(reqs, outs, strict=True):
+        assert out.token_ids == reference(loaded, req)[: len(out.token_ids)], req.request_id
+        assert len(out.token_ids) == MAX or out.finish_reason.value == "stop"
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # the image changes the answer
+    # a text-only prompt through the same engine
+    text = request(loaded, None, "Hello there", "t")
+    assert engine(loaded).generate([text])[0].token_ids == reference(loaded, text)[:MAX]
+
+
+def test_prefix_cache_same_image_other_image_other_question(loaded):
+    eng = engine(loaded)
+    first = eng.generate([request(loaded, png(1), "What is this?", "a")])[0]
+    assert (first.cache_outcome, first.cached_tokens) == (CacheOutcome.MISS, 0)
+    assert eng.vision_runs == 1
+
+    same = request(loaded, png(1), "What is this?", "b")
+    again = eng.generate([same])[0]
+    assert again.cache_outcome is CacheOutcome.HIT
+    assert again.cached_tokens == (len(same.prompt_tokens) - 1) // 16 * 16
+    assert again.token_ids == first.token_ids == reference(loaded, same)[:MAX]
+    assert eng.vision_runs == 1  # the whole image came from the cache: no vision tower
+
+    other = request(loaded, png(2), "What is this?", "c")
+    assert other.prompt_tokens == same.prompt_tokens  # the same tokens, another image
+    moved = eng.generate([other])[0]
+    span = other.media_spans[0]
+    # only the blocks wholly before the image are shared
+    assert moved.cached_tokens == span.start // 16 * 16 < span.start + 1
+    assert moved.token_ids == reference(loaded, other)[:MAX]
+    assert eng.vision_runs == 2
+
+    question = request(loaded, png(1), "Which colour is most common here?", "d")
+    reused = eng.generate([question])[0]
+    assert reused.cache_outcome is CacheOutcome.PREFIX_HIT
+    assert reused.cached_tokens >= question.media_spans[0].end // 16 * 16 > span.start
+    assert reused.token_ids == reference(loaded, question)[:MAX]

@@ -63,9 +63,7 @@ class VisionPrompter:
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.model_name = model_name
-        self.image_token_id = int(
-            config.get("image_token_index", config.get("image_token_id", -1))
-        )
+        self.image_token_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
 
     def prompt(
         self, messages: Seq[dict[str, str]], media: Seq[MediaPart]
@@ -345,6 +343,30 @@ class VisionEngine:
 
 def _logits(out: Any) -> Any:
     return getattr(out, "logits", out)
+
+
+def is_vision_model(kind: str, source: str) -> bool:
+    """Whether a resolved model (core.models.ModelSpec's kind and source) is a vision-language
+    one: its config.json has a `vision_config`. A hub id's config is read from the local hub
+    cache, or fetched; one that cannot be read counts as text (the text loader says why)."""
+    import json
+    from pathlib import Path
+
+    if kind == "mlx_dir":
+        config = Path(source) / "config.json"
+    elif kind == "hub":
+        try:
+            from huggingface_hub import hf_hub_download
+
+            config = Path(hf_hub_download(source, "config.json"))
+        except Exception:  # offline, gated, no such repo: the text path reports it
+            return False
+    else:
+        return False
+    try:
+        return "vision_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def load_vision(path: str) -> tuple[Any, Any, dict[str, Any]]:

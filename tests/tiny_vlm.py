@@ -19,7 +19,18 @@ TEMPLATE = (
 )
 
 
-def build_tiny_vlm(dest: Path, cache: Path, seed: int = 0) -> Path:
+def build_tiny_vlm(
+    dest: Path,
+    cache: Path,
+    seed: int = 0,
+    *,
+    image_size: int = IMAGE_SIZE,
+    hidden: int = 64,
+    layers: int = 2,
+    vision_hidden: int = 32,
+) -> Path:
+    """Write the folder `dest`. The keywords scale it (benchmarks/vision_cache.py): an image of
+    image_size pixels a side gives (image_size // 14) ** 2 placeholder tokens."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.models import llava
@@ -34,12 +45,13 @@ def build_tiny_vlm(dest: Path, cache: Path, seed: int = 0) -> Path:
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tok.chat_template = TEMPLATE
     vocab = len(tok)
-    text = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+    text = {"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
             "vocab_size": vocab, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048,
             "tie_word_embeddings": False}  # fmt: skip
-    vision = {"model_type": "clip_vision_model", "num_hidden_layers": 2, "hidden_size": 32,
-              "intermediate_size": 64, "num_attention_heads": 2, "image_size": IMAGE_SIZE,
+    vision = {"model_type": "clip_vision_model", "num_hidden_layers": layers,
+              "hidden_size": vision_hidden, "intermediate_size": 2 * vision_hidden,
+              "num_attention_heads": 2, "image_size": image_size,
               "patch_size": PATCH, "projection_dim": 32}  # fmt: skip
     config = {"model_type": "llava", "image_token_index": tok.convert_tokens_to_ids("<image>"),
               "vocab_size": vocab, "vision_feature_layer": -2,
@@ -55,8 +67,8 @@ def build_tiny_vlm(dest: Path, cache: Path, seed: int = 0) -> Path:
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dest / "config.json").write_text(json.dumps(config, indent=1))
     tok.save_pretrained(str(dest))
-    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size=size).save_pretrained(dest)
+    size = {"height": image_size, "width": image_size}
+    CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size=size).save_pretrained(dest)
     (dest / "processor_config.json").write_text(json.dumps({
         "patch_size": PATCH, "vision_feature_select_strategy": "default",
         "image_token": "<image>", "num_additional_image_tokens": 1}))  # fmt: skip

@@ -247,6 +247,12 @@ class VisionEngine:
     def embedder(self) -> Any:
         raise ValueError("embeddings are not computed for vision-language models")
 
+    def release_memory(self) -> int:
+        """As the paged engine's: freed memory back to the OS."""
+        from batchmlx.engine.host_memory import release_free_memory
+
+        return release_free_memory()
+
     # -- internals -----------------------------------------------------------------------------
     def _next(self) -> _Live | None:
         while self._waiting:

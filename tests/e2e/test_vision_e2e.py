@@ -131,3 +131,13 @@ def test_a_text_only_model_refuses_an_image_line(tmp_path, tiny_model_dir):
     e = err["body"]["error"]
     assert (e["code"], e["param"]) == ("unsupported_value", "messages[1].content[0].image_url.url")
     assert f"the model '{tiny_model_dir}' is text-only" in e["message"]
+
+
+def test_the_image_example_runs_on_a_vision_model(tmp_path, tiny_vlm_dir):
+    cli = make_cli(tmp_path)
+    example = Path(__file__).resolve().parents[2] / "jobs" / "examples" / "images.jsonl"
+    proc = cli("submit", example, "--model", str(tiny_vlm_dir), "--wait", "--json", timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    batch = json.loads(proc.stdout)
+    assert batch["request_counts"] == {"total": 4, "completed": 4, "failed": 0}, batch
+    assert batch["usage"]["input_tokens_details"]["cached_tokens"] > 16  # the repeated images

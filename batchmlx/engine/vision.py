@@ -52,7 +52,17 @@ class VisionInputs:
 
 
 class PromptRefused(ValueError):
-    """A prompt the model cannot take (a video on an image-only model): the line's 400."""
+    """A prompt the model cannot take (a video on an image-only model, more images than it
+    takes): the line's 400, `param` the part."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# images one prompt may hold, by model_type, where mlx-vlm's model takes fewer than the request
+# bound (formats.media.MAX_MEDIA_PARTS): its LLaVA merges the features of one image per input
+MAX_IMAGES = {"llava": 1}
 
 
 class VisionPrompter:
@@ -64,18 +74,24 @@ class VisionPrompter:
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.model_name = model_name
         self.image_token_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
+        self.max_images = MAX_IMAGES.get(str(config.get("model_type")))
 
     def prompt(
         self, messages: Seq[dict[str, str]], media: Seq[MediaPart]
     ) -> tuple[list[int], str, tuple[MediaSpan, ...], VisionInputs | None]:
         from PIL import Image
 
-        for part in media:
+        for i, part in enumerate(media):
             if part.kind is not MediaKind.IMAGE:
                 raise PromptRefused(
                     f"the model '{self.model_name}' takes images only; {part.param} is a "
-                    f"{part.kind.value}."
-                )
+                    f"{part.kind.value}.", part.param,
+                )  # fmt: skip
+            if self.max_images is not None and i >= self.max_images:
+                raise PromptRefused(
+                    f"the model '{self.model_name}' takes at most {self.max_images} image(s) "
+                    f"per request; {part.param} is one more.", part.param,
+                )  # fmt: skip
         per_message = [0] * len(messages)
         for part in media:
             per_message[part.message] += 1
@@ -93,7 +109,8 @@ class VisionPrompter:
             try:
                 images.append(Image.open(io.BytesIO(part.data or b"")).convert("RGB"))
             except Exception as exc:  # PIL raises several kinds for bytes that are no image
-                raise PromptRefused(f"{part.param} is not an image PIL can read ({exc}).") from None
+                raise PromptRefused(f"{part.param} is not an image PIL can read ({exc}).",
+                                    part.param) from None  # fmt: skip
         out = self.processor(text=[text], images=images)
         ids = [int(t) for t in mx.array(out["input_ids"]).reshape(-1).tolist()]
         spans = _spans(ids, self.image_token_id, media)

@@ -109,3 +109,28 @@ def test_prefix_cache_same_image_other_image_other_question(loaded):
     assert reused.cache_outcome is CacheOutcome.PREFIX_HIT
     assert reused.cached_tokens >= question.media_spans[0].end // 16 * 16 > span.start
     assert reused.token_ids == reference(loaded, question)[:MAX]
+
+
+def test_prompts_the_model_cannot_take_are_refused_naming_the_part(loaded):
+    from batchmlx.engine.vision import PromptRefused
+
+    def parts(*content) -> tuple:
+        p = parse_request("/v1/chat/completions", {"model": "m", "messages": [
+            {"role": "user", "content": [*content, {"type": "text", "text": "Hi"}]}]})  # fmt: skip
+        assert not isinstance(p, Exception) and hasattr(p, "media"), p
+        return p.messages, p.media
+
+    two = {"type": "image_url", "image_url": "data:image/png;base64," +
+           base64.b64encode(png(1)).decode()}  # fmt: skip
+    with pytest.raises(PromptRefused) as info:
+        loaded[2].prompt(*parts(two, two))
+    assert info.value.param == "messages[0].content[1].image_url" and "at most 1" in str(
+        info.value)
+    junk = {"type": "image_url", "image_url": "data:image/png;base64," +
+            base64.b64encode(b"not a png").decode()}  # fmt: skip
+    with pytest.raises(PromptRefused, match="not an image PIL can read"):
+        loaded[2].prompt(*parts(junk))
+    video = {"type": "video_url", "video_url": "data:video/mp4;base64," +
+             base64.b64encode(b"\0\0\0 ftypmp4").decode()}  # fmt: skip
+    with pytest.raises(PromptRefused, match="takes images only"):
+        loaded[2].prompt(*parts(video))

@@ -357,8 +357,12 @@ class VisionEngine:
         return out
 
     def _release(self, live: _Live) -> None:
-        if live.seq.block_table:
+        table = live.seq.block_table
+        if table:
             self.kv.free(live.seq)
+            for block_id in table:  # KV is kept only while its block holds a cached prefix
+                if self.pool.blocks[block_id].block_hash is None:
+                    self._blocks.pop(block_id, None)
         live.cache = None
         if self._current is live:
             self._current = None

@@ -5,9 +5,11 @@ chat template (an image entry per image), the processor's pixels and its expande
 tokens, and one `MediaSpan` per image (its placeholder run keyed by the image's digest, for the
 prefix cache: core/media.py).
 
-`VisionEngine` is EngineProtocol over mlx-vlm's model classes, one request at a time (said in
-the log): mlx-vlm's models take their own per-layer caches, which the paged engine's batched
-steps do not fit. What it shares with the paged engine: the block pool and KV manager of core
+`VisionEngine` is EngineProtocol over mlx-vlm's model classes: a step prefills at most one
+waiting prompt (its own cache; one at a time, as the vision tower and the prefix-cache hit are
+per prompt), then decodes every running request in one batched forward over mlx-vlm's
+left-padded BatchKVCache (continuous: a request joins after its prefill and leaves when it
+ends). What it shares with the paged engine: the block pool and KV manager of core
 (prefix-cache lookup, registration, release, eviction by LRU), each sampled token's
 post-processing step (core/postprocess.py) and the sampler (engine/sampler.py). The KV of each
 registered block is kept here by block id; a hit is the concatenation of its blocks' KV, and
@@ -37,6 +39,7 @@ from batchmlx.core.postprocess import Generation, Postprocessor
 from batchmlx.core.request import CacheOutcome, GenerationOutput, GenerationRequest
 from batchmlx.core.sequence import Sequence
 from batchmlx.core.telemetry import EngineCounters
+from batchmlx.core.width import initial_width
 from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.formats.media import MediaKind, MediaPart
 
@@ -143,14 +146,19 @@ class _Live:
     gen: Generation
     seq: Sequence
     entropy: int
-    cache: list[Any] | None = None  # the mlx-vlm per-layer caches once running
     cached_tokens: int = 0
     outcome: CacheOutcome = CacheOutcome.MISS
-    next_logits: Any = None
+    running: bool = False  # a row of the decode batch (its last token not yet computed)
 
 
 class VisionEngine:
-    """EngineProtocol and EngineTelemetry over an mlx-vlm model, one request at a time."""
+    """EngineProtocol and EngineTelemetry over an mlx-vlm model.
+
+    A step prefills at most one waiting request (its own cache, the prefix-cache hit and the
+    vision tower: one at a time), then decodes every running request in one batched forward
+    (mlx-vlm's left-padded BatchKVCache; a request joins it after its prefill and leaves it when
+    it ends). batched=False, or a model whose caches are not plain KV caches: one request at a
+    time. The log says which."""
 
     def __init__(
         self,
@@ -161,7 +169,10 @@ class VisionEngine:
         config: EngineSettings | None = None,
         clock=time.perf_counter,
         seed: int | None = None,
+        batched: bool = True,
     ) -> None:
+        from mlx_vlm.models.cache import KVCache, make_prompt_cache
+
         self.cfg = config or EngineSettings()
         self.model = model
         self.processor = processor
@@ -175,15 +186,22 @@ class VisionEngine:
         self._live: dict[str, _Live] = {}
         self._waiting: list[tuple[int, int, str]] = []  # (priority, order, request id)
         self._order = itertools.count()
-        self._current: _Live | None = None
+        self._running: list[_Live] = []  # the decode batch's rows, in row order
+        self._batch: list[Any] | None = None  # its per-layer BatchKVCache
         self.post = Postprocessor(self)
         self.on_token: TokenCallback | None = None
         # cumulative: steps, step seconds, first admissions by cache outcome
         self.steps, self.step_s = 0, 0.0
         self.outcomes = dict.fromkeys(CacheOutcome, 0)
         self.vision_runs = 0  # prompts whose images went through the vision tower
-        log.info("vision engine: one request at a time (mlx-vlm's caches are per request; "
-                 "no batched steps)")  # fmt: skip
+        plain = all(type(c) is KVCache for c in make_prompt_cache(model.language_model))
+        self.width = self.cfg.running_bound if batched and plain else 1
+        if self.width > 1:
+            log.info("vision engine: prompts prefilled one at a time, decodes batched (up to "
+                     "%d)", self.width)  # fmt: skip
+        else:
+            log.info("vision engine: one request at a time (%s)", "asked" if not batched else
+                     "this model's caches are not plain KV caches mlx-vlm can batch")  # fmt: skip
 
     # -- EngineProtocol ------------------------------------------------------------------------
     @property
@@ -192,7 +210,7 @@ class VisionEngine:
 
     @property
     def running_limit(self) -> int:
-        return 1
+        return min(self.width, initial_width(self.cfg))
 
     def add(self, req: GenerationRequest) -> None:
         rules = FinishRules.for_request(req, self.max_context_tokens)
@@ -205,8 +223,8 @@ class VisionEngine:
         live = self._live.pop(request_id, None)
         if live is None:
             return False
-        if live is self._current:
-            self._release(live)
+        if live.running:
+            self._leave([live])
         return True
 
     def has_unfinished(self) -> bool:
@@ -218,26 +236,31 @@ class VisionEngine:
 
     def step(self) -> list[GenerationOutput]:
         t0 = time.perf_counter()
-        live = self._current or self._next()
-        if live is None:
-            return []
+        done: list[GenerationOutput] = []
+        admitted: _Live | None = None
         try:
-            if live.cache is None:
-                self._prefill(live)
-            token, lp = self._sample(live)
-            # FinishRules bound max tokens by the context, so the room is never passed
-            reason = self.post(live.gen, token, lp, self.clock())
-            done: list[GenerationOutput] = []
-            if reason is not None or not self.kv.reserve(live.seq, 1):
-                done.append(self._finish(live))
-            else:
-                self._decode(live, token)
+            if len(self._running) < self.width:
+                admitted = self._next()
+                if admitted is not None:
+                    caches, logits = self._prefill(admitted)
+                    out = self._take(admitted, logits)
+                    if out is not None:
+                        done.append(out)
+                    else:
+                        self._join(admitted, caches)
+            if self._running:
+                done.extend(self._decode())
         except Exception as exc:
-            self._live.pop(live.seq.seq_id, None)
-            self._release(live)
-            raise StepError([live.seq.seq_id], exc) from exc
-        self.steps += 1
-        self.step_s += time.perf_counter() - t0
+            failed = [*self._running, *([admitted] if admitted is not None else [])]
+            ids = list(dict.fromkeys(live.seq.seq_id for live in failed))
+            for live in failed:
+                self._live.pop(live.seq.seq_id, None)
+                self._release(live)
+            self._running, self._batch = [], None  # its caches are in an unknown state
+            raise StepError(ids, exc) from exc
+        if admitted is not None or done or self._running:
+            self.steps += 1
+            self.step_s += time.perf_counter() - t0
         return done
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
@@ -255,7 +278,7 @@ class VisionEngine:
         return EngineCounters(
             steps=self.steps, step_s=self.step_s, generated_tokens=self.post.generated_tokens,
             hits=o[CacheOutcome.HIT], prefix_hits=o[CacheOutcome.PREFIX_HIT],
-            misses=o[CacheOutcome.MISS], running=1 if self._current is not None else 0,
+            misses=o[CacheOutcome.MISS], running=len(self._running),
             blocks_in_use=self.pool.num_used, blocks_cached=self.pool.num_cached,
             blocks_free=self.pool.num_free,
         )  # fmt: skip
@@ -276,11 +299,11 @@ class VisionEngine:
             _, _, rid = heapq.heappop(self._waiting)
             live = self._live.get(rid)
             if live is not None:
-                self._current = live
                 return live
         return None
 
-    def _prefill(self, live: _Live) -> None:
+    def _prefill(self, live: _Live) -> tuple[list[Any], Any]:
+        """The prompt's KV (the cached blocks, then the rest computed) and its last logits."""
         from mlx_vlm.models.cache import make_prompt_cache
 
         seq, bs = live.seq, self.cfg.block_size
@@ -306,8 +329,6 @@ class VisionEngine:
             full = self.model.get_input_embeddings(ids, inputs.pixel_values, **inputs.extra)
             embeds = full.inputs_embeds[:, cached:]
         out = lm(ids[:, cached:], inputs_embeds=embeds, cache=cache)
-        live.next_logits = _logits(out)[:, -1, :]
-        live.cache = cache
         live.cached_tokens = cached
         max_hit = self.kv.max_cached_blocks(seq, bs)
         if cached == 0:
@@ -318,42 +339,95 @@ class VisionEngine:
             live.outcome = CacheOutcome.PREFIX_HIT
         self.outcomes[live.outcome] += 1
         seq.num_computed_tokens = seq.num_tokens
-        self._register(live)
+        self._register(live, cache, 0, 0)
+        return cache, _logits(out)[:, -1, :]
 
-    def _sample(self, live: _Live) -> tuple[int, Any]:
+    def _take(self, live: _Live, logits: Any) -> GenerationOutput | None:
+        """The admitted request's first token; its output if that ended it."""
         p = live.gen.request.params
-        (tok,), (lp,) = sample(live.next_logits, [SampleRow(p, len(live.gen.tokens), live.entropy)])
-        return tok, lp
+        (tok,), (lp,) = sample(logits, [SampleRow(p, len(live.gen.tokens), live.entropy)])
+        return self._after(live, tok, lp)
 
-    def _decode(self, live: _Live, token: int) -> None:
-        seq = live.seq
-        seq.token_ids.append(token)
-        out = self.model.language_model(mx.array([[token]]), cache=live.cache)
-        live.next_logits = _logits(out)[:, -1, :]
-        seq.num_computed_tokens = seq.num_tokens
-        self._register(live)
+    def _after(self, live: _Live, token: int, lp: Any) -> GenerationOutput | None:
+        """One sampled token through the post-processing step; the output once it ends (the
+        context bounds max tokens in FinishRules, so the room is never passed)."""
+        if self.post(live.gen, token, lp, self.clock()) is not None:
+            return self._finish(live)
+        if not self.kv.reserve(live.seq, 1):  # the pool is full: ended as LENGTH
+            return self._finish(live)
+        live.seq.token_ids.append(token)  # computed by the next decode
+        return None
 
-    def _register(self, live: _Live) -> None:
-        """Offer the newly full blocks to the prefix cache, keeping their KV by block id."""
+    def _join(self, live: _Live, caches: list[Any]) -> None:
+        from mlx_vlm.models.cache import BatchKVCache
+
+        rows = [BatchKVCache.merge([c]) for c in caches]
+        if self._batch is None:
+            self._batch = rows
+        else:
+            for batch, row in zip(self._batch, rows, strict=True):
+                batch.extend(row)
+        self._running.append(live)
+        live.running = True
+
+    def _decode(self) -> list[GenerationOutput]:
+        """One batched forward of every running request's last token, then its next token."""
+        running, batch = self._running, self._batch
+        assert batch is not None
+        tokens = mx.array([[live.seq.token_ids[-1]] for live in running])
+        logits = _logits(self.model.language_model(tokens, cache=batch))[:, -1, :]
+        pads = batch[0].left_padding.tolist()
+        for i, live in enumerate(running):
+            live.seq.num_computed_tokens = live.seq.num_tokens
+            self._register(live, batch, i, int(pads[i]))
+        rows = [SampleRow(lv.gen.request.params, len(lv.gen.tokens), lv.entropy) for lv in running]
+        toks, lps = sample(logits, rows)
+        done = []
+        for live, tok, lp in zip(running, toks, lps, strict=True):
+            out = self._after(live, tok, lp)
+            if out is not None:
+                done.append(out)
+        return done
+
+    def _leave(self, gone: list[_Live]) -> None:
+        """Take rows out of the decode batch (ended or aborted)."""
+        keep = [i for i, live in enumerate(self._running) if live not in gone]
+        for live in gone:
+            live.running = False
+            self._release(live)
+        if not keep:
+            self._running, self._batch = [], None
+        elif len(keep) < len(self._running):
+            assert self._batch is not None
+            index = mx.array(keep)
+            for c in self._batch:
+                c.filter(index)
+            self._running = [self._running[i] for i in keep]
+
+    def _register(self, live: _Live, caches: list[Any], row: int, pad: int) -> None:
+        """Offer the newly full blocks to the prefix cache, keeping their KV by block id (row
+        `row` of `caches`, its tokens from buffer index `pad` on)."""
         seq, bs = live.seq, self.cfg.block_size
         before = seq.num_registered_blocks
         self.kv.register_full_blocks(seq)
-        if seq.num_registered_blocks == before or live.cache is None:
+        if seq.num_registered_blocks == before:
             return
         kept = []
         for i in range(before, seq.num_registered_blocks):
-            layers = [
-                (c.keys[:, :, i * bs : (i + 1) * bs, :], c.values[:, :, i * bs : (i + 1) * bs, :])
-                for c in live.cache
-            ]
+            lo, hi = pad + i * bs, pad + (i + 1) * bs
+            layers = [(c.keys[row : row + 1, :, lo:hi, :], c.values[row : row + 1, :, lo:hi, :])
+                      for c in caches]  # fmt: skip
             self._blocks[seq.block_table[i]] = layers
             kept.extend(a for kv in layers for a in kv)
-        mx.eval(*kept)  # copies: the slices keep no hold on the request's whole cache
+        mx.eval(*kept)  # copies: the slices keep no hold on the whole cache
 
     def _finish(self, live: _Live) -> GenerationOutput:
         out = live.gen.output(cached_tokens=live.cached_tokens, cache_outcome=live.outcome)
         self._live.pop(live.seq.seq_id, None)
-        self._release(live)
+        if live.running:
+            self._leave([live])
+        else:
+            self._release(live)
         return out
 
     def _release(self, live: _Live) -> None:
@@ -363,9 +437,6 @@ class VisionEngine:
             for block_id in table:  # KV is kept only while its block holds a cached prefix
                 if self.pool.blocks[block_id].block_hash is None:
                     self._blocks.pop(block_id, None)
-        live.cache = None
-        if self._current is live:
-            self._current = None
 
 
 def _logits(out: Any) -> Any:

@@ -80,7 +80,8 @@ def build_engine(
 def _vision_engine(
     name: str, model_name: str, source: str, settings: EngineSettings, governor: ThreadGovernor
 ) -> ServingModel:
-    """A vision-language model through mlx-vlm (engine/vision.py): one request at a time."""
+    """A vision-language model through mlx-vlm (engine/vision.py): prompts prefilled one at a
+    time, decodes batched (the engine logs which)."""
     from batchmlx.engine.vision import VisionEngine, VisionPrompter, load_vision
 
     model, processor, config = load_vision(source)
@@ -97,8 +98,7 @@ def _vision_engine(
         vocab_size=int(vocab) if vocab else None, grammar_check=_no_grammar,
         vision=VisionPrompter(processor, config, model_name),
     )  # fmt: skip
-    log.info("model %s: vision-language (mlx-vlm %s), one request at a time", model_name,
-             config.get("model_type"))  # fmt: skip
+    log.info("model %s: vision-language (mlx-vlm %s)", model_name, config.get("model_type"))
     return ServingModel(name, engine, translator, None, governor)
 
 

@@ -25,13 +25,13 @@ def loaded(tiny_vlm_dir):
     return model, processor, VisionPrompter(processor, config, "tiny-llava")
 
 
-def engine(loaded, **settings):
+def engine(loaded, batched: bool = True, **settings):
     from batchmlx.core.engine_api import EngineSettings
     from batchmlx.engine.vision import VisionEngine
 
     model, processor, _ = loaded
     cfg = EngineSettings(cache_max_blocks=256, **settings)
-    return VisionEngine(model, processor, context_length=2048, config=cfg)
+    return VisionEngine(model, processor, context_length=2048, config=cfg, batched=batched)
 
 
 def request(loaded, image: bytes | None, question: str, rid: str) -> GenerationRequest:
@@ -68,18 +68,58 @@ def test_the_prompt_holds_one_placeholder_run_keyed_by_the_image(loaded):
     assert request(loaded, png(2), "What is this?", "b").media_spans[0].digest != span.digest
 
 
-def test_greedy_tokens_equal_mlx_vlm_alone_and_in_a_row(loaded):
+def test_greedy_tokens_equal_mlx_vlm_alone_and_batched(loaded):
     reqs = [request(loaded, png(i), q, f"r{i}") for i, q in
             enumerate(["What is this?", "Name the colours.", "Describe it."])]  # fmt: skip
-    eng = engine(loaded, use_paged_cache=False)
-    outs = eng.generate(reqs)
-    for req, out in zip(reqs, outs, strict=True):
-        assert out.token_ids == reference(loaded, req)[: len(out.token_ids)], req.request_id
-        assert len(out.token_ids) == MAX or out.finish_reason.value == "stop"
-    assert len({tuple(o.token_ids) for o in outs}) > 1  # the image changes the answer
+    refs = [reference(loaded, r) for r in reqs]
+    assert len({tuple(r) for r in refs}) > 1  # the image changes the answer
+    for batched in (True, False):
+        eng = engine(loaded, batched=batched, use_paged_cache=False)
+        for r in reqs:
+            eng.add(r)
+        done, widest = {}, 0
+        while eng.has_unfinished():
+            done |= {o.request_id: o for o in eng.step()}
+            widest = max(widest, eng.counters().running)
+        for req, ref in zip(reqs, refs, strict=True):
+            out = done[req.request_id]
+            assert out.token_ids == ref[: len(out.token_ids)], (batched, out.request_id)
+            assert len(out.token_ids) == MAX or out.finish_reason.value == "stop"
+        assert widest == (3 if batched else 1)  # batched: the three decoded together
+    # continuous: a request joins the decode batch while others are half way
+    eng = engine(loaded)
+    eng.add(reqs[0])
+    eng.add(reqs[1])
+    outs = {}
+    for _ in range(2):
+        outs |= {o.request_id: o for o in eng.step()}
+    assert eng.counters().running == 2
+    eng.add(reqs[2])
+    while eng.has_unfinished():
+        outs |= {o.request_id: o for o in eng.step()}
+    for req, ref in zip(reqs, refs, strict=True):
+        assert outs[req.request_id].token_ids == ref[: len(outs[req.request_id].token_ids)]
     # a text-only prompt through the same engine
     text = request(loaded, None, "Hello there", "t")
     assert engine(loaded).generate([text])[0].token_ids == reference(loaded, text)[:MAX]
+
+
+def test_an_aborted_row_leaves_the_batch_and_the_rest_go_on(loaded):
+    reqs = [request(loaded, png(i), "What is this?", f"r{i}") for i in range(3)]
+    eng = engine(loaded)
+    for r in reqs:
+        eng.add(r)
+    for _ in range(3):
+        eng.step()
+    assert eng.counters().running == 3
+    assert eng.abort("r1") and not eng.abort("r1")
+    outs = {}
+    while eng.has_unfinished():
+        outs |= {o.request_id: o for o in eng.step()}
+    assert set(outs) == {"r0", "r2"}
+    for r in (reqs[0], reqs[2]):
+        assert outs[r.request_id].token_ids == reference(loaded, r)[:MAX]
+    assert eng.pool.num_used == 0  # every block released
 
 
 def test_prefix_cache_same_image_other_image_other_question(loaded):
@@ -136,3 +176,36 @@ def test_prompts_the_model_cannot_take_are_refused_naming_the_part(loaded):
              base64.b64encode(b"\0\0\0 ftypmp4").decode()}  # fmt: skip
     with pytest.raises(PromptRefused, match="takes images only"):
         loaded[2].prompt(*parts(video))
+
+
+def test_blocks_filled_while_decoding_in_the_batch_are_reused_exactly(loaded):
+    """A short prompt decodes beside a longer one (so its row is left-padded) past a block
+    boundary; a later prompt holding its prompt and answer reuses the block filled while
+    decoding, and still gives mlx-vlm's tokens."""
+    from dataclasses import replace
+
+    from batchmlx.core.request import GenerationRequest
+
+    short = request(loaded, png(1), "Hi", "short")
+    short = replace(short, params=SamplingParams(max_tokens=24, temperature=0.0))
+    long = request(loaded, png(2), "Tell me everything you can see in this picture, please.", "l")
+    long = replace(long, params=SamplingParams(max_tokens=30, temperature=0.0))  # outlives short
+    assert len(long.prompt_tokens) > len(short.prompt_tokens)
+    eng = engine(loaded)
+    eng.add(short)
+    eng.add(long)
+    outs, pads = {}, []
+    while eng.has_unfinished():
+        outs |= {o.request_id: o for o in eng.step()}
+        if "short" not in outs and eng._batch is not None:
+            pads.append(eng._batch[0].left_padding.tolist()[0])  # the short row's padding
+    first = outs["short"]
+    assert max(pads) > 0  # it decoded left-padded
+    prompt_blocks = (len(short.prompt_tokens)) // 16
+    assert len(short.prompt_tokens) + len(first.token_ids) >= (prompt_blocks + 1) * 16 + 1
+    follow = GenerationRequest("follow", short.prompt_tokens + first.token_ids,
+                               SamplingParams(max_tokens=MAX, temperature=0.0),
+                               media_spans=short.media_spans, media=short.media)  # fmt: skip
+    out = eng.generate([follow])[0]
+    assert out.cached_tokens > prompt_blocks * 16  # a block registered during the decode
+    assert out.token_ids == reference(loaded, follow)[:MAX]

@@ -4,8 +4,8 @@ A random-weight LLaVA built from mlx-vlm's classes (tests/tiny_vlm.py, scaled up
 image is 576 placeholder tokens, a 4-layer 512-wide language model, a 4-layer CLIP tower). Each
 row is one greedy request of 1 new token (so the time is prefill), after a warm-up request:
 - cold: a new image and question (the vision tower runs, every prompt token is computed);
-- same image, other question: the image's blocks come from the cache (the vision tower still
-  runs: the image's last block holds question tokens too, so the image is not wholly cached);
+- same image, other question: the image's blocks come from the cache, and the features of its
+  last block (which holds question tokens too) from the engine's feature cache: no vision tower;
 - same image and prompt: a HIT (all but the last block; no vision tower);
 - other image, same question: only the system prompt's blocks are reused.
 Times are the best and the median of `--repeats` runs (rows interleaved), each on a fresh engine

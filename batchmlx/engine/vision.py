@@ -12,8 +12,9 @@ left-padded BatchKVCache (continuous: a request joins after its prefill and leav
 ends). What it shares with the paged engine: the block pool and KV manager of core
 (prefix-cache lookup, registration, release, eviction by LRU), each sampled token's
 post-processing step (core/postprocess.py) and the sampler (engine/sampler.py). The KV of each
-registered block is kept here by block id; a hit is the concatenation of its blocks' KV, and
-when every image of the prompt lies in the hit blocks the vision tower is not run at all.
+registered block is kept here by block id; a hit is the concatenation of its blocks' KV. The
+vision tower runs only for an image neither wholly in the hit blocks nor among the last images
+whose features it kept (by content digest).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import itertools
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +68,9 @@ class PromptRefused(ValueError):
 # images one prompt may hold, by model_type, where mlx-vlm's model takes fewer than the request
 # bound (formats.media.MAX_MEDIA_PARTS): its LLaVA merges the features of one image per input
 MAX_IMAGES = {"llava": 1}
+# images whose vision-tower features the engine keeps (by content digest), so the same image
+# under another question skips the tower even where its last block is not a cache hit
+FEATURE_CACHE_IMAGES = 16
 
 
 class VisionPrompter:
@@ -194,6 +199,8 @@ class VisionEngine:
         self.steps, self.step_s = 0, 0.0
         self.outcomes = dict.fromkeys(CacheOutcome, 0)
         self.vision_runs = 0  # prompts whose images went through the vision tower
+        # an image's merged features by digest, most recent last (FEATURE_CACHE_IMAGES of them)
+        self._features: OrderedDict[bytes, Any] = OrderedDict()
         plain = all(type(c) is KVCache for c in make_prompt_cache(model.language_model))
         self.width = self.cfg.running_bound if batched and plain else 1
         if self.width > 1:
@@ -320,14 +327,7 @@ class VisionEngine:
                 values = mx.concatenate([self._blocks[b.block_id][layer][1] for b in hits], axis=2)
                 c.update_and_fetch(keys, values)
         ids = mx.array([seq.token_ids])
-        spans = seq.request.media_spans
-        inputs: VisionInputs | None = seq.request.media
-        if inputs is None or all(s.end <= cached for s in spans):
-            embeds = lm.model.embed_tokens(ids[:, cached:])  # every image is in the hit blocks
-        else:
-            self.vision_runs += 1
-            full = self.model.get_input_embeddings(ids, inputs.pixel_values, **inputs.extra)
-            embeds = full.inputs_embeds[:, cached:]
+        embeds = self._embeddings(ids, seq.request, cached)
         out = lm(ids[:, cached:], inputs_embeds=embeds, cache=cache)
         live.cached_tokens = cached
         max_hit = self.kv.max_cached_blocks(seq, bs)
@@ -341,6 +341,31 @@ class VisionEngine:
         seq.num_computed_tokens = seq.num_tokens
         self._register(live, cache, 0, 0)
         return cache, _logits(out)[:, -1, :]
+
+    def _embeddings(self, ids: Any, req: GenerationRequest, cached: int) -> Any:
+        """The input embeddings of the prompt from position `cached` on. The vision tower runs
+        only for an image whose features are neither in the hit blocks nor in the feature
+        cache (the merged features of the last `FEATURE_CACHE_IMAGES` images, by digest)."""
+        lm = self.model.language_model
+        spans = [s for s in req.media_spans if s.end > cached]  # not wholly in the hit blocks
+        inputs: VisionInputs | None = req.media
+        if inputs is None or all(s.digest in self._features for s in spans):
+            embeds = lm.model.embed_tokens(ids[:, cached:])
+            for span in spans:  # features the tower computed for an earlier prompt
+                self._features.move_to_end(span.digest)
+                lo = max(span.start, cached)
+                feats = self._features[span.digest][lo - span.start :]
+                embeds[0, lo - cached : span.end - cached] = feats.astype(embeds.dtype)
+            return embeds
+        self.vision_runs += 1
+        full = self.model.get_input_embeddings(ids, inputs.pixel_values, **inputs.extra)
+        merged = full.inputs_embeds
+        for span in req.media_spans:
+            self._features[span.digest] = mx.contiguous(merged[0, span.start : span.end])
+            self._features.move_to_end(span.digest)
+        while len(self._features) > FEATURE_CACHE_IMAGES:
+            self._features.popitem(last=False)
+        return merged[:, cached:]
 
     def _take(self, live: _Live, logits: Any) -> GenerationOutput | None:
         """The admitted request's first token; its output if that ended it."""

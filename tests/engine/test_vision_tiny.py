@@ -149,6 +149,7 @@ def test_prefix_cache_same_image_other_image_other_question(loaded):
     assert reused.cache_outcome is CacheOutcome.PREFIX_HIT
     assert reused.cached_tokens >= question.media_spans[0].end // 16 * 16 > span.start
     assert reused.token_ids == reference(loaded, question)[:MAX]
+    assert eng.vision_runs == 2  # the image's last block missed, its features were kept
     # KV is kept for cached blocks only (the partial last blocks were dropped with their request)
     assert set(eng._blocks) == {b.block_id for b in eng.pool.blocks if b.is_cached}
 

@@ -80,3 +80,13 @@ def store_target(dialect: str, tmp_path: Path, request: pytest.FixtureRequest) -
     if dialect == "sqlite":
         return tmp_path / "state" / "batchmlx.db"
     return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight LLaVA folder built from mlx-vlm's own classes (see tests/tiny_vlm)."""
+    pytest.importorskip("mlx_vlm", reason="the vision extra (mlx-vlm) is not installed")
+    from tests.e2e.helpers import model_cache_dir
+    from tests.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-llava", model_cache_dir())

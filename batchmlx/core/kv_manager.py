@@ -9,6 +9,7 @@ decides which block ids they hold. "Cannot allocate" is a return value (False), 
 from __future__ import annotations
 
 from batchmlx.core.blocks import Block, BlockPool
+from batchmlx.core.media import media_block_hash
 from batchmlx.core.sequence import Sequence
 
 
@@ -26,12 +27,16 @@ class KVCacheManager:
     # -- hashing ----------------------------------------------------------------------------
 
     def hashes(self, seq: Sequence, n: int) -> list[int]:
-        """seq.block_hashes extended to at least n full blocks (hashes depend on tokens only)."""
+        """seq.block_hashes extended to at least n full blocks. A hash depends on the tokens and,
+        for a block overlapping an image's placeholder span, on the image's content too
+        (core/media.py); memoized on the sequence, so each block is hashed once."""
         bs = self.block_size
         hashes = seq.block_hashes
+        spans = seq.request.media_spans
         while len(hashes) < n:
-            parent = hashes[-1] if hashes else None
-            hashes.append(self.pool.hash_fn(parent, seq.block_tokens(len(hashes), bs)))
+            i = len(hashes)
+            h = self.pool.hash_fn(hashes[-1] if hashes else None, seq.block_tokens(i, bs))
+            hashes.append(media_block_hash(h, spans, i, bs) if spans else h)
         return hashes
 
     def lookup(self, seq: Sequence, index: int) -> Block | None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
+
+from batchmlx.core.media import MediaSpan
 
 
 class FinishReason(enum.Enum):
@@ -47,6 +50,9 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()  # eos and friends
     priority: int = BATCH_PRIORITY  # lower is admitted first: online requests 0
     grammar: str | None = None  # a canonical JSON schema text: decoding is constrained to it
+    # images and videos: their placeholder spans (keyed into the prefix cache, core/media.py)
+    media_spans: tuple[MediaSpan, ...] = ()
+    media: Any = None  # the engine's prepared inputs for those spans (pixels), opaque here
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from batchmlx.formats.fields import (
     type_error,
     unsupported,
 )
+from batchmlx.formats.media import MediaPart, chat_image, chat_video, check_media_bounds
 from batchmlx.formats.openai import (
     ChoiceResult,
     Envelope,
@@ -62,10 +63,13 @@ def check_chat(body: dict[str, Any]) -> tuple[str, str] | None:
 
 
 def _refuse_part(param: str) -> Reject:
-    return unsupported(param, "only text content parts are supported.")
+    return unsupported(param, "only text, image_url and video_url content parts are supported.")
 
 
-def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
+_MEDIA_READERS = {"image_url": chat_image, "video_url": chat_video}
+
+
+def _messages(body: dict[str, Any]) -> tuple[tuple[dict[str, str], ...], tuple[MediaPart, ...]]:
     messages = body.get("messages")
     if messages is None:
         raise fail(
@@ -80,6 +84,7 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
             ErrorCode.INVALID_VALUE, "Invalid 'messages': expected a non-empty array.", "messages"
         )
     out: list[dict[str, str]] = []
+    media: list[MediaPart] = []
     for i, msg in enumerate(messages):
         at = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -94,17 +99,18 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
             {
                 "role": template_role(role, at),
                 "content": content_text(msg.get("content"), f"{at}.content", ("text",),
-                                        _refuse_part),
+                                        _refuse_part, (_MEDIA_READERS, i, media)),
             }
         )  # fmt: skip
-    return tuple(out)
+    check_media_bounds(media)
+    return tuple(out), tuple(media)
 
 
 def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     """Raises `fields.Reject` (params.parse_request turns it into the RequestError)."""
     check_keys(body, _KEYS)
     check_no_ops(body)
-    messages = _messages(body)
+    messages, media = _messages(body)
     max_tokens = int_field(body, "max_tokens", 1, None)
     # the newer name wins: it is what the SDK sends, max_tokens is its deprecated alias
     max_tokens = int_field(body, "max_completion_tokens", 1, None) or max_tokens
@@ -122,6 +128,7 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     return ParsedRequest(
         endpoint=Endpoint.CHAT,
         messages=messages,
+        media=media,
         n=fields.n,
         sampling=fields.params(max_tokens, logprobs, top_logprobs),
         logprobs=logprobs,

@@ -10,14 +10,17 @@ absent for every optional parameter, as in the OpenAI API.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from batchmlx.core.request import SamplingParams
 from batchmlx.formats.errors import ErrorCode, json_type
 from batchmlx.formats.request import RequestError, sampling_params
 from batchmlx.formats.structured import FormatError, Grammar
+
+if TYPE_CHECKING:  # formats.media builds on this module
+    from batchmlx.formats.media import MediaPart
 
 MAX_STOPS = 4  # stop sequences per request (OpenAI's cap)
 MAX_STOP_CHARS = 1024  # characters of one stop sequence: each token's tail decode covers it
@@ -264,20 +267,38 @@ def template_role(role: Any, at: str) -> str:
     return TEMPLATE_ROLE[Role(role)]
 
 
+# a media part's reader: (part, its param, message index) → the formats.media.MediaPart
+MediaReader = Callable[[dict[str, Any], str, int], "MediaPart"]
+
+
 def content_text(
-    content: Any, param: str, kinds: tuple[str, ...], refuse: Callable[[str], Reject]
+    content: Any,
+    param: str,
+    kinds: tuple[str, ...],
+    refuse: Callable[[str], Reject],
+    media: tuple[Mapping[str, MediaReader], int, list[MediaPart]] | None = None,
 ) -> str:
     """A message's content (a string, or text parts of one of `kinds`) as one string; `refuse`
-    makes the error of a part of another kind (images, audio), given its `type` param."""
+    makes the error of a part of another kind (audio, say), given its `type` param. `media`:
+    (readers by part type, the message's index, the list each read part is appended to)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise type_error(param, "a string or an array of content parts", content)
+    readers: Mapping[str, MediaReader] = {}
+    message = 0
+    found: list[MediaPart] = []
+    if media is not None:
+        readers, message, found = media
     texts: list[str] = []
     for j, part in enumerate(content):
         at = f"{param}[{j}]"
         if not isinstance(part, dict):
             raise type_error(at, "an object", part)
+        reader = readers.get(str(part.get("type")))
+        if reader is not None:
+            found.append(reader(part, at, message))
+            continue
         if part.get("type") not in kinds:
             raise refuse(f"{at}.type")
         text = part.get("text")

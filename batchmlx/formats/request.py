@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchmlx.core.request import SamplingParams
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.structured import Grammar
+
+if TYPE_CHECKING:  # formats.media builds on fields, which builds on this module
+    from batchmlx.formats.media import MediaPart
 
 
 class Endpoint(enum.StrEnum):
@@ -25,6 +28,8 @@ class Endpoint(enum.StrEnum):
 class ParsedRequest:
     endpoint: Endpoint
     messages: tuple[dict[str, str], ...] | None = None  # chat: {"role", "content": str}
+    # chat and responses: images and videos in body order, each naming its message
+    media: tuple[MediaPart, ...] = ()
     prompt: str | None = None  # completions given as text
     prompt_token_ids: tuple[int, ...] | None = None  # completions given as token ids
     n: int = 1  # choices to generate

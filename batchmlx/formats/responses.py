@@ -22,6 +22,7 @@ from batchmlx.formats.fields import (
     template_role,
     type_error,
 )
+from batchmlx.formats.media import MediaPart, check_media_bounds, responses_image
 from batchmlx.formats.openai import ChoiceResult
 from batchmlx.formats.request import Endpoint, ParsedRequest, sampling_params
 from batchmlx.formats.structured import Grammar, responses_grammar
@@ -90,11 +91,15 @@ def _check_keys(body: dict[str, Any]) -> None:
 
 
 def _refuse_part(param: str) -> Reject:
-    return _unsupported_parameter(param, "only text content is supported.")
+    return _unsupported_parameter(param, "only text and input_image content is supported.")
 
 
-def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
+_MEDIA_READERS = {"input_image": responses_image}
+
+
+def _messages(body: dict[str, Any]) -> tuple[tuple[dict[str, str], ...], tuple[MediaPart, ...]]:
     out: list[dict[str, str]] = []
+    media: list[MediaPart] = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -106,7 +111,7 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
             ErrorCode.MISSING_REQUIRED_PARAMETER, "Missing required parameter: 'input'.", "input"
         )
     if isinstance(items, str):
-        return (*out, {"role": "user", "content": items})
+        return (*out, {"role": "user", "content": items}), ()
     if not isinstance(items, list):
         raise type_error("input", "a string or an array of input items", items)
     if not items:
@@ -119,9 +124,11 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...]:
         if kind != "message":
             raise _unsupported_parameter(f"{at}.type", "only message items are supported.")
         role = template_role(item.get("role"), at)
-        text = content_text(item.get("content"), f"{at}.content", _TEXT_PARTS, _refuse_part)
+        text = content_text(item.get("content"), f"{at}.content", _TEXT_PARTS, _refuse_part,
+                            (_MEDIA_READERS, len(out), media))  # fmt: skip
         out.append({"role": role, "content": text})
-    return tuple(out)
+    check_media_bounds(media)
+    return tuple(out), tuple(media)
 
 
 def _text_grammar(body: dict[str, Any]) -> Grammar | None:
@@ -136,7 +143,7 @@ def _text_grammar(body: dict[str, Any]) -> Grammar | None:
 def parse_responses(body: dict[str, Any]) -> ParsedRequest:
     """Raises `fields.Reject` (params.parse_request turns it into the RequestError)."""
     _check_keys(body)
-    messages = _messages(body)
+    messages, media = _messages(body)
     max_tokens = int_field(body, "max_output_tokens", MIN_OUTPUT_TOKENS, None)
     temperature, top_p = temperature_top_p(body)
     for key in ("metadata",):
@@ -145,6 +152,7 @@ def parse_responses(body: dict[str, Any]) -> ParsedRequest:
     return ParsedRequest(
         endpoint=Endpoint.RESPONSES,
         messages=messages,
+        media=media,
         sampling=sampling_params(max_tokens, temperature, top_p),
         grammar=_text_grammar(body),
     )

@@ -53,6 +53,12 @@ def build_engine(
     spec = resolve_model(name, cache_dir=cache_dir)
     if spec is None:
         raise ValueError(f"model {name!r} cannot be resolved")
+    from batchmlx.engine.vision import is_vision_model
+
+    if is_vision_model(spec.kind, spec.source):
+        serving = _vision_engine(name, spec.name, spec.source, settings, governor)
+        governor.review(now=True)
+        return serving
     loaded = load_model(spec, cache_dir=cache_dir, dtype=dtype)
     engine = make_engine(
         loaded.model, loaded.tokenizer, name=loaded.spec.name,
@@ -69,6 +75,36 @@ def build_engine(
     governor.review(now=True)
     log.info("engine threads: %d (%s; %s)", governor.threads, threads.why, ", ".join(how))
     return ServingModel(name, engine, translator, embedder, governor)
+
+
+def _vision_engine(
+    name: str, model_name: str, source: str, settings: EngineSettings, governor: ThreadGovernor
+) -> ServingModel:
+    """A vision-language model through mlx-vlm (engine/vision.py): prompts prefilled one at a
+    time, decodes batched (the engine logs which)."""
+    from batchmlx.engine.vision import VisionEngine, VisionPrompter, load_vision
+
+    model, processor, config = load_vision(source)
+    text = config.get("text_config") or {}
+    context = int(text.get("max_position_embeddings") or config.get("max_position_embeddings")
+                  or 2048)  # fmt: skip
+    engine = VisionEngine(model, processor, context_length=context, config=settings)
+    tok = engine.tokenizer
+    eos = config.get("eos_token_id") or tok.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    vocab = text.get("vocab_size") or config.get("vocab_size")
+    translator = Translator(
+        tok, model_name, engine.max_context_tokens, eos_ids,
+        vocab_size=int(vocab) if vocab else None, grammar_check=_no_grammar,
+        vision=VisionPrompter(processor, config, model_name),
+    )  # fmt: skip
+    log.info("model %s: vision-language (mlx-vlm %s)", model_name, config.get("model_type"))
+    return ServingModel(name, engine, translator, None, governor)
+
+
+def _no_grammar(schema: str) -> str | None:
+    del schema
+    return "structured outputs are not supported on vision-language models yet"
 
 
 def _vocab_size(loaded: Any) -> int | None:

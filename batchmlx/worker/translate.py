@@ -22,11 +22,13 @@ from batchmlx.formats.chat import chat_completion_body
 from batchmlx.formats.completions import text_completion_body
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.fields import token_id_problem
+from batchmlx.formats.media import text_only_error
 from batchmlx.formats.openai import ChoiceResult, IdPrefix, TokenLogprobText, new_id
 from batchmlx.formats.params import parse_request
 from batchmlx.formats.request import Endpoint, ParsedRequest, RequestError, context_length_error
 from batchmlx.formats.responses import response_body
 from batchmlx.formats.structured import schema_error_message
+from batchmlx.worker.media import MediaReader, MediaRefused
 
 
 @dataclass(slots=True)
@@ -82,8 +84,12 @@ class Translator:
         eos_ids,
         vocab_size: int | None = None,  # the embedding's rows; None: not checked
         grammar_check: Callable[[str], str | None] | None = None,
+        vision: Any = None,  # engine.vision.VisionPrompter of a vision-language model; None: text
+        media: MediaReader | None = None,  # reads https and file images; None: from the env
     ) -> None:
         self.tok = tokenizer
+        self.vision = vision
+        self.media = media or MediaReader.from_env()
         self.grammar_check = grammar_check  # schema → None, or why it cannot be compiled
         self.model_name = model_name
         self.context_length = context_length
@@ -108,10 +114,24 @@ class Translator:
             msg = f"Invalid 'prompt': {problem}."
             err = RequestError(400, ErrorCode.INVALID_VALUE.value, msg, "prompt")
             return None, [], error_result(err)
+        spans: tuple[Any, ...] = ()
+        inputs = None
+        if parsed.media:
+            if self.vision is None:  # never a silently dropped image
+                return None, [], error_result(text_only_error(self.model_name,
+                                                              parsed.media[0]).error)  # fmt: skip
+            try:
+                parsed = replace(parsed, media=self.media.resolve(parsed.media))
+            except MediaRefused as refused:
+                return None, [], error_result(refused.error)
         try:
-            tokens, text = self._prompt(parsed)
-        except Exception as exc:  # a template that rejects these messages, say
-            err = RequestError(400, ErrorCode.INVALID_VALUE.value, f"Invalid prompt: {exc}", None)
+            if self.vision is not None and parsed.messages is not None:
+                tokens, text, spans, inputs = self.vision.prompt(parsed.messages, parsed.media)
+            else:
+                tokens, text = self._prompt(parsed)
+        except Exception as exc:  # a template that rejects these messages, an unreadable image
+            param = getattr(exc, "param", None)  # engine.vision.PromptRefused names the part
+            err = RequestError(400, ErrorCode.INVALID_VALUE.value, f"Invalid prompt: {exc}", param)
             return None, [], error_result(err)
         # the one context check: the engine only bounds generation by the room left
         max_tokens = parsed.sampling.max_tokens
@@ -134,6 +154,8 @@ class Translator:
                     params=params,
                     stop_token_ids=self.eos_ids,
                     grammar=parsed.grammar.schema if parsed.grammar else None,
+                    media_spans=spans,
+                    media=inputs,
                 )
             )
         return pending, gens, None

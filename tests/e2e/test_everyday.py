@@ -63,7 +63,7 @@ def test_the_example_job_runs_from_any_folder(cli: Cli, tmp_path: Path, tiny_mod
     other = cli("example", "completions", cwd=empty)
     assert '"url": "/v1/completions"' in other.stdout
     unknown = cli("example", "nope", cwd=empty)
-    assert unknown.returncode == 1 and "examples: chat, completions" in unknown.stderr
+    assert unknown.returncode == 1 and "examples: chat, completions, images" in unknown.stderr
 
 
 # -- what the worker and the server say ------------------------------------------------------

@@ -268,6 +268,11 @@ def test_messages_normalized():
         ),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            "invalid_type",
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
             "unsupported_value",
             "messages[0].content[0].type",
         ),

@@ -72,6 +72,8 @@ def test_responses_text_format_is_a_grammar():
         ({"input": [{"type": "function_call_output", "output": "1"}]}, "unsupported_parameter",
          "input[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+         "invalid_value", "input[0].content[0].image_url"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
          "unsupported_parameter", "input[0].content[0].type"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
          "missing_required_parameter", "text.format.name"),

@@ -1,0 +1,88 @@
+"""A tiny random-weight LLaVA (CLIP vision tower, llama language model) built from mlx-vlm's own
+model classes and saved as a local folder mlx-vlm loads: the default model's real tokenizer plus
+an `<image>` token, a CLIP image processor at 56x56 pixels (16 patches: 16 placeholder tokens),
+and a chat template with image entries. No network, no hub."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+IMAGE_SIZE, PATCH = 56, 14
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2  # "default" strategy: the CLS feature is dropped
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_vlm(
+    dest: Path,
+    cache: Path,
+    seed: int = 0,
+    *,
+    image_size: int = IMAGE_SIZE,
+    hidden: int = 64,
+    layers: int = 2,
+    vision_hidden: int = 32,
+) -> Path:
+    """Write the folder `dest`. The keywords scale it (benchmarks/vision_cache.py): an image of
+    image_size pixels a side gives (image_size // 14) ** 2 placeholder tokens."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models import llava
+    from transformers import AutoTokenizer, CLIPImageProcessor
+
+    from tests.tiny_model import build_tiny_model, tokenizer_source
+
+    src = tokenizer_source(cache)
+    if not (src / "tokenizer.json").is_file():  # fetched once, as the tiny text model does
+        build_tiny_model(dest.parent / "tiny-llama-for-tokenizer", cache)
+    tok = AutoTokenizer.from_pretrained(str(src))
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = TEMPLATE
+    vocab = len(tok)
+    text = {"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": vocab, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048,
+            "tie_word_embeddings": False}  # fmt: skip
+    vision = {"model_type": "clip_vision_model", "num_hidden_layers": layers,
+              "hidden_size": vision_hidden, "intermediate_size": 2 * vision_hidden,
+              "num_attention_heads": 2, "image_size": image_size,
+              "patch_size": PATCH, "projection_dim": 32}  # fmt: skip
+    config = {"model_type": "llava", "image_token_index": tok.convert_tokens_to_ids("<image>"),
+              "vocab_size": vocab, "vision_feature_layer": -2,
+              "vision_feature_select_strategy": "default", "text_config": text,
+              "vision_config": vision, "eos_token_id": [tok.eos_token_id]}  # fmt: skip
+    mx.random.seed(seed)
+    args = llava.ModelConfig.from_dict(config)
+    args.text_config = llava.TextConfig.from_dict(text)
+    args.vision_config = llava.VisionConfig.from_dict(vision)
+    model = llava.Model(args)
+    dest.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config, indent=1))
+    tok.save_pretrained(str(dest))
+    size = {"height": image_size, "width": image_size}
+    CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size=size).save_pretrained(dest)
+    (dest / "processor_config.json").write_text(json.dumps({
+        "patch_size": PATCH, "vision_feature_select_strategy": "default",
+        "image_token": "<image>", "num_additional_image_tokens": 1}))  # fmt: skip
+    return dest
+
+
+def png(seed: int, size: tuple[int, int] = (60, 40)) -> bytes:
+    """A random RGB picture as PNG bytes."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = (np.random.RandomState(seed).rand(size[1], size[0], 3) * 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()

@@ -1,0 +1,80 @@
+"""worker/media.py: https and file images read under bounds, or the line's 400; the bytes are
+hashed once, when read."""
+
+from __future__ import annotations
+
+import urllib.error
+from pathlib import Path
+
+import pytest
+
+from batchmlx.formats import media as M
+from batchmlx.formats.media import MediaKind, MediaPart, MediaSource
+from batchmlx.worker.media import MEDIA_DIR_ENV, MEDIA_FETCH_ENV, MediaReader, MediaRefused
+
+
+def part(source: MediaSource, url: str) -> MediaPart:
+    return MediaPart(MediaKind.IMAGE, source, "messages[0].content[0].image_url.url", 0, url)
+
+
+def refused(reader: MediaReader, p: MediaPart) -> tuple[str, str, str | None]:
+    with pytest.raises(MediaRefused) as info:
+        reader.resolve((p,))
+    e = info.value.error
+    assert e.status_code == 400
+    return e.code, e.message, e.param
+
+
+def test_https_fetched_with_the_time_limit_and_size_bound():
+    calls = []
+
+    def fetch(url, timeout, limit):
+        calls.append((url, timeout, limit))
+        return b"\x89PNG...", "image/png"
+
+    (got,) = MediaReader(fetch=fetch).resolve((part(MediaSource.HTTPS, "https://x/a.png"),))
+    assert calls == [("https://x/a.png", 10.0, M.MAX_MEDIA_BYTES)]
+    assert (got.data, got.media_type, got.digest) == (b"\x89PNG...", "image/png",
+                                                     M.content_digest(got))  # fmt: skip
+    big = MediaReader(fetch=lambda u, t, n: (b"\0" * (n + 1), None))
+    code, message, param = refused(big, part(MediaSource.HTTPS, "https://x/a.png"))
+    assert code == "invalid_value" and f"at most {M.MAX_MEDIA_BYTES} bytes" in message
+
+
+def test_https_without_a_network_is_refused_saying_so():
+    def offline(url, timeout, limit):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    code, message, param = refused(MediaReader(fetch=offline), part(MediaSource.HTTPS, "https://x"))
+    assert param == "messages[0].content[0].image_url.url"
+    assert "could not be fetched" in message and "name resolution" in message
+    off = MediaReader.from_env({MEDIA_FETCH_ENV: "off"})
+    assert not off.fetch_enabled
+    assert "turned off" in refused(off, part(MediaSource.HTTPS, "https://x"))[1]
+
+
+def test_files_only_inside_the_allowed_folder(tmp_path: Path):
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "a.png").write_bytes(b"img")
+    (tmp_path / "secret.png").write_bytes(b"no")
+    (allowed / "link.png").symlink_to(tmp_path / "secret.png")
+    none = MediaReader.from_env({})
+    code, message, _ = refused(none, part(MediaSource.FILE, str(allowed / "a.png")))
+    assert code == "unsupported_value" and MEDIA_DIR_ENV in message
+    reader = MediaReader.from_env({MEDIA_DIR_ENV: str(allowed)})
+    (got,) = reader.resolve((part(MediaSource.FILE, str(allowed / "a.png")),))
+    assert got.data == b"img" and got.digest is not None
+    for outside in (tmp_path / "secret.png", allowed / "link.png", allowed / ".." / "secret.png"):
+        assert "outside the allowed folder" in refused(reader, part(MediaSource.FILE,
+                                                                    str(outside)))[1]  # fmt: skip
+    assert "cannot be read" in refused(reader, part(MediaSource.FILE, str(allowed / "gone")))[1]
+
+
+def test_the_request_total_counts_fetched_bytes():
+    chunk = M.MAX_MEDIA_BYTES
+    reader = MediaReader(fetch=lambda u, t, n: (b"\0" * chunk, None))
+    parts = tuple(part(MediaSource.HTTPS, f"https://x/{i}") for i in range(3))
+    with pytest.raises(MediaRefused) as info:
+        reader.resolve(parts)
+    assert f"at most {M.MAX_REQUEST_MEDIA_BYTES} bytes in all" in info.value.error.message

@@ -52,8 +52,9 @@ MAX_PADDING = 2.0
 # steps (engine/host_step.py) gain more from it, their gathers being a tenth of a step at
 # width 64: 64 unique prompts x 128 tokens in 16.6-17.5 s within 256 MiB (no copy once the
 # keys pass ~90), 15.0-15.7 s within 1 GiB (the copy peaking at ~565 MB), on one thread of a
-# shared machine (2026-12-02); hence 768 MiB.
-MAX_SLOTS = 64
+# shared machine (2026-12-02); hence 768 MiB. And wider: at width 128 host decode steps take
+# 151.7 ms with the copy against 186.0 ms gathering (medians of 3, quiet, 2026-12-02).
+MAX_SLOTS = 128
 BUDGET_BYTES = 768 << 20
 
 

@@ -98,6 +98,20 @@ class EngineProtocol(EngineTelemetry, Protocol):
         ...
 
 
+def run_to_completion(
+    engine: EngineProtocol, requests: Sequence[GenerationRequest]
+) -> list[GenerationOutput]:
+    """Add `requests` and step `engine` until nothing is left; outputs in request order. Every
+    engine's `generate` (tests, benchmarks, scripts)."""
+    for r in requests:
+        engine.add(r)
+    outs: dict[str, GenerationOutput] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+    return [outs[r.request_id] for r in requests]
+
+
 class EmbedderProtocol(Protocol):
     """What the worker needs to answer /v1/embeddings: one batched pass over token lists (no
     generation loop). The MLX engine offers one per model (engine/embed.py); an engine without

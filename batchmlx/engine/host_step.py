@@ -316,7 +316,7 @@ class _SegmentPlan:
         h = k.shape[1]
         rep = hq // h
         if self.dense is not None:
-            keys, values, prefix = self.dense.fetch(layer, kpool, vpool, k, v, self.seg)
+            keys, values, prefix = self.dense.fetch(layer, kpool, vpool, k, v)
             dp = self.dense
             qs = q if dp.slot_rows is None else q[dp.slot_rows]
             o = host_attention.decode_attention(qs.reshape(-1, h, rep, d), keys, values,
@@ -369,7 +369,7 @@ class _DensePlan:
                    host(plan.slot_rows), host(plan.row_slots))  # fmt: skip
 
     def fetch(self, layer: int, kpool: np.ndarray, vpool: np.ndarray, k: np.ndarray,
-              v: np.ndarray, seg: Segment) -> tuple:  # fmt: skip
+              v: np.ndarray) -> tuple:  # fmt: skip
         """The copy's keys and values [S, H, L, D] with the new rows in, and the shared
         prefix's [H, P, D] (or None)."""
         plan = self.plan

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from batchmlx.core.blocks import BlockPool
-from batchmlx.core.engine_api import EngineSettings, StepError, TokenCallback
+from batchmlx.core.engine_api import EngineSettings, StepError, TokenCallback, run_to_completion
 from batchmlx.core.finish import FinishRules
 from batchmlx.core.kv_manager import blocks_for
 from batchmlx.core.postprocess import Generation, Postprocessor
@@ -294,13 +294,7 @@ class Engine:
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         """Run requests to completion (tests, benchmarks, scripts)."""
-        for r in requests:
-            self.add(r)
-        outs: dict[str, GenerationOutput] = {}
-        while self.has_unfinished():
-            for o in self.step():
-                outs[o.request_id] = o
-        return [outs[r.request_id] for r in requests]
+        return run_to_completion(self, requests)
 
     @property
     def running_limit(self) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.core.engine_api import EngineSettings, StepError, TokenCallback
+from batchmlx.core.engine_api import EngineSettings, StepError, TokenCallback, run_to_completion
 from batchmlx.core.finish import FinishRules
 from batchmlx.core.postprocess import Generation, Postprocessor
 from batchmlx.core.request import GenerationOutput, GenerationRequest, TokenLogprob
@@ -154,13 +154,7 @@ class UnpagedEngine:
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         """Run requests to completion (tests, benchmarks, scripts)."""
-        for r in requests:
-            self.add(r)
-        outs: dict[str, GenerationOutput] = {}
-        while self.has_unfinished():
-            for o in self.step():
-                outs[o.request_id] = o
-        return [outs[r.request_id] for r in requests]
+        return run_to_completion(self, requests)
 
     # -- EngineTelemetry -----------------------------------------------------------------------
     def counters(self) -> EngineCounters:

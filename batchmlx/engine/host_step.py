@@ -129,8 +129,7 @@ class HostStep:
         self.final_eps = np.float32(inner.norm.eps)
         self.final_norm = np.asarray(inner.norm.weight.astype(mx.float32))
         emb: HostEmbedding = inner.embed_tokens
-        self._embed_fmt = emb._gemm.fmt
-        if self._embed_fmt is HostFormat.BF16:
+        if emb._gemm.fmt is HostFormat.BF16:
             self._embed = np.asarray(emb.weight.view(mx.uint16))
             self._embed_scales = None
         else:

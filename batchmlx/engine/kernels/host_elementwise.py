@@ -30,18 +30,23 @@ def pays(gate: mx.array, x: mx.array) -> bool:
     return gate.dtype == x.dtype == mx.float32 and gate.size >= MIN_HOST_ELEMENTS
 
 
+def _swiglu_tile(g: np.ndarray, u: np.ndarray, out: np.ndarray, s: np.ndarray) -> None:
+    """out = silu(g) * u = g * u / (1 + exp(-g)) for one tile (any shape), s its scratch.
+    exp(-g) -> inf for g < -88 (the caller ignores the overflow): g / inf = -0, silu's limit."""
+    np.negative(g, out=s)
+    np.exp(s, out=s)
+    s += np.float32(1.0)
+    np.divide(g, s, out=s)
+    np.multiply(s, u, out=out)
+
+
 def _swiglu_range(g: np.ndarray, u: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
-    """out[lo:hi] = silu(g) * u = g * u / (1 + exp(-g)), one L2-sized tile at a time."""
+    """out[lo:hi] = silu(g) * u over flat arrays, one L2-sized tile at a time."""
     scratch = np.empty(min(TILE, hi - lo), np.float32)
-    with np.errstate(over="ignore"):  # exp(-g) -> inf for g < -88: g / inf = -0, silu's limit
+    with np.errstate(over="ignore"):
         for a in range(lo, hi, TILE):
             b = min(hi, a + TILE)
-            s = scratch[: b - a]
-            np.negative(g[a:b], out=s)
-            np.exp(s, out=s)
-            s += np.float32(1.0)
-            np.divide(g[a:b], s, out=s)
-            np.multiply(s, u[a:b], out=out[a:b])
+            _swiglu_tile(g[a:b], u[a:b], out[a:b], scratch[: b - a])
 
 
 def host_swiglu(gate: mx.array, x: mx.array) -> mx.array:
@@ -83,13 +88,9 @@ def swiglu_halves(gu: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def _swiglu_rows(gu: np.ndarray, out: np.ndarray, i: int, lo: int, hi: int, rows: int) -> None:
+    """out[lo:hi] = silu(gate) * up of gu's rows lo..hi, `rows` rows a tile."""
     scratch = np.empty((min(rows, max(hi - lo, 1)), i), np.float32)
-    with np.errstate(over="ignore"):  # exp(-g) -> inf for g < -88: g / inf = -0, silu's limit
+    with np.errstate(over="ignore"):
         for a in range(lo, hi, rows):
             b = min(hi, a + rows)
-            g, s = gu[a:b, :i], scratch[: b - a]
-            np.negative(g, out=s)
-            np.exp(s, out=s)
-            s += np.float32(1.0)
-            np.divide(g, s, out=s)
-            np.multiply(s, gu[a:b, i:], out=out[a:b])
+            _swiglu_tile(gu[a:b, :i], gu[a:b, i:], out[a:b], scratch[: b - a])

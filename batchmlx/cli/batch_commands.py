@@ -88,6 +88,7 @@ def submit(
     meta = dict(m.split("=", 1) for m in metadata or []) or None
     from batchmlx.batches.files import read_chunks
     from batchmlx.batches.intake import submit as submit_batch
+    from batchmlx.worker.housekeeping import running_workers
 
     async def enqueue(store) -> tuple[BatchRecord, int]:
         rec = await submit_batch(
@@ -95,7 +96,7 @@ def submit(
             model=model, completion_window=completion_window, metadata=meta,
             output_expires_after=output_expires_after, endpoint=endpoint,
         )  # fmt: skip
-        live = [] if wait else await store.live_workers(store.clock(), settings.lease_s)
+        live = [] if wait else await running_workers(store, settings)
         return rec, len(live)
 
     rec, workers = run_with_store(settings, enqueue)
@@ -103,7 +104,7 @@ def submit(
         show(rec, settings, as_json)
         raise typer.Exit(1)
     if wait:
-        warn_if_slow_blas()
+        warn_if_slow_blas(engine.dtype)
         rec = _wait(settings, rec.id, engine, as_json)
     show(rec, settings, as_json)
     if not wait and not as_json and not rec.status.terminal:
@@ -113,28 +114,33 @@ def submit(
 
 
 def _wait(settings: Settings, batch_id: str, engine: EngineChoice, quiet: bool) -> BatchRecord:
-    """Follow a batch to its end; with no live worker, run one in this process."""
+    """Follow a batch to its end; while no worker runs (none, or the one followed died), run
+    one in this process."""
     from batchmlx.cli_progress import REFRESH_S, ProgressView
     from batchmlx.ingest import INBOX_HOOKS
     from batchmlx.store import Store
     from batchmlx.worker import WorkerOptions, run_worker
+    from batchmlx.worker.housekeeping import running_workers
 
     async def main() -> BatchRecord:
         store = await Store.from_settings(settings)
         try:
-            live = await store.live_workers(store.clock(), settings.lease_s)
             progress = ProgressView(store, batch_id, quiet)
-            if live:
-                while not (await store.get_batch(batch_id)).status.terminal:
+            while not (await store.get_batch(batch_id)).status.terminal:
+                if await running_workers(store, settings):
                     await progress.show()
                     await asyncio.sleep(REFRESH_S)
-            else:
+                    continue
                 opts = WorkerOptions(until_idle=True, dtype=engine.dtype, engine=engine.settings)
                 task = asyncio.create_task(progress.run())
                 try:
                     await run_worker(settings, opts, store=store, finalize_hooks=INBOX_HOOKS)
                 finally:
                     task.cancel()
+                if not (await store.get_batch(batch_id)).status.terminal:
+                    # idle while requests of the batch are leased elsewhere (a worker on
+                    # another host): follow them
+                    await asyncio.sleep(REFRESH_S)
             await progress.show(final=True)
             return await store.get_batch(batch_id)
         finally:

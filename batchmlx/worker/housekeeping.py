@@ -131,6 +131,18 @@ class Housekeeping:
         return entry is not None and time.monotonic() < entry[0]
 
 
+async def running_workers(store: Store, settings: Settings) -> list[str]:
+    """Workers with a fresh heartbeat, less those of this host whose process is gone (a
+    crashed worker's heartbeat stays fresh for up to `lease_s`: a waiter that trusted it
+    would wait on nobody)."""
+    live = await store.live_workers(store.clock(), settings.lease_s)
+    if not live or not store.one_host:
+        return live
+    gone = {wid for wid, pid in await store.workers_on_host(settings.hostname)
+            if pid is not None and not _pid_alive(pid)}  # fmt: skip
+    return [w for w in live if w not in gone]
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

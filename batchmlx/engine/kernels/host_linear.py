@@ -5,6 +5,11 @@ or int8, their GEMMs computed on the host by oneDNN (onednn.py), activations flo
   layer's input is rounded to bf16 on the way in (in MLX, in the same evaluation as the work
   before it) and the products accumulate in float32 (AVX-512 BF16 `vdpbf16ps`). Logits within
   ~1.5% of float32's (of the largest logit) on the default model; greedy text follows float32's.
+- **float32** (`--dtype auto` on a CPU whose oneDNN has no bf16 matmul: oneDNN 3.2's bf16
+  kernels need AVX-512, so an AVX2-only CPU gets this): weights and products float32, as
+  MLX's float32 path computes them but for the order of the sums, the GEMMs on numpy's own
+  BLAS (on a Zen 3 host 2.6x oneDNN's float32 matmul at decode widths, measured 2026-12-02);
+  the format exists so the host steps (engine/host_step.py) run there too.
 - **int8** (`--dtype int8`): weights int8 with one float32 scale per output channel
   (symmetric, w ~= q * s, |q| <= 127); a layer's input is quantized per token on the fly
   (x ~= p * t, t = max|x_row| / 127) and the int8 x int8 -> int32 GEMM (VNNI) is rescaled:
@@ -29,7 +34,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from batchmlx.engine.kernels.onednn import DataType, load_library
+from batchmlx.engine.kernels import numpy_blas
+from batchmlx.engine.kernels.onednn import DataType, Packed, load_library
 
 
 class HostFormat(enum.Enum):
@@ -37,6 +43,28 @@ class HostFormat(enum.Enum):
 
     BF16 = "bfloat16"
     INT8 = "int8"
+    F32 = "float32"
+
+    @property
+    def data_type(self) -> DataType:
+        """oneDNN's type for the weights (and the GEMM's input)."""
+        return {HostFormat.BF16: DataType.BF16, HostFormat.INT8: DataType.S8,
+                HostFormat.F32: DataType.F32}[self]  # fmt: skip
+
+    @property
+    def scaled(self) -> bool:
+        """Per-output-channel scales (int8)."""
+        return self is HostFormat.INT8
+
+
+def runs_here(fmt: HostFormat) -> bool:
+    """Whether `fmt`'s GEMMs run on this machine: float32 always (numpy's BLAS); bf16 and int8
+    where oneDNN loads and has their matmul for this CPU (bf16 needs AVX-512 in oneDNN 3.2)."""
+    if fmt is HostFormat.F32:
+        return True
+    from batchmlx.engine.kernels import onednn
+
+    return onednn.available() and load_library().supports(fmt.data_type, scaled=fmt.scaled)
 
 
 # Sibling layers that read the same input, fused into one GEMM (llama, qwen, mistral, ...)
@@ -65,6 +93,8 @@ class HostWeights:
     def of(cls, weight: mx.array, fmt: HostFormat) -> HostWeights:
         if fmt is HostFormat.BF16:
             out = cls(fmt, weight.astype(mx.bfloat16))
+        elif fmt is HostFormat.F32:
+            out = cls(fmt, weight.astype(mx.float32))
         else:
             q, s = quantize_rows(np.asarray(weight.astype(mx.float32)))
             out = cls(fmt, mx.array(q), mx.array(s.astype(np.float32)))
@@ -139,32 +169,33 @@ class SharedGemm:
             self.bias = np.concatenate([
                 np.zeros(w.shape[0], np.float32) if b is None else np.asarray(b.astype(mx.float32))
                 for w, b in zip(weights, biases, strict=True)])  # fmt: skip
-        bf16 = fmt is HostFormat.BF16
-        rows = np.asarray(plain.data.view(mx.uint16) if bf16 else plain.data)
-        packed = load_library().pack(rows, DataType.BF16 if bf16 else DataType.S8,
-                                     scaled=not bf16)  # fmt: skip
-        self.packed = mx.array(packed.buffer)  # MLX owns the bytes from here on
-        self._w = replace(packed, buffer=np.asarray(self.packed))
+        if fmt is HostFormat.F32:  # numpy's BLAS reads the rows as they are: nothing to pack
+            self.packed = plain.data
+            self._w = Packed(None, np.asarray(self.packed), *full.shape, fmt.data_type, False)
+        else:
+            rows = np.asarray(plain.data.view(mx.uint16) if fmt is HostFormat.BF16 else plain.data)
+            packed = load_library().pack(rows, fmt.data_type, scaled=fmt.scaled)
+            self.packed = mx.array(packed.buffer)  # MLX owns the bytes from here on
+            self._w = replace(packed, buffer=np.asarray(self.packed))
         self.scales = plain.scales
         self._s = None if plain.scales is None else np.asarray(plain.scales)
         self.plain = plain if keep_plain else None
 
     def _adopt(self, hit: dict[str, mx.array], n: int, k: int, keep_plain: bool) -> bool:
         """Take a cached layer's arrays (False: they do not fit this shape or library)."""
-        bf16 = self.fmt is HostFormat.BF16
-        if (keep_plain and "plain" not in hit) or (not bf16 and "scales" not in hit):
+        fmt = self.fmt
+        if (keep_plain and "plain" not in hit) or (fmt.scaled and "scales" not in hit):
             return False
         packed = hit["packed"]
         try:
             buffer = np.asarray(packed)  # read from the file here
         except RuntimeError:  # a damaged file: pack this layer again (the file is rewritten)
             return False
-        w = load_library().adopt(buffer, n, k, DataType.BF16 if bf16 else DataType.S8,
-                                 scaled=not bf16)  # fmt: skip
+        w = load_library().adopt(buffer, n, k, fmt.data_type, scaled=fmt.scaled)
         if w is None:
             return False
         self.packed, self._w = packed, w
-        self.scales = hit.get("scales") if not bf16 else None
+        self.scales = hit.get("scales") if fmt.scaled else None
         self._s = None if self.scales is None else np.asarray(self.scales)
         self.bias = np.asarray(hit["bias"]) if "bias" in hit else None
         self.plain = HostWeights(self.fmt, hit["plain"], self.scales) if keep_plain else None
@@ -198,15 +229,17 @@ class SharedGemm:
         """out[M, N] = x[M, K] . W^T (+ bias) on numpy arrays: x float32 (bf16: its bits as
         uint16 are taken as they are), out float32 C-contiguous (allocated when None). The
         MLX layers' GEMM and the host steps' (engine/host_step.py)."""
-        lib = load_library()
         if out is None:
             out = np.empty((x.shape[0], self._w.n), np.float32)
         if self.fmt is HostFormat.BF16:
             bits = x if x.dtype == np.uint16 else bf16_bits(x)
-            lib.matmul(np.ascontiguousarray(bits), self._w, out)
+            load_library().matmul(np.ascontiguousarray(bits), self._w, out)
+        elif self.fmt is HostFormat.F32:
+            with numpy_blas.threads(numpy_blas.engine_threads()):
+                np.matmul(np.ascontiguousarray(x, dtype=np.float32), self._w.buffer.T, out=out)
         else:
             q, t = quantize_rows(np.ascontiguousarray(x, dtype=np.float32))
-            lib.matmul(q, self._w, out, self._s)
+            load_library().matmul(q, self._w, out, self._s)
             out *= t[:, None]
         if self.bias is not None:
             out += self.bias
@@ -249,7 +282,8 @@ class HostEmbedding(nn.Module):
         self._gemm = SharedGemm([weight], fmt, keep_plain=True, cache=cache, key=key)
         assert self._gemm.plain is not None
         self.weight = self._gemm.plain.data  # row-major, for the lookup
-        self.packed = self._gemm.packed  # for the tied head's GEMM
+        if self._gemm.packed is not self.weight:  # (float32: the very same rows)
+            self.packed = self._gemm.packed  # for the tied head's GEMM
         if self._gemm.scales is not None:
             self.scales = self._gemm.scales
 

@@ -47,7 +47,7 @@ class DataType(enum.IntEnum):
     """dnnl_data_type_t values used here."""
 
     BF16 = 2
-    F32 = 3
+    F32 = 3  # (also the float32 host format's weights)
     S8 = 5
 
 
@@ -55,7 +55,8 @@ class DataType(enum.IntEnum):
 class Packed:
     """Weights [N, K] in oneDNN's own layout for matmuls of their shape (OneDNN.pack)."""
 
-    md: ctypes.c_void_p  # its memory descriptor (owned)
+    md: ctypes.c_void_p | None  # its memory descriptor (owned); None: plain float32 rows
+    # that numpy's BLAS reads (host_linear's float32 format)
     buffer: np.ndarray  # the packed bytes
     n: int
     k: int
@@ -109,6 +110,7 @@ class OneDNN:
         self._ok(lib.dnnl_engine_create(ctypes.byref(self.engine), 1, ctypes.c_size_t(0)))
         self._ok(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, 1))
         self._prims: dict[tuple[int, ...], tuple] = {}
+        self._supported: dict[tuple[int, bool], bool] = {}
         self._lock = threading.Lock()
         self._local = _Local()
         self._omp_set = _omp_setter()
@@ -186,6 +188,39 @@ class OneDNN:
             self.lib.dnnl_memory_desc_destroy(md)
             return None
         return Packed(md, buffer, n, k, dt, scaled)
+
+    def supports(self, dt: DataType, *, scaled: bool = False) -> bool:
+        """Whether this library has a matmul for weights of type `dt` on this CPU: oneDNN 3.2's
+        bf16 kernels need AVX-512 (an AVX2-only CPU answers "unimplemented"); its s8 ones run
+        on AVX2 but are exact only with VNNI (`_exact_s8`). Asked once per type."""
+        key = (int(dt), scaled)
+        if key not in self._supported:
+            anyfmt, dims = _p(), (ctypes.c_int64 * 12)(64, 64)
+            self._ok(self.lib.dnnl_memory_desc_create_with_tag(ctypes.byref(anyfmt), 2, dims, dt,
+                                                               _TAG_ANY))  # fmt: skip
+            try:
+                pd = self._matmul_pd(1, 64, 64, dt, scaled, anyfmt)
+            except RuntimeError:
+                self._supported[key] = False
+            else:
+                self.lib.dnnl_primitive_desc_destroy(pd)
+                self._supported[key] = dt is not DataType.S8 or self._exact_s8()
+            self.lib.dnnl_memory_desc_destroy(anyfmt)
+        return self._supported[key]
+
+    def _exact_s8(self) -> bool:
+        """Whether s8 x s8 products come out exact. Without VNNI (plain AVX2) oneDNN pairs
+        products in 16-bit saturating adds (vpmaddubsw): 127 x 127 + 127 x 127 saturates, and
+        on random data 2.5% of outputs were 2% off; slower than float32 there too."""
+        k = 64
+        w = np.full((16, k), 127, np.int8)
+        x = np.full((1, k), 127, np.int8)
+        out = np.zeros((1, 16), np.float32)
+        try:
+            self.matmul(x, self.pack(w, DataType.S8, scaled=True), out, np.ones(16, np.float32))
+        except RuntimeError:
+            return False
+        return bool((out == k * 127 * 127).all())
 
     def fingerprint(self) -> str:
         """What decides the packed layout: oneDNN's version and the CPU ISA it runs (a packed

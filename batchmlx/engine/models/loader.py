@@ -117,7 +117,8 @@ def _to_host(model: nn.Module, fmt: HostFormat, source: Path, cache_dir: Path) -
     from batchmlx.engine.kernels.host_linear import to_host_format
     from batchmlx.engine.models import host_cache
 
-    if not host_cache.enabled() or not source.is_dir():
+    # float32 is not packed: its rows load as fast from the float32 copy as from a cache
+    if fmt is HostFormat.F32 or not host_cache.enabled() or not source.is_dir():
         to_host_format(model, fmt)
         return
     where, sig = host_cache.cache_path(cache_dir, source, fmt), host_cache.signature(source, fmt)
@@ -130,8 +131,11 @@ def _to_host(model: nn.Module, fmt: HostFormat, source: Path, cache_dir: Path) -
 def host_format(dtype: str, *, on_cpu: bool | None = None) -> HostFormat | None:
     """The host weight format `dtype` asks for, or None for MLX's own kernels. On MLX's CPU
     backend "auto" and "bfloat16" mean bf16 weights through oneDNN (MLX's own bf16 CPU matmul
-    runs at a few GFLOP/s); where oneDNN cannot load they fall back, with a warning, to float32
-    and to MLX's bf16. "int8" needs oneDNN (OneDNNUnavailable says what to install)."""
+    runs at a few GFLOP/s). Where this CPU's oneDNN has no bf16 matmul (3.2's needs AVX-512:
+    an AVX2-only CPU), "auto" means float32 weights through oneDNN, which the host steps run
+    as fast as any format there, and "bfloat16" MLX's own bf16. Where oneDNN cannot load they
+    fall back, with a warning, to float32 and to MLX's bf16. "int8" needs oneDNN and its int8
+    matmul (OneDNNUnavailable says what is missing)."""
     from batchmlx.engine.kernels import onednn
 
     if on_cpu is None:
@@ -141,17 +145,26 @@ def host_format(dtype: str, *, on_cpu: bool | None = None) -> HostFormat | None:
             raise onednn.OneDNNUnavailable(
                 "--dtype int8 runs on MLX's CPU backend only; on a GPU use --dtype auto"
             )
-        onednn.load_library()
+        if not onednn.load_library().supports(onednn.DataType.S8, scaled=True):
+            raise onednn.OneDNNUnavailable("this CPU's oneDNN has no int8 matmul: use --dtype "
+                                           "auto")  # fmt: skip
         return HostFormat.INT8
     if not on_cpu or dtype not in ("auto", "bfloat16"):
         return None
     try:
-        onednn.load_library()
+        lib = onednn.load_library()
     except onednn.OneDNNUnavailable as exc:
         fallback = "float32" if dtype == "auto" else "bfloat16 in MLX's own (slow) CPU kernels"
         log.warning("weights as %s: %s", fallback, exc)
         return None
-    return HostFormat.BF16
+    if lib.supports(onednn.DataType.BF16):
+        return HostFormat.BF16
+    if dtype == "bfloat16":
+        log.warning("weights as bfloat16 in MLX's own (slow) CPU kernels: this CPU's oneDNN has "
+                    "no bf16 matmul (it needs AVX-512); --dtype auto computes in float32")
+        return None
+    log.info("this CPU's oneDNN has no bf16 matmul (it needs AVX-512): weights as float32")
+    return HostFormat.F32
 
 
 @contextmanager

@@ -184,6 +184,8 @@ class SharedGemm:
     def _adopt(self, hit: dict[str, mx.array], n: int, k: int, keep_plain: bool) -> bool:
         """Take a cached layer's arrays (False: they do not fit this shape or library)."""
         fmt = self.fmt
+        if fmt is HostFormat.F32:  # nothing packed to adopt: its rows are rebuilt from source
+            return False
         if (keep_plain and "plain" not in hit) or (fmt.scaled and "scales" not in hit):
             return False
         packed = hit["packed"]

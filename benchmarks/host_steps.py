@@ -75,7 +75,7 @@ class Pieces:
 
         targets = [
             (SharedGemm, "host", PIECES[0]), (hs._StepKV, "attend", PIECES[1]),
-            (hs, "_rms_norm", PIECES[2]), (hs.HostStep, "_rotate", PIECES[3]),
+            (hs, "_rms_norm", PIECES[2]), (hs.HostRope, "rotate", PIECES[3]),
             (hs, "swiglu_halves", PIECES[4]), (hs.HostStep, "forward", "forward"),
         ]  # fmt: skip
         saved = [(obj, name, getattr(obj, name)) for obj, name, _ in targets]

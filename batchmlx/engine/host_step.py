@@ -58,11 +58,55 @@ class _Block:
 
 
 @dataclass(frozen=True, slots=True)
-class _Rope:
+class HostRope:
+    """nn.RoPE of a model's q and k heads, in numpy (its dims, traditional, base, scale)."""
+
     dims: int
     traditional: bool
     base: float
     scale: float
+    head_dim: int
+    heads: int  # query + KV heads, rotated in one pass
+
+    def tables(self, positions: np.ndarray) -> _RopeTables:
+        """Each row's cos and signed sin over the q and k heads' elements, for its position (as
+        elementwise.rope_table): `rotate` reads them as whole rows."""
+        half = self.dims // 2
+        inv = np.exp(
+            np.arange(0, -half, -1, dtype=np.float32) * np.float32(math.log(self.base) / half)
+        )
+        theta = (positions.astype(np.float32) * np.float32(self.scale))[:, None] * inv
+        cos, sin = np.cos(theta), np.sin(theta)
+        t, d = positions.shape[0], self.head_dim
+        c, s = np.ones((t, d), np.float32), np.zeros((t, d), np.float32)  # past dims: as is
+        first, second = self._pairs()
+        c[:, first], c[:, second] = cos, cos
+        s[:, first], s[:, second] = -sin, sin
+        return _RopeTables(np.tile(c, (1, self.heads)), np.tile(s, (1, self.heads)))
+
+    def _pairs(self) -> tuple[slice, slice]:
+        """The elements of a head rotated together: (first, second) of each pair."""
+        if self.traditional:  # pairs (2i, 2i + 1)
+            return slice(0, self.dims, 2), slice(1, self.dims, 2)
+        return slice(0, self.dims // 2), slice(self.dims // 2, self.dims)  # (i, i + dims / 2)
+
+    def rotate(self, x: np.ndarray, rope: _RopeTables) -> np.ndarray:
+        """x [T, heads, D] (a view of the GEMM's rows) rotated by its row's position, a new
+        array: x * cos + swapped(x) * signed sin, where swapped exchanges each pair. The
+        products and sums are nn.RoPE's (x1 cos - x2 sin, x1 sin + x2 cos), bit for bit, in
+        three whole-row passes and a copy; per half-head views took 3.5x as long (1,776
+        prompt tokens: 3.3 ms a layer against 0.95)."""
+        t, n, d = x.shape
+        first, second = self._pairs()
+        sw = np.empty((t, n, d), np.float32)
+        sw[..., first], sw[..., second] = x[..., second], x[..., first]
+        if self.dims < d:
+            sw[..., self.dims:] = 0  # times a sin of 0: the unrotated dims stay as they are
+        out = np.multiply(x.reshape(t, n * d), rope.cos)
+        sw = sw.reshape(t, n * d)
+        sw *= rope.sin
+        out += sw
+        return out.reshape(t, n, d)
 
 
 def _gemm(layer: object, members: int) -> SharedGemm | None:
@@ -125,7 +169,8 @@ class HostStep:
         self.head_dim = storage.head_dim
         self.scale = np.float32(attn.scale)
         r = attn.rope
-        self.rope = _Rope(int(r.dims), bool(r.traditional), float(r.base), float(r.scale))
+        self.rope = HostRope(int(r.dims), bool(r.traditional), float(r.base), float(r.scale),
+                             storage.head_dim, self.n_heads + self.n_kv)  # fmt: skip
         self.eps = np.float32(inner.layers[0].input_layernorm.eps)
         self.final_eps = np.float32(inner.norm.eps)
         self.final_norm = np.asarray(inner.norm.weight.astype(mx.float32))
@@ -177,19 +222,18 @@ class HostStep:
         tokens = np.asarray(layout.tokens).reshape(-1)
         t = tokens.shape[0]
         x = self._embedding(tokens)  # [T, hidden] float32
-        cos, sin = self._rope_table(np.asarray(layout.offsets))
+        rope = self.rope.tables(np.asarray(layout.offsets))
         kv = _StepKV(storage, layout)
         hq, h, d = self.n_heads, self.n_kv, self.head_dim
-        q_end, k_end = hq * d, (hq + h) * d
+        k_end = (hq + h) * d
         for i, blk in enumerate(self.blocks):
             hn = _rms_norm(x, blk.ln1, self.eps)
             qkv = blk.qkv.host(hn)
-            q = qkv[:, :q_end].reshape(t, hq, d)
-            k = qkv[:, q_end:k_end].reshape(t, h, d)
-            v = qkv[:, k_end:].reshape(t, h, d)
-            q = self._rotate(q, cos, sin)
+            # q and k rotated in one pass (adjacent in the GEMM's rows), then q scaled
+            qk = self.rope.rotate(qkv[:, :k_end].reshape(t, hq + h, d), rope)
+            q, k = qk[:, :hq], qk[:, hq:]
             q *= self.scale
-            k = self._rotate(k, cos, sin)
+            v = qkv[:, k_end:].reshape(t, h, d)
             o = kv.attend(i, q, k, np.ascontiguousarray(v))
             x += blk.o.host(o.reshape(t, hq * d))
             hn = _rms_norm(x, blk.ln2, self.eps)
@@ -212,34 +256,13 @@ class HostStep:
             return rows
         return rows.astype(np.float32) * self._embed_scales[tokens][:, None]
 
-    def _rope_table(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin [B, 1, dims / 2] of each row's position (as elementwise.rope_table)."""
-        r = self.rope
-        half = r.dims // 2
-        inv = np.exp(
-            np.arange(0, -half, -1, dtype=np.float32) * np.float32(math.log(r.base) / half)
-        )
-        theta = (positions.astype(np.float32) * np.float32(r.scale))[:, None] * inv
-        return np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
 
-    def _rotate(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """x [B, heads, D] rotated by its row's position (nn.RoPE's pairs), a new array."""
-        dims = self.rope.dims
-        out = np.empty(x.shape, np.float32)
-        if self.rope.traditional:  # pairs (2i, 2i + 1)
-            x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
-            o1, o2 = out[..., 0:dims:2], out[..., 1:dims:2]
-        else:  # pairs (i, i + dims / 2)
-            half = dims // 2
-            x1, x2 = x[..., :half], x[..., half:dims]
-            o1, o2 = out[..., :half], out[..., half:dims]
-        np.multiply(x1, cos, out=o1)
-        o1 -= x2 * sin
-        np.multiply(x1, sin, out=o2)
-        o2 += x2 * cos
-        if dims < x.shape[-1]:
-            out[..., dims:] = x[..., dims:]
-        return out
+@dataclass(frozen=True, slots=True)
+class _RopeTables:
+    """A step's RoPE factors, [T, (query + KV heads) x head_dim]."""
+
+    cos: np.ndarray  # 1 on the dims RoPE leaves alone
+    sin: np.ndarray  # -sin on a pair's first element, +sin on its second; 0 on dims left alone
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:

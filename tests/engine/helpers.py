@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+
+from batchmlx.engine.kernels.host_linear import HostFormat, runs_here
 
 
 def naive(q, k, v, scale, mask):
@@ -13,3 +16,16 @@ def naive(q, k, v, scale, mask):
     s = np.where(mask.astype(bool), q @ k.swapaxes(-1, -2) * scale, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def where_it_runs(fmt: HostFormat) -> pytest.MarkDecorator:
+    """Skips where this CPU has no matmul for `fmt` (oneDNN 3.2: bf16 needs AVX-512, exact
+    int8 VNNI)."""
+    return pytest.mark.skipif(not runs_here(fmt), reason=f"no {fmt.value} matmul on this CPU")
+
+
+def host_formats(*, packed_only: bool = False) -> list:
+    """The host weight formats as pytest params, each skipped where this CPU lacks it.
+    packed_only: without float32, whose weights oneDNN does not pack."""
+    return [pytest.param(f, id=f.value, marks=where_it_runs(f))
+            for f in HostFormat if not (packed_only and f is HostFormat.F32)]  # fmt: skip

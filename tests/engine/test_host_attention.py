@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchmlx.engine.kernels import attention, host_attention
+from batchmlx.engine.kernels import attention, host_attention, onednn
 from batchmlx.engine.kernels.host_attention import host_attention as host
 from batchmlx.engine.kernels.host_attention import host_cascade_attention
 from batchmlx.engine.kv import paged as kv_cache
@@ -134,15 +134,23 @@ def test_engine_tokens_and_logprobs_same_on_the_host(tiny_model, monkeypatch) ->
                                    [x.logprob for x in b.logprobs], atol=1e-4)  # fmt: skip
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["alone", "split"])
+@pytest.mark.parametrize(
+    "path",
+    ["numpy", "numpy-split", pytest.param("onednn", marks=pytest.mark.skipif(
+        not onednn.available(), reason="no oneDNN here"))],
+)  # fmt: skip
 @pytest.mark.parametrize("with_prefix", [False, True], ids=["own-keys", "behind-a-prefix"])
 def test_decode_attention_equals_naive_over_own_keys_and_a_shared_prefix(
-    split, with_prefix, monkeypatch
+    path, with_prefix, monkeypatch
 ) -> None:
     """The one-query kernel of host steps: S sequences with their own key lengths (the bias
-    masks the rest), optionally behind a prefix every one of them sees."""
+    masks the rest), optionally behind a prefix every one of them sees; its products in
+    numpy (alone or the sequences split over two threads) or as oneDNN batched matmuls."""
+    split = path == "numpy-split"
     monkeypatch.setattr(host_attention, "MIN_SPLIT_DECODE_SCORES", 1 if split else 1 << 40)
     monkeypatch.setattr(host_attention, "THREADS", 2)
+    lib = onednn.load_library() if path == "onednn" else None
+    monkeypatch.setattr(host_attention, "_library", lib)
     rng = np.random.default_rng(7)
     s, h, rep, d, kl, p = 5, 2, 3, 16, 12, 9
     q = rng.standard_normal((s, h, rep, d)).astype(np.float32) * 0.5

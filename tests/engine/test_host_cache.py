@@ -15,6 +15,7 @@ from batchmlx.engine.kernels import onednn
 from batchmlx.engine.kernels.host_linear import HostFormat, PackedCache, runs_here, to_host_format
 from batchmlx.engine.models import host_cache
 from batchmlx.engine.models.loader import load_model
+from tests.engine.helpers import host_formats
 
 TOKENS = mx.array([[5, 17, 99, 3, 250, 8]])
 # a format oneDNN packs, that this CPU runs (oneDNN 3.2: bf16 needs AVX-512, exact int8 VNNI)
@@ -31,9 +32,7 @@ def _poisoned(model) -> None:
             m.weight = mx.full(m.weight.shape, float("nan"), m.weight.dtype)
 
 
-@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.skipif(
-    not runs_here(f), reason=f"no {f.value} matmul on this CPU")) for f in HostFormat
-    if f is not HostFormat.F32])  # (float32 is not packed: never cached)  # fmt: skip
+@pytest.mark.parametrize("fmt", host_formats(packed_only=True))  # float32: never cached
 def test_a_cached_model_computes_the_same_without_reading_its_float_weights(
         tiny_model, fmt, tmp_path):  # fmt: skip
     weights = [(k, mx.array(v)) for k, v in _flat(tiny_model)]

@@ -16,20 +16,15 @@ from batchmlx.engine.kernels.host_linear import (
     HostLinear,
     SharedGemm,
     quantize_rows,
-    runs_here,
     to_host_format,
 )
 from batchmlx.engine.kernels.onednn import OneDNNUnavailable
+from tests.engine.helpers import host_formats, where_it_runs
 
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="oneDNN (onednn-cpu-gomp)")
 
 
-def where_it_runs(fmt: HostFormat) -> pytest.MarkDecorator:
-    """Skips where this CPU has no matmul for `fmt` (bf16 in oneDNN 3.2 needs AVX-512)."""
-    return pytest.mark.skipif(not runs_here(fmt), reason=f"no {fmt.value} matmul on this CPU")
-
-
-FORMATS = [pytest.param(f, marks=where_it_runs(f), id=f.value) for f in HostFormat]
+FORMATS = host_formats()
 # bound on |got - float64| / max|float64| for products of unit-scale random data
 TOLERANCE = {HostFormat.BF16: 1e-2, HostFormat.INT8: 3e-2, HostFormat.F32: 1e-5}
 
@@ -110,6 +105,22 @@ def test_float32_matmul_is_the_float32_product(lead) -> None:
     assert got.shape == (*lead, n) and layer._gemm._w.md is None  # numpy's BLAS, not packed
     ref = x.reshape(-1, k).astype(np.float64) @ w.T.astype(np.float64) + b
     np.testing.assert_allclose(got.reshape(-1, n), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_batched_matmul_takes_strided_views_and_equals_numpy() -> None:
+    """OneDNN.bmm, decode attention's products: [B, M, K] @ [B, K, N] over a transposed view
+    (keys as [B, L, D] read as [B, D, L]) and a strided output, as numpy's matmul computes it;
+    a second call of the same shape reuses the primitive with other buffers."""
+    lib = onednn.load_library()
+    b, m, k, n = 6, 3, 16, 10
+    for seed in (1, 2):
+        q = _rand((b, m, k), seed)
+        keys = _rand((b, n, k), seed + 10)
+        out = np.full((b, m, n + 2), np.nan, np.float32)  # the last two columns untouched
+        lib.bmm(q, keys.swapaxes(1, 2), out[:, :, :n])
+        np.testing.assert_allclose(out[:, :, :n], q @ keys.swapaxes(1, 2), rtol=1e-5, atol=1e-5)
+        assert np.isnan(out[:, :, n:]).all()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

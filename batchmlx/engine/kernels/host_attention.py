@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.kernels import numpy_blas
+from batchmlx.engine.kernels import numpy_blas, onednn
+from batchmlx.engine.kernels.onednn import OneDNN
 from batchmlx.engine.kv.paged import additive_bias
 
 # Query rows per tile: 9 query heads x 64 queries x 1,000 keys x 4 B ~ 2.3 MB of scores.
@@ -294,6 +295,9 @@ def decode_attention(
     also sees. Returns [S, H, rep, D]. The lean form of `_attend_tiles` for a single query:
     a width-8 decode layer costs half as much."""
     s, h, rep, _ = q.shape
+    lib = _onednn()
+    if lib is not None:
+        return _decode_rows(q, k, v, bias, prefix, lib)
     if s > 1 and THREADS > 1 and s * h * rep * k.shape[2] >= MIN_SPLIT_DECODE_SCORES:
         out = np.empty(q.shape, np.float32)
         half = (s + 1) // 2
@@ -310,15 +314,35 @@ def decode_attention(
     return _decode_rows(q, k, v, bias, prefix)
 
 
+_library: OneDNN | None | bool = False  # False: not looked for yet
+
+
+def _onednn() -> OneDNN | None:
+    """oneDNN for the decode rows' two products, when it loads here (else numpy's matmul)."""
+    global _library
+    if _library is False:
+        _library = onednn.load_library() if onednn.available() else None
+    return _library  # type: ignore[return-value]
+
+
 def _decode_rows(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
     bias: np.ndarray,
     prefix: tuple[np.ndarray, np.ndarray] | None,
+    lib: OneDNN | None = None,
 ) -> np.ndarray:
+    """lib: oneDNN, which runs each product over all S x H (sequence, KV head) pairs as one
+    batched primitive on its own threads (numpy: one small BLAS call per pair)."""
     s, h, rep, d = q.shape
-    sc = np.matmul(q, k.swapaxes(-1, -2))  # [S, H, rep, L]
+    kl = k.shape[2]
+    if lib is None:
+        sc = np.matmul(q, k.swapaxes(-1, -2))  # [S, H, rep, L]
+    else:
+        sc = np.empty((s, h, rep, kl), np.float32)
+        lib.bmm(q.reshape(s * h, rep, d), k.reshape(s * h, kl, d).swapaxes(1, 2),
+                sc.reshape(s * h, rep, kl))  # fmt: skip
     sc += bias
     m = sc.max(axis=-1, keepdims=True)
     sp = None
@@ -332,7 +356,11 @@ def _decode_rows(
     sc -= m
     np.exp(sc, out=sc)
     total = sc.sum(axis=-1, keepdims=True)
-    o = np.matmul(sc, v)  # [S, H, rep, D]
+    if lib is None:
+        o = np.matmul(sc, v)  # [S, H, rep, D]
+    else:
+        o = np.empty((s, h, rep, d), np.float32)
+        lib.bmm(sc.reshape(s * h, rep, kl), v.reshape(s * h, kl, d), o.reshape(s * h, rep, d))
     if sp is not None:
         total += sp.sum(axis=-1).reshape(h, s, rep).transpose(1, 0, 2)[..., None]
         o += np.matmul(sp, prefix[1]).reshape(h, s, rep, d).transpose(1, 0, 2, 3)

@@ -13,6 +13,7 @@ from batchmlx.core.request import FinishReason, GenerationRequest, SamplingParam
 from batchmlx.engine.llm_engine import Engine
 from batchmlx.formats.structured import canonical_schema
 from batchmlx.worker.translate import Translator
+from tests.engine.helpers import assert_greedy_texts_agree
 
 pytestmark = pytest.mark.real_model
 
@@ -59,13 +60,15 @@ def make_engine(loaded, **cfg) -> Engine:
     )
 
 
-def requests(loaded, n: int, *, temperature: float, max_tokens: int = 160, tag: str = "r"):
+def requests(loaded, n: int, *, temperature: float, max_tokens: int = 160, tag: str = "r",
+             logprobs: bool = False):  # fmt: skip
     """n requests: most under PERSON, every fourth under ANSWER, every fifth unconstrained."""
     tok = loaded.tokenizer
     out = []
     for i in range(n):
         schema = None if i % 5 == 4 else (ANSWER if i % 4 == 3 else PERSON)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
+                                logprobs=logprobs, top_logprobs=2 if logprobs else 0)  # fmt: skip
         out.append(
             GenerationRequest(
                 f"{tag}{i}",
@@ -114,10 +117,14 @@ def test_max_tokens_cutting_a_json_value_is_length(default_model):
 def test_constrained_greedy_parity_simple_vs_continuous(default_model):
     simple = make_engine(default_model, simple=True)
     cont = make_engine(default_model, max_batch_size=8)
-    a = simple.generate(requests(default_model, 5, temperature=0.0, max_tokens=24))
-    b = cont.generate(requests(default_model, 5, temperature=0.0, max_tokens=24))
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+    a = simple.generate(requests(default_model, 5, temperature=0.0, max_tokens=24, logprobs=True))
+    b = cont.generate(requests(default_model, 5, temperature=0.0, max_tokens=24, logprobs=True))
+    # batched steps sum in another order: a text may part only at a near-tie of the masked
+    # logits (measured: none, or one of five)
+    assert_greedy_texts_agree(b, a)
+    same = [(x, y) for x, y in zip(a, b, strict=True) if x.token_ids == y.token_ids]
+    assert len(same) >= 4
+    assert all(x.finish_reason == y.finish_reason for x, y in same)
 
 
 def test_unsupported_schema_keyword_is_a_400_naming_it(default_model):

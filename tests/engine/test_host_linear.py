@@ -15,6 +15,7 @@ from batchmlx.engine.kernels.host_linear import (
     HostFormat,
     HostLinear,
     SharedGemm,
+    bf16_bits,
     quantize_rows,
     to_host_format,
 )
@@ -105,6 +106,23 @@ def test_float32_matmul_is_the_float32_product(lead) -> None:
     assert got.shape == (*lead, n) and layer._gemm._w.md is None  # numpy's BLAS, not packed
     ref = x.reshape(-1, k).astype(np.float64) @ w.T.astype(np.float64) + b
     np.testing.assert_allclose(got.reshape(-1, n), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_bf16_rounding_is_mlx_astype_ties_and_strided_rows_included() -> None:
+    """OneDNN.to_bf16 (a reorder, the GEMM inputs' rounding) against MLX's astype: nearest,
+    ties to even (values exactly half way between two bf16 both ways), infinities kept, over
+    rows of a wider array (the step's q/k/v slab is one)."""
+    rng = np.random.default_rng(5)
+    wide = (rng.standard_normal((9, 40)) * 100).astype(np.float32)
+    u = wide.view(np.uint32)
+    u[:, :6] = (u[:, :6] & 0xFFFF0000) | 0x8000  # exact ties, odd and even high halves
+    u[0, 6], u[1, 6] = 0x7F800000, 0xFF800000  # +inf, -inf
+    x = wide[:, :32]  # strided rows
+    got = onednn.load_library().to_bf16(x)
+    want = np.array(mx.array(np.ascontiguousarray(x)).astype(mx.bfloat16).view(mx.uint16))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, bf16_bits(x))
 
 
 @needs_onednn

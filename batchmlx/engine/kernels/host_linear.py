@@ -234,8 +234,9 @@ class SharedGemm:
         if out is None:
             out = np.empty((x.shape[0], self._w.n), np.float32)
         if self.fmt is HostFormat.BF16:
-            bits = x if x.dtype == np.uint16 else bf16_bits(x)
-            load_library().matmul(np.ascontiguousarray(bits), self._w, out)
+            lib = load_library()
+            bits = x if x.dtype == np.uint16 else lib.to_bf16(as_rows(x))
+            lib.matmul(np.ascontiguousarray(bits), self._w, out)
         elif self.fmt is HostFormat.F32:
             with numpy_blas.threads(numpy_blas.engine_threads()):
                 np.matmul(np.ascontiguousarray(x, dtype=np.float32), self._w.buffer.T, out=out)
@@ -246,6 +247,13 @@ class SharedGemm:
         if self.bias is not None:
             out += self.bias
         return out
+
+
+def as_rows(x: np.ndarray) -> np.ndarray:
+    """x as float32 [M, K] whose rows may be strided but whose elements are adjacent."""
+    x = np.asarray(x, dtype=np.float32)
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.strides[-1] == x.itemsize and x.strides[0] > 0 else np.ascontiguousarray(x)
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:

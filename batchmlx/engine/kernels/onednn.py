@@ -283,6 +283,47 @@ class OneDNN:
             self._ok(self.lib.dnnl_stream_wait(self.stream))
 
 
+    def to_bf16(self, x: np.ndarray) -> np.ndarray:
+        """x[M, K] float32 (any row stride) rounded to bfloat16 as MLX's astype rounds (nearest,
+        ties to even), as uint16 bits [M, K]: a oneDNN reorder, one pass where the same in
+        numpy is five (a 1,776 x 1,536 prompt MLP input: 0.09 ms against 1.7)."""
+        m, k = x.shape
+        out = np.empty((m, k), np.uint16)
+        f = np.float32().itemsize
+        strides = tuple(s // f for s in x.strides)
+        key = ("bf16", m, k, strides)
+        with self._lock:
+            self._fit_threads()
+            entry = self._prims.get(key)
+            if entry is None:
+                if len(self._prims) >= MAX_PRIMITIVES:
+                    self._clear()
+                src = self._md((m, k), DataType.F32, strides)
+                dst = self._md((m, k), DataType.BF16, (k, 1))
+                entry = self._prims[key] = self._reorder_primitive(src, dst)
+            prim, mems, args = entry
+            for mem, arr in zip(mems, (x, out), strict=True):
+                self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data)
+            self._ok(self.lib.dnnl_primitive_execute(prim, self.stream, 2, args))
+            self._ok(self.lib.dnnl_stream_wait(self.stream))
+        return out
+
+    def _reorder_primitive(self, src: _p, dst: _p) -> tuple:
+        lib = self.lib
+        rpd, prim = _p(), _p()
+        self._ok(lib.dnnl_reorder_primitive_desc_create(
+            ctypes.byref(rpd), src, self.engine, dst, self.engine, None))  # fmt: skip
+        self._ok(lib.dnnl_primitive_create(ctypes.byref(prim), rpd))
+        mems = []
+        for md in (src, dst):
+            mem = _p()
+            self._ok(lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, None))
+            mems.append(mem)
+            lib.dnnl_memory_desc_destroy(md)
+        lib.dnnl_primitive_desc_destroy(rpd)
+        args = (_ExecArg * 2)(_ExecArg(_ARG_SRC, mems[0]), _ExecArg(_ARG_DST, mems[1]))
+        return prim, mems, args
+
     def bmm(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         """out[B, M, N] = a[B, M, K] @ b[B, K, N], all float32, each of any element strides (a
         transposed view of keys, say), as one primitive over the whole batch, threaded by

@@ -1,8 +1,11 @@
 """Per-request sampling over one step's logits.
 
-Every sequence keeps its own parameters inside a batch. Greedy rows take an argmax on the device;
+Every sequence keeps its own parameters inside a batch. Greedy rows take an argmax on the device
+(on the CPU, numpy's: MLX's CPU reductions run scalar, 5.6 ms against 0.7 for 128 x 49,152);
 sampled rows go through numpy with a generator keyed by (seed, token index), so the same seed gives
-the same text alone, in any batch, and after a preemption recomputes the sequence.
+the same text alone, in any batch, and after a preemption recomputes the sequence. Logprobs are
+computed for the rows that ask for them only (on the CPU, in numpy: MLX's log-softmax of the whole
+128 x 49,152 block took 65 ms).
 """
 
 from __future__ import annotations
@@ -27,18 +30,24 @@ def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[Tok
     logits = logits.astype(mx.float32)
     want_lp = any(r.params.logprobs for r in rows)
     greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
-    argmax = mx.argmax(logits, axis=-1) if greedy_rows else None
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if want_lp else None
-
-    need_host = len(greedy_rows) < len(rows)
-    to_eval = [a for a in (argmax, logprobs) if a is not None]
-    if need_host:
-        to_eval.append(logits)
-    mx.eval(*to_eval)
-
-    host_logits = np.array(logits, copy=False) if need_host else None
-    host_argmax = np.array(argmax) if argmax is not None else None
-    host_lp = np.array(logprobs, copy=False) if logprobs is not None else None
+    host_lp: np.ndarray | dict[int, np.ndarray] | None
+    if mx.default_device().type == mx.DeviceType.cpu:  # the logits' buffer is the host's
+        mx.eval(logits)
+        host_logits = np.asarray(logits)
+        host_argmax = host_logits.argmax(axis=-1) if greedy_rows else None
+        host_lp = {i: _log_softmax(host_logits[i]) for i, r in enumerate(rows)
+                   if r.params.logprobs}  # fmt: skip
+    else:
+        argmax = mx.argmax(logits, axis=-1) if greedy_rows else None
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if want_lp else None
+        need_host = len(greedy_rows) < len(rows)
+        to_eval = [a for a in (argmax, logprobs) if a is not None]
+        if need_host:
+            to_eval.append(logits)
+        mx.eval(*to_eval)
+        host_logits = np.array(logits, copy=False) if need_host else None
+        host_argmax = np.array(argmax) if argmax is not None else None
+        host_lp = np.array(logprobs, copy=False) if logprobs is not None else None
 
     tokens: list[int] = []
     lps: list[TokenLogprob | None] = []
@@ -61,6 +70,12 @@ def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[Tok
         else:
             lps.append(None)
     return tokens, lps
+
+
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    """logits - logsumexp(logits) of one row, in float32 (as the device computes it)."""
+    m = row.max()
+    return row - (m + np.log(np.exp(row - m).sum()))
 
 
 def _sample_row(logits: np.ndarray, p: SamplingParams, row: SampleRow) -> int:

@@ -31,7 +31,7 @@ def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[Tok
     want_lp = any(r.params.logprobs for r in rows)
     greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
     host_lp: np.ndarray | dict[int, np.ndarray] | None
-    if mx.default_device().type == mx.DeviceType.cpu:  # the logits' buffer is the host's
+    if on_host():
         mx.eval(logits)
         host_logits = np.asarray(logits)
         host_argmax = host_logits.argmax(axis=-1) if greedy_rows else None
@@ -70,6 +70,11 @@ def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[Tok
         else:
             lps.append(None)
     return tokens, lps
+
+
+def on_host() -> bool:
+    """Whether the logits' buffer is the host's (MLX's CPU backend): then numpy reads it."""
+    return mx.default_device().type == mx.DeviceType.cpu
 
 
 def _log_softmax(row: np.ndarray) -> np.ndarray:

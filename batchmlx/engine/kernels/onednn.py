@@ -19,6 +19,7 @@ import enum
 import glob
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -269,19 +270,23 @@ class OneDNN:
         m = x.shape[0]
         key = (m, w.n, w.k, int(w.dt), w.scaled)  # one layout per shape: buffers set per call
         arrays = (x, w.buffer, out) if scales is None else (x, w.buffer, out, scales)
+        self._execute(key, lambda: self._primitive(m, w), arrays)
+
+    def _execute(self, key: tuple, make: Callable[[], tuple], arrays: tuple) -> None:
+        """Runs the primitive kept under `key` (made by `make` on first use) over these
+        buffers, in the order of its memory objects."""
         with self._lock:
             self._fit_threads()
             entry = self._prims.get(key)
             if entry is None:
                 if len(self._prims) >= MAX_PRIMITIVES:
                     self._clear()
-                entry = self._prims[key] = self._primitive(m, w)
+                entry = self._prims[key] = make()
             prim, mems, args = entry
             for mem, arr in zip(mems, arrays, strict=True):
                 self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data)
             self._ok(self.lib.dnnl_primitive_execute(prim, self.stream, len(mems), args))
             self._ok(self.lib.dnnl_stream_wait(self.stream))
-
 
     def to_bf16(self, x: np.ndarray) -> np.ndarray:
         """x[M, K] float32 (any row stride) rounded to bfloat16 as MLX's astype rounds (nearest,
@@ -291,21 +296,9 @@ class OneDNN:
         out = np.empty((m, k), np.uint16)
         f = np.float32().itemsize
         strides = tuple(s // f for s in x.strides)
-        key = ("bf16", m, k, strides)
-        with self._lock:
-            self._fit_threads()
-            entry = self._prims.get(key)
-            if entry is None:
-                if len(self._prims) >= MAX_PRIMITIVES:
-                    self._clear()
-                src = self._md((m, k), DataType.F32, strides)
-                dst = self._md((m, k), DataType.BF16, (k, 1))
-                entry = self._prims[key] = self._reorder_primitive(src, dst)
-            prim, mems, args = entry
-            for mem, arr in zip(mems, (x, out), strict=True):
-                self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data)
-            self._ok(self.lib.dnnl_primitive_execute(prim, self.stream, 2, args))
-            self._ok(self.lib.dnnl_stream_wait(self.stream))
+        self._execute(("bf16", m, k, strides), lambda: self._reorder_primitive(
+            self._md((m, k), DataType.F32, strides), self._md((m, k), DataType.BF16, (k, 1))),
+            (x, out))  # fmt: skip
         return out
 
     def _reorder_primitive(self, src: _p, dst: _p) -> tuple:
@@ -331,19 +324,8 @@ class OneDNN:
         decode layer's attention is 192 products of 3 query rows, ~3x slower that way."""
         f = np.float32().itemsize
         strides = tuple(tuple(s // f for s in arr.strides) for arr in (a, b, out))
-        key = ("bmm", a.shape, b.shape, strides)
-        with self._lock:
-            self._fit_threads()
-            entry = self._prims.get(key)
-            if entry is None:
-                if len(self._prims) >= MAX_PRIMITIVES:
-                    self._clear()
-                entry = self._prims[key] = self._bmm_primitive(a.shape, b.shape, strides)
-            prim, mems, args = entry
-            for mem, arr in zip(mems, (a, b, out), strict=True):
-                self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data)
-            self._ok(self.lib.dnnl_primitive_execute(prim, self.stream, 3, args))
-            self._ok(self.lib.dnnl_stream_wait(self.stream))
+        self._execute(("bmm", a.shape, b.shape, strides),
+                      lambda: self._bmm_primitive(a.shape, b.shape, strides), (a, b, out))
 
     def _bmm_primitive(self, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
                        strides: tuple[tuple[int, ...], ...]) -> tuple:  # fmt: skip

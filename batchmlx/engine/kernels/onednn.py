@@ -294,6 +294,8 @@ class OneDNN:
         numpy is five (a 1,776 x 1,536 prompt MLP input: 0.09 ms against 1.7)."""
         m, k = x.shape
         out = np.empty((m, k), np.uint16)
+        if out.size == 0:  # oneDNN takes no empty memory
+            return out
         f = np.float32().itemsize
         strides = tuple(s // f for s in x.strides)
         self._execute(("bf16", m, k, strides), lambda: self._reorder_primitive(

@@ -28,7 +28,6 @@ class SampleRow:
 def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [S, V] for the S rows that sample this step."""
     logits = logits.astype(mx.float32)
-    want_lp = any(r.params.logprobs for r in rows)
     greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
     host_lp: np.ndarray | dict[int, np.ndarray] | None
     if on_host():
@@ -39,6 +38,7 @@ def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[Tok
                    if r.params.logprobs}  # fmt: skip
     else:
         argmax = mx.argmax(logits, axis=-1) if greedy_rows else None
+        want_lp = any(r.params.logprobs for r in rows)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if want_lp else None
         need_host = len(greedy_rows) < len(rows)
         to_eval = [a for a in (argmax, logprobs) if a is not None]

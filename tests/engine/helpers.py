@@ -18,6 +18,15 @@ def naive(q, k, v, scale, mask):
     return (p / p.sum(-1, keepdims=True)) @ v
 
 
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 in plain integer arithmetic (nearest, ties to even), as
+    uint16 bits: a reference for OneDNN.to_bf16."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = u + ((u >> np.uint32(16)) & np.uint32(1))
+    r += np.uint32(0x7FFF)
+    return (r >> np.uint32(16)).astype(np.uint16)
+
+
 def where_it_runs(fmt: HostFormat) -> pytest.MarkDecorator:
     """Skips where this CPU has no matmul for `fmt` (oneDNN 3.2: bf16 needs AVX-512, exact
     int8 VNNI)."""

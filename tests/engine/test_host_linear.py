@@ -15,12 +15,11 @@ from batchmlx.engine.kernels.host_linear import (
     HostFormat,
     HostLinear,
     SharedGemm,
-    bf16_bits,
     quantize_rows,
     to_host_format,
 )
 from batchmlx.engine.kernels.onednn import OneDNNUnavailable
-from tests.engine.helpers import host_formats, where_it_runs
+from tests.engine.helpers import bf16_bits, host_formats, where_it_runs
 
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="oneDNN (onednn-cpu-gomp)")
 

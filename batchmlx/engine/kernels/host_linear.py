@@ -256,14 +256,6 @@ def as_rows(x: np.ndarray) -> np.ndarray:
     return x if x.strides[-1] == x.itemsize and x.strides[0] > 0 else np.ascontiguousarray(x)
 
 
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 rounded to bfloat16 (nearest, ties to even, as MLX's astype), as uint16 bits."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    r = u + ((u >> np.uint32(16)) & np.uint32(1))
-    r += np.uint32(0x7FFF)
-    return (r >> np.uint32(16)).astype(np.uint16)
-
-
 class HostLinear(nn.Module):
     """nn.Linear whose GEMM runs on the host in a host format, alone or as one reader of a
     SharedGemm. The first reader of a shared GEMM holds its weights as parameters (so the

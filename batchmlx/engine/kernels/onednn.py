@@ -241,12 +241,17 @@ class OneDNN:
         wts = w.md
         n = w.n
         mds = [src, wts, dst] + ([self._md((n,), DataType.F32, (1,))] if scaled else [])
+        ids = (_ARG_SRC, _ARG_WEIGHTS, _ARG_DST, _ARG_SCALES | _ARG_WEIGHTS)[: len(mds)]
+        return self._bound(prim, mds, ids)
+
+    def _bound(self, prim: _p, mds: list, ids: tuple[int, ...]) -> tuple:
+        """(prim, its memory objects, one per descriptor in `mds`, and the execute arguments
+        that pass them as `ids`): what `_execute` keeps; buffers are set per call."""
         mems = []
         for md in mds:
             mem = _p()
-            self._ok(lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, None))
+            self._ok(self.lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, None))
             mems.append(mem)
-        ids = (_ARG_SRC, _ARG_WEIGHTS, _ARG_DST, _ARG_SCALES | _ARG_WEIGHTS)[: len(mems)]
         args = (_ExecArg * len(mems))(*[_ExecArg(a, mm) for a, mm in zip(ids, mems, strict=True)])
         return prim, mems, args
 
@@ -296,8 +301,7 @@ class OneDNN:
         out = np.empty((m, k), np.uint16)
         if out.size == 0:  # oneDNN takes no empty memory
             return out
-        f = np.float32().itemsize
-        strides = tuple(s // f for s in x.strides)
+        strides = _elements(x)
         self._execute(("bf16", m, k, strides), lambda: self._reorder_primitive(
             self._md((m, k), DataType.F32, strides), self._md((m, k), DataType.BF16, (k, 1))),
             (x, out))  # fmt: skip
@@ -309,23 +313,18 @@ class OneDNN:
         self._ok(lib.dnnl_reorder_primitive_desc_create(
             ctypes.byref(rpd), src, self.engine, dst, self.engine, None))  # fmt: skip
         self._ok(lib.dnnl_primitive_create(ctypes.byref(prim), rpd))
-        mems = []
+        bound = self._bound(prim, [src, dst], (_ARG_SRC, _ARG_DST))
+        lib.dnnl_primitive_desc_destroy(rpd)  # the primitive and the memories keep their copies
         for md in (src, dst):
-            mem = _p()
-            self._ok(lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, None))
-            mems.append(mem)
             lib.dnnl_memory_desc_destroy(md)
-        lib.dnnl_primitive_desc_destroy(rpd)
-        args = (_ExecArg * 2)(_ExecArg(_ARG_SRC, mems[0]), _ExecArg(_ARG_DST, mems[1]))
-        return prim, mems, args
+        return bound
 
     def bmm(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         """out[B, M, N] = a[B, M, K] @ b[B, K, N], all float32, each of any element strides (a
         transposed view of keys, say), as one primitive over the whole batch, threaded by
         oneDNN. numpy's matmul runs such a stack as B separate small BLAS calls: a width-64
         decode layer's attention is 192 products of 3 query rows, ~3x slower that way."""
-        f = np.float32().itemsize
-        strides = tuple(tuple(s // f for s in arr.strides) for arr in (a, b, out))
+        strides = (_elements(a), _elements(b), _elements(out))
         self._execute(("bmm", a.shape, b.shape, strides),
                       lambda: self._bmm_primitive(a.shape, b.shape, strides), (a, b, out))
 
@@ -341,18 +340,17 @@ class OneDNN:
         self._ok(lib.dnnl_matmul_primitive_desc_create(
             ctypes.byref(pd), self.engine, src, wts, None, dst, attr))  # fmt: skip
         self._ok(lib.dnnl_primitive_create(ctypes.byref(prim), pd))
-        mems = []
-        for md in (src, wts, dst):
-            mem = _p()
-            self._ok(lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, None))
-            mems.append(mem)
-        args = (_ExecArg * 3)(*[_ExecArg(i, mm) for i, mm in zip(
-            (_ARG_SRC, _ARG_WEIGHTS, _ARG_DST), mems, strict=True)])  # fmt: skip
+        bound = self._bound(prim, [src, wts, dst], (_ARG_SRC, _ARG_WEIGHTS, _ARG_DST))
         lib.dnnl_primitive_desc_destroy(pd)  # the primitive and the memories keep their copies
         lib.dnnl_primitive_attr_destroy(attr)
         for md in (src, wts, dst):
             lib.dnnl_memory_desc_destroy(md)
-        return prim, mems, args
+        return bound
+
+
+def _elements(a: np.ndarray) -> tuple[int, ...]:
+    """a's strides in elements (oneDNN's descriptors count elements, numpy bytes)."""
+    return tuple(s // a.itemsize for s in a.strides)
 
 
 def _omp_setter():

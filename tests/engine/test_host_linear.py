@@ -124,6 +124,30 @@ def test_bf16_rounding_is_mlx_astype_ties_and_strided_rows_included() -> None:
     np.testing.assert_array_equal(got, bf16_bits(x))
 
 
+@where_it_runs(HostFormat.INT8)
+def test_int8_rounding_in_onednn_is_the_numpy_passes_bit_for_bit() -> None:
+    """quantize_rows with oneDNN (one reorder with a scale per row, what the int8 GEMMs' inputs
+    take) against its numpy passes: exact halves both ways (ties to even), each row's extreme
+    at +-127, an all-zero row (scale 1), strided rows of a wider array, and one row alone."""
+    rng = np.random.default_rng(6)
+    lib = onednn.load_library()
+    wide = (rng.standard_normal((7, 300)) * 4).astype(np.float32)
+    wide[0, :8] = [127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]  # scale 1: the halves are ties
+    wide[0, 8:] = np.clip(wide[0, 8:], -127, 127)
+    wide[1] = 0.0
+    for x in (wide[:, :256], wide[3:4], np.ascontiguousarray(wide)):
+        q, s = quantize_rows(x, lib)
+        want_q, want_s = quantize_rows(np.ascontiguousarray(x))
+        assert q.dtype == np.int8 and q.flags.c_contiguous
+        np.testing.assert_array_equal(q, want_q)
+        np.testing.assert_array_equal(s, want_s)
+    q, s = quantize_rows(wide[:, :256], lib)
+    assert s[0] == 1.0 and s[1] == 1.0 and not q[1].any()
+    assert list(q[0, :8]) == [127, 0, 2, 2, 0, -2, -2, 126]
+    assert (np.abs(q[2:]).max(axis=1) == 127).all()
+    assert lib.to_s8(np.zeros((0, 4), np.float32), np.ones(0, np.float32)).shape == (0, 4)
+
+
 @needs_onednn
 def test_batched_matmul_takes_strided_views_and_equals_numpy() -> None:
     """OneDNN.bmm, decode attention's products: [B, M, K] @ [B, K, N] over a transposed view

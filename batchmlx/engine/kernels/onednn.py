@@ -307,15 +307,40 @@ class OneDNN:
             (x, out))  # fmt: skip
         return out
 
-    def _reorder_primitive(self, src: _p, dst: _p) -> tuple:
+    def to_s8(self, x: np.ndarray, inverse_scales: np.ndarray) -> np.ndarray:
+        """x[M, K] float32 (any row stride) times inverse_scales[M] (one per row), rounded to
+        nearest (ties to even) and saturated to int8 [M, K]: one pass of a oneDNN reorder,
+        bit-equal to numpy's multiply, rint and astype (three passes and a temporary)."""
+        m, k = x.shape
+        out = np.empty((m, k), np.int8)
+        if out.size == 0:
+            return out
+        strides = _elements(x)
+        scales = np.ascontiguousarray(inverse_scales, dtype=np.float32)
+        self._execute(("s8", m, k, strides), lambda: self._reorder_primitive(
+            self._md((m, k), DataType.F32, strides), self._md((m, k), DataType.S8, (k, 1)),
+            row_scales=m), (x, out, scales))  # fmt: skip
+        return out
+
+    def _reorder_primitive(self, src: _p, dst: _p, row_scales: int = 0) -> tuple:
+        """row_scales M: the source is multiplied by a scale per row (per dimension 0: mask
+        1), given as a third buffer of M floats."""
         lib = self.lib
-        rpd, prim = _p(), _p()
+        rpd, prim, attr = _p(), _p(), _p()
+        self._ok(lib.dnnl_primitive_attr_create(ctypes.byref(attr)))
+        if row_scales:
+            self._ok(lib.dnnl_primitive_attr_set_scales_mask(attr, _ARG_SRC, 1))
         self._ok(lib.dnnl_reorder_primitive_desc_create(
-            ctypes.byref(rpd), src, self.engine, dst, self.engine, None))  # fmt: skip
+            ctypes.byref(rpd), src, self.engine, dst, self.engine, attr))  # fmt: skip
         self._ok(lib.dnnl_primitive_create(ctypes.byref(prim), rpd))
-        bound = self._bound(prim, [src, dst], (_ARG_SRC, _ARG_DST))
+        mds, ids = [src, dst], (_ARG_SRC, _ARG_DST)
+        if row_scales:
+            mds.append(self._md((row_scales,), DataType.F32, (1,)))
+            ids += (_ARG_SCALES | _ARG_SRC,)
+        bound = self._bound(prim, mds, ids)
         lib.dnnl_primitive_desc_destroy(rpd)  # the primitive and the memories keep their copies
-        for md in (src, dst):
+        lib.dnnl_primitive_attr_destroy(attr)
+        for md in mds:
             lib.dnnl_memory_desc_destroy(md)
         return bound
 

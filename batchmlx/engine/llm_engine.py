@@ -77,6 +77,10 @@ def _mem_available(path: str = "/proc/meminfo") -> int | None:
 # so every step took part of its buffers fresh from the OS and paid a page fault per 4 KB
 # (7,500 a step, measured; 1,300 at 128 MiB, and decode steps 132 -> 125 ms).
 CPU_BUFFER_CACHE = 256 << 20
+# A KV pool growth makes room for this many more tokens of every running sequence at most (or
+# up to its max_tokens): one growth serves a batch of 128-token answers, and a request without
+# max_tokens, whose limit is the context, does not take the whole KV bound at once
+FORECAST_TOKENS = 128
 
 
 def size_buffer_cache(on_cpu: bool | None = None) -> int:
@@ -353,8 +357,9 @@ class Engine:
             tables.append(seq.block_table)
             if seq.block_table:
                 max_block = max(max_block, max(seq.block_table))
-        self.storage.ensure_capacity(max_block + 1)
-        self.pool.backed_blocks = self.storage.capacity_blocks
+        if max_block >= self.storage.capacity_blocks:
+            self.storage.ensure_capacity(max_block + 1, self._kv_forecast())
+            self.pool.backed_blocks = self.storage.capacity_blocks
         # mixed steps run packed: a step costs its real tokens, not B x its longest chunk
         layout = (PackedLayout if self.mixed_steps else BatchLayout).build(
             block_size=self.cfg.block_size,
@@ -383,6 +388,18 @@ class Engine:
         if self.storage.nbytes > st.kv_bound_bytes:
             st.bound_violations += 1
         return logits
+
+    def _kv_forecast(self) -> int:
+        """Block ids the running sequences may need soon: those handed out so far and each
+        one's blocks still to come in its next FORECAST_TOKENS tokens at most, or up to its
+        max_tokens (an upper bound: some stop early, and freed blocks are reused first)."""
+        bs = self.cfg.block_size
+        more = 0
+        for seq in self.scheduler.running:
+            longest = seq.num_prompt_tokens + self._live[seq.seq_id].gen.rules.max_tokens
+            soon = min(longest, seq.num_tokens + FORECAST_TOKENS)
+            more += max(0, blocks_for(soon, bs) - len(seq.block_table))
+        return self.pool.num_ever_used + 1 + more
 
     def _sample(
         self, step: SchedulerStep, rows: list[int], logits: mx.array

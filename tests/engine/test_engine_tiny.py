@@ -11,7 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import CacheOutcome, FinishReason, GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine
+from batchmlx.engine.llm_engine import FORECAST_TOKENS, Engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -168,6 +168,29 @@ def test_sharing_lowers_allocated_kv_memory(model):
     b = off.generate(reqs(ps, params))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert on.stats.peak_kv_bytes < off.stats.peak_kv_bytes / 2
+
+
+def test_the_kv_pool_grows_at_once_to_what_the_running_requests_may_need(model):
+    """A growth goes to the forecast (the blocks handed out, plus each running request's
+    blocks still to come at its max_tokens, or in its next FORECAST_TOKENS): six unrelated
+    prompts decoding 20 tokens each from a one-block pool grow it once, in the first step, to
+    room for all of it and no more (grown by half at a time: three growths). One request that
+    may run long grows it to its next FORECAST_TOKENS tokens. (A request admitted later, or
+    one waiting for a shared prefix to be computed, may grow it again.)"""
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    rng = np.random.default_rng(4)
+    ps = [rng.integers(1, 97, size=n).tolist() for n in (13, 17, 22, 15, 19, 26)]
+    e = engine(model, max_batch_size=8, kv_grow_blocks=1, max_prefill_tokens=256)  # all at once
+    assert e.storage.growths == 1 and e.storage.capacity_blocks == 1
+    out = e.generate(reqs(ps, params))
+    assert [len(o.token_ids) for o in out] == [20] * len(ps)
+    assert e.storage.growths == 2
+    assert e.storage.capacity_blocks == 1 + sum(-(-(len(p) + 20) // 4) for p in ps)  # + null
+
+    long = engine(model, kv_grow_blocks=1)
+    long.add(GenerationRequest("long", ps[0], SamplingParams(max_tokens=200, temperature=0.0)))
+    long.step()
+    assert long.storage.capacity_blocks == 1 + -(-(len(ps[0]) + FORECAST_TOKENS) // 4)
 
 
 def test_the_context_is_the_smaller_of_the_model_and_the_kv_pool(model):

@@ -150,9 +150,9 @@ def test_int8_rounding_in_onednn_is_the_numpy_passes_bit_for_bit() -> None:
 
 @needs_onednn
 def test_batched_matmul_takes_strided_views_and_equals_numpy() -> None:
-    """OneDNN.bmm, decode attention's products: [B, M, K] @ [B, K, N] over a transposed view
-    (keys as [B, L, D] read as [B, D, L]) and a strided output, as numpy's matmul computes it;
-    a second call of the same shape reuses the primitive with other buffers."""
+    """OneDNN.bmm (decode attention's probabilities x values): [B, M, K] @ [B, K, N] over a
+    transposed view (keys as [B, L, D] read as [B, D, L]) and a strided output, as numpy's
+    matmul computes it; a second call of the same shape reuses the primitive with other buffers."""
     lib = onednn.load_library()
     b, m, k, n = 6, 3, 16, 10
     for seed in (1, 2):

@@ -86,6 +86,37 @@ def test_a_damaged_file_is_packed_again_and_rewritten(tiny_model, tmp_path):
     assert host_cache.open_cache(path, "sig").found  # whole again
 
 
+def test_the_packed_bytes_are_used_from_the_mapped_file_where_they_lie(tiny_model, tmp_path):
+    """Read back, each layer's packed bytes are a read-only view of the file's mapping (no copy
+    into fresh memory), 64-byte aligned; the file stays safetensors that MLX reads as it is."""
+    import mmap
+
+    first = PackedCache()
+    to_host_format(tiny_model, PACKED, first)
+    path = tmp_path / "m.safetensors"
+    assert host_cache.save_cache(path, first, "sig")
+    found = host_cache.open_cache(path, "sig").found
+    assert set(found) == set(first.kept)  # the padding entries are not parts
+    packed = {k: v for k, v in found.items() if k.endswith(".packed")}
+    assert packed and len(packed) < len(found)  # the small parts are MLX arrays
+    for key, view in packed.items():
+        assert isinstance(view, np.ndarray) and not view.flags.writeable
+        assert view.ctypes.data % 64 == 0
+        base = view
+        while isinstance(base, np.ndarray):
+            base = base.base
+        assert isinstance(base.obj if isinstance(base, memoryview) else base, mmap.mmap)
+        np.testing.assert_array_equal(view, np.asarray(first.kept[key]))
+    for key, a in found.items():
+        if not key.endswith(".packed"):
+            assert isinstance(a, mx.array) and a.dtype == first.kept[key].dtype
+            assert mx.array_equal(a, first.kept[key]).item()
+    by_mlx = mx.load(str(path))
+    for key, a in first.kept.items():
+        assert mx.array_equal(by_mlx[key], mx.array(np.asarray(a))
+                              if isinstance(a, np.ndarray) else a).item()  # fmt: skip
+
+
 def test_packed_bytes_of_another_size_are_not_adopted():
     lib = onednn.load_library()
     dt, scaled = PACKED.data_type, PACKED.scaled

@@ -114,18 +114,19 @@ class PackedCache:
     """The host layers' arrays kept between starts (engine/models/host_cache.py writes them
     to disk): packing is most of a load (1.7B: 25 s, 8B: 169 s), reading back the packed
     bytes is not. Arrays are keyed `<layer key>.<part>` (packed, scales, bias, plain); `found`
-    holds what a file had (lazy: read as each layer takes it), `kept` what the model ended
-    with, `packed` how many layers were packed anew (0: nothing to write)."""
+    holds what a file had (the packed bytes as read-only numpy views of the mapped file, the
+    other parts as MLX arrays), `kept` what the model ended with, `packed` how many layers were
+    packed anew (0: nothing to write)."""
 
-    found: dict[str, mx.array] = field(default_factory=dict)
-    kept: dict[str, mx.array] = field(default_factory=dict)
+    found: dict[str, mx.array | np.ndarray] = field(default_factory=dict)
+    kept: dict[str, mx.array | np.ndarray] = field(default_factory=dict)
     packed: int = 0
 
-    def take(self, key: str) -> dict[str, mx.array] | None:
+    def take(self, key: str) -> dict[str, mx.array | np.ndarray] | None:
         parts = {p: self.found[f"{key}.{p}"] for p in PACKED_PARTS if f"{key}.{p}" in self.found}
         return parts if "packed" in parts else None
 
-    def keep(self, key: str, parts: dict[str, mx.array | None]) -> None:
+    def keep(self, key: str, parts: dict[str, mx.array | np.ndarray | None]) -> None:
         self.kept.update({f"{key}.{k}": v for k, v in parts.items() if v is not None})
 
 
@@ -139,8 +140,9 @@ class SharedGemm:
     """One GEMM for the layers that read the same input: weights concatenated along N, each
     layer's output a slice of the result. The last input and its outputs are kept per thread,
     so the second and third reader of that input get theirs without another GEMM. The weights
-    are held once, in oneDNN's packed layout (`packed`, an MLX array so that the model's
-    parameters count it); `keep_plain` keeps the row-major ones too (an embedding's lookup)."""
+    are held once, in oneDNN's packed layout (`packed`: an MLX array when packed here, so that
+    the model's parameters count it; a read-only view of the mapped cache file when read from
+    one, host_cache.py); `keep_plain` keeps the row-major ones too (an embedding's lookup)."""
 
     def __init__(self, weights: list[mx.array], fmt: HostFormat,
                  biases: list[mx.array | None] | None = None, *,
@@ -185,18 +187,16 @@ class SharedGemm:
         self._s = None if plain.scales is None else np.asarray(plain.scales)
         self.plain = plain if keep_plain else None
 
-    def _adopt(self, hit: dict[str, mx.array], n: int, k: int, keep_plain: bool) -> bool:
+    def _adopt(self, hit: dict[str, mx.array | np.ndarray], n: int, k: int,
+               keep_plain: bool) -> bool:  # fmt: skip
         """Take a cached layer's arrays (False: they do not fit this shape or library)."""
         fmt = self.fmt
         if fmt is HostFormat.F32:  # nothing packed to adopt: its rows are rebuilt from source
             return False
         if (keep_plain and "plain" not in hit) or (fmt.scaled and "scales" not in hit):
             return False
-        packed = hit["packed"]
-        try:
-            buffer = np.asarray(packed)  # read from the file here
-        except RuntimeError:  # a damaged file: pack this layer again (the file is rewritten)
-            return False
+        packed = hit["packed"]  # the mapped file's bytes, used where they lie
+        buffer = np.asarray(packed)
         w = load_library().adopt(buffer, n, k, fmt.data_type, scaled=fmt.scaled)
         if w is None:
             return False

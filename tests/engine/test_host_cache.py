@@ -66,6 +66,11 @@ def test_another_signature_packs_again(tiny_model, tmp_path):
     assert host_cache.open_cache(tmp_path / "missing.safetensors", "sig-a").found == {}
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     assert host_cache.open_cache(tmp_path / "junk.safetensors", "sig-a").found == {}
+    for header in (b'{"__metadata__": 5}', b'{"a": {"dtype": "U8", "shape": [-4],'
+                   b' "data_offsets": [0, 4]}}', b"[1]"):  # fmt: skip
+        bad = tmp_path / "bad.safetensors"
+        bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+        assert host_cache.open_cache(bad, "sig-a").found == {}
 
 
 def test_a_damaged_file_is_packed_again_and_rewritten(tiny_model, tmp_path):

@@ -116,11 +116,15 @@ def _map(path: Path) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, str]]
         if not isinstance(header, dict):
             raise ValueError("bad header")
         meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict):
+            raise ValueError("bad metadata")
         start, room = 8 + n, size - 8 - n
         spans = {}
         for key, entry in header.items():
             try:
                 dtype, shape, (lo, hi) = entry["dtype"], entry["shape"], entry["data_offsets"]
+                if not all(isinstance(x, int) and x >= 0 for x in (*shape, lo, hi)):
+                    raise ValueError("shape and offsets must be whole numbers")
                 want = int(np.prod(shape, dtype=np.int64)) * np.dtype(_NUMPY[dtype]).itemsize
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"bad entry {key!r}: {exc}") from None

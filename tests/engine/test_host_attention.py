@@ -43,12 +43,17 @@ def test_host_equals_naive_attention_on_a_ragged_paged_layout(q_len, rep, chunk)
     np.testing.assert_allclose(np.array(whole), want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_rows", [None, 5], ids=["one-block", "prefix-in-blocks"])
 @pytest.mark.parametrize(
     ("q_len", "rep", "b"), [(1, 3, 5), (4, 1, 4), (5, 3, 3), (70, 3, 2), (1, 2, 1)]
 )
-def test_host_cascade_equals_attention_over_concatenated_keys(q_len, rep, b) -> None:
+def test_host_cascade_equals_attention_over_concatenated_keys(
+    q_len, rep, b, block_rows, monkeypatch
+) -> None:
     mx.random.seed(q_len + b)
     h, d, kp, ks = 2, 16, 32, q_len + 9
+    if block_rows:  # the prefix's scores made 5 query rows at a time (a partial last block)
+        monkeypatch.setattr(host_attention, "PREFIX_BLOCK_ELEMENTS", block_rows * h * kp)
     q = mx.random.normal((b, h * rep, q_len, d))
     prefix = (mx.random.normal((h, kp, d)), mx.random.normal((h, kp, d)))
     suf_k, suf_v = mx.random.normal((b, h, ks, d)), mx.random.normal((b, h, ks, d))
@@ -139,13 +144,16 @@ def test_engine_tokens_and_logprobs_same_on_the_host(tiny_model, monkeypatch) ->
     ["numpy", "numpy-split", pytest.param("onednn", marks=pytest.mark.skipif(
         not onednn.available(), reason="no oneDNN here"))],
 )  # fmt: skip
-@pytest.mark.parametrize("with_prefix", [False, True], ids=["own-keys", "behind-a-prefix"])
+@pytest.mark.parametrize(
+    "with_prefix", [False, True, "in-blocks"], ids=["own-keys", "prefix", "prefix-in-blocks"]
+)
 def test_decode_attention_equals_naive_over_own_keys_and_a_shared_prefix(
     path, with_prefix, monkeypatch
 ) -> None:
     """The one-query kernel of host steps: S sequences with their own key lengths (the bias
-    masks the rest), optionally behind a prefix every one of them sees; its products in
-    numpy (alone or the sequences split over two threads) or as oneDNN batched matmuls."""
+    masks the rest), optionally behind a prefix every one of them sees (its scores made all
+    at once or 4 query rows at a time); its products in numpy (alone or the sequences split
+    over two threads) or as oneDNN batched matmuls."""
     split = path == "numpy-split"
     monkeypatch.setattr(host_attention, "MIN_SPLIT_DECODE_SCORES", 1 if split else 1 << 40)
     monkeypatch.setattr(host_attention, "THREADS", 2)
@@ -153,6 +161,8 @@ def test_decode_attention_equals_naive_over_own_keys_and_a_shared_prefix(
     monkeypatch.setattr(host_attention, "_library", lib)
     rng = np.random.default_rng(7)
     s, h, rep, d, kl, p = 5, 2, 3, 16, 12, 9
+    if with_prefix == "in-blocks":  # 15 rows a head: blocks of 4, 4, 4, 3
+        monkeypatch.setattr(host_attention, "PREFIX_BLOCK_ELEMENTS", 4 * h * p)
     q = rng.standard_normal((s, h, rep, d)).astype(np.float32) * 0.5
     k, v = (rng.standard_normal((s, h, kl, d)).astype(np.float32) for _ in range(2))
     lens = np.array([1, 4, 12, 7, 9])

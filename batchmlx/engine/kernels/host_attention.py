@@ -18,6 +18,7 @@ evaluation barrier would cost far more than the kernels it replaces.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -191,7 +192,7 @@ def _attend_tiles(
         if bias is not None:
             s.reshape(b, h, rep, t, kc)[...] += bias[:, :, None, q0:q1, :kc]
         m = s.max(axis=-1, keepdims=True)
-        sp = None
+        part = None
         sel: slice | np.ndarray = slice(None)  # the rows of qp that the prefix part scores
         if prefix is not None:  # every sequence's queries against one copy of the prefix
             qp = qc.transpose(1, 0, 2, 3).reshape(h, b * rep * t, d)
@@ -199,22 +200,20 @@ def _attend_tiles(
                 keep = np.broadcast_to(valid[:, None, q0:q1], (b, rep, t)).reshape(-1)
                 sel = np.flatnonzero(keep)
                 qp = qp[:, sel]
-            sp = np.matmul(qp, prefix[0].swapaxes(-1, -2))  # [H, rows, P]
             flat = m.transpose(1, 0, 2, 3).reshape(h, b * rep * t)  # a copy: [H, B*rep*t]
-            row_max = np.maximum(flat[:, sel], sp.max(axis=-1))
+            row_max = np.ascontiguousarray(flat[:, sel])
+            part = prefix_part(qp, prefix, row_max)
             flat[:, sel] = row_max
             m = flat.reshape(h, b, rep * t, 1).transpose(1, 0, 2, 3)
-            np.subtract(sp, row_max[..., None], out=sp)
-            np.exp(sp, out=sp)
         np.subtract(s, m, out=s)
         np.exp(s, out=s)
         total = s.sum(axis=-1, keepdims=True)
         o = np.matmul(s, vt)  # [B, H, rep*t, D]
-        if sp is not None:
+        if part is not None:
             tf = total.transpose(1, 0, 2, 3).reshape(h, b * rep * t)
-            tf[:, sel] += sp.sum(axis=-1)
+            tf[:, sel] += part[0]
             of = o.transpose(1, 0, 2, 3).reshape(h, b * rep * t, d)
-            of[:, sel] += np.matmul(sp, prefix[1])
+            of[:, sel] += part[1]
             total = tf.reshape(h, b, rep * t, 1).transpose(1, 0, 2, 3)
             o = of.reshape(h, b, rep * t, d).transpose(1, 0, 2, 3)
         o /= total
@@ -345,14 +344,12 @@ def _decode_rows(
     sc = np.matmul(q, k.swapaxes(-1, -2))  # [S, H, rep, L]
     sc += bias
     m = sc.max(axis=-1, keepdims=True)
-    sp = None
+    part = None
     if prefix is not None:  # every row's queries against the one copy of the prefix
         qp = q.transpose(1, 0, 2, 3).reshape(h, s * rep, d)
-        sp = np.matmul(qp, prefix[0].swapaxes(-1, -2))  # [H, S*rep, P]
-        pm = sp.max(axis=-1).reshape(h, s, rep).transpose(1, 0, 2)[..., None]
-        np.maximum(m, pm, out=m)
-        sp -= m.transpose(1, 0, 2, 3).reshape(h, s * rep, 1)
-        np.exp(sp, out=sp)
+        row_max = np.ascontiguousarray(m.reshape(s, h, rep).transpose(1, 0, 2)).reshape(h, -1)
+        part = prefix_part(qp, prefix, row_max, lib)
+        m = row_max.reshape(h, s, rep).transpose(1, 0, 2)[..., None]
     sc -= m
     np.exp(sc, out=sc)
     total = sc.sum(axis=-1, keepdims=True)
@@ -361,8 +358,57 @@ def _decode_rows(
     else:
         o = np.empty((s, h, rep, d), np.float32)
         lib.bmm(sc.reshape(s * h, rep, kl), v.reshape(s * h, kl, d), o.reshape(s * h, rep, d))
-    if sp is not None:
-        total += sp.sum(axis=-1).reshape(h, s, rep).transpose(1, 0, 2)[..., None]
-        o += np.matmul(sp, prefix[1]).reshape(h, s, rep, d).transpose(1, 0, 2, 3)
+    if part is not None:
+        total += part[0].reshape(h, s, rep).transpose(1, 0, 2)[..., None]
+        o += part[1].reshape(h, s, rep, d).transpose(1, 0, 2, 3)
     o /= total
     return o
+
+
+# A prefix part's scores are made this many elements at a time ([H, rows, P], 4 MB), in a
+# buffer each thread keeps: the whole [H, R, P] block behind a 900-token prefix was 26 MB per
+# thread and layer for a step of 63 chunks, taken fresh (page faults) and out of cache for
+# every pass over it
+PREFIX_BLOCK_ELEMENTS = 1 << 20
+_scratch = threading.local()
+
+
+def prefix_part(
+    qp: np.ndarray,
+    prefix: tuple[np.ndarray, np.ndarray],
+    row_max: np.ndarray,
+    lib: OneDNN | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Queries qp [H, R, D] against a prefix's keys and values [H, P, D] every one of them
+    sees: row_max [H, R] (contiguous) holds each row's max over its own keys and is raised in
+    place to the max over both parts, so the two partial softmaxes add without rescaling.
+    Returns (sums [H, R], outputs [H, R, D]) of exp(score - row_max) over the prefix. lib:
+    oneDNN for the two products (its threads; the caller's thread holds no other work), else
+    numpy's BLAS (one thread: the callers split rows over the workers)."""
+    h, r, d = qp.shape
+    keys, values = prefix
+    p = keys.shape[1]
+    kt = keys.swapaxes(-1, -2)
+    rows = max(1, min(r, PREFIX_BLOCK_ELEMENTS // (h * p)))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < h * rows * p:
+        buf = _scratch.buf = np.empty(h * rows * p, np.float32)
+    sums = np.empty((h, r), np.float32)
+    out = np.empty((h, r, d), np.float32)
+    for r0 in range(0, r, rows):
+        r1 = min(r, r0 + rows)
+        sc = buf[: h * (r1 - r0) * p].reshape(h, r1 - r0, p)
+        if lib is None:
+            np.matmul(qp[:, r0:r1], kt, out=sc)
+        else:
+            lib.bmm(qp[:, r0:r1], kt, sc)
+        top = row_max[:, r0:r1]
+        np.maximum(top, sc.max(axis=-1), out=top)
+        sc -= top[..., None]
+        np.exp(sc, out=sc)
+        np.sum(sc, axis=-1, out=sums[:, r0:r1])
+        if lib is None:
+            np.matmul(sc, values, out=out[:, r0:r1])
+        else:
+            lib.bmm(sc, values, out[:, r0:r1])
+    return sums, out

@@ -349,7 +349,9 @@ class OneDNN:
         one primitive over the whole batch, threaded by oneDNN, where numpy's matmul makes B
         separate small BLAS calls. Decode attention uses it for probabilities x values (192
         products of 3 rows a layer at width 64); over a transposed view (keys read as [B, D, L])
-        it was twice as slow as numpy's calls on a Zen 4, so the scores stay numpy's."""
+        it was twice as slow as numpy's calls on a Zen 4, so those scores stay numpy's. A shared
+        prefix's two products are real GEMMs (3 of 192 x 912 x 64 at width 64): there its two
+        threads beat numpy's one (0.41 against 0.83 ms, and 0.35 against 0.75)."""
         strides = (_elements(a), _elements(b), _elements(out))
         self._execute(("bmm", a.shape, b.shape, strides),
                       lambda: self._bmm_primitive(a.shape, b.shape, strides), (a, b, out))

@@ -415,11 +415,16 @@ def load_library() -> OneDNN:
         raise OneDNNUnavailable("the host weight formats run on MLX's CPU backend only; on a "
                                 "GPU use --dtype auto (quantized MLX kernels)")  # fmt: skip
     # between two GEMMs MLX evaluates the layer's other ops (~0.1-0.3 ms): OpenMP's threads
-    # spin through such a gap and then sleep (GOMP_SPINCOUNT, ~ms), where sleeping at once
-    # cost a wake-up per GEMM (decode tok/s at width 8: 88 -> 124, measured, 3 runs each);
-    # values set by the user are kept; read when libgomp starts
+    # spin through such a gap and then sleep, where sleeping at once cost a wake-up per GEMM
+    # (decode tok/s at width 8: 88 -> 124, measured, 3 runs each). The spin is short (20,000
+    # rounds: ~0.2 ms of CPU after a GEMM here; 2,000,000 spun ~50 ms), as a spinning team
+    # holds both cores while host attention splits its tiles over two threads of its own: at
+    # 2,000,000 a 944-token prompt's attention took 0.65-0.69 s against 0.36-0.46, and 63
+    # chunks behind a shared prefix 2.0-2.1 s against 1.3-1.4 (three pairs, 2-core Zen 4,
+    # 2026-12-03), decode steps and width-8 runs level. A value the user set is kept; libgomp
+    # reads it when it starts
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", "2000000")
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
     errors = []
     for path in library_candidates():
         try:

@@ -365,10 +365,10 @@ def _decode_rows(
     return o
 
 
-# A prefix part's scores are made this many elements at a time ([H, rows, P], 4 MB), in a
-# buffer each thread keeps: the whole [H, R, P] block behind a 900-token prefix was 26 MB per
-# thread and layer for a step of 63 chunks, taken fresh (page faults) and out of cache for
-# every pass over it
+# A prefix part's scores are made this many elements at a time ([H, rows, P], 4 MB; one row
+# a head when the prefix is longer), in a buffer each thread keeps: the whole [H, R, P] block
+# behind a 900-token prefix was 26 MB per thread and layer for a step of 63 chunks, taken fresh
+# (page faults) and out of cache for every pass over it
 PREFIX_BLOCK_ELEMENTS = 1 << 20
 _scratch = threading.local()
 
@@ -393,22 +393,17 @@ def prefix_part(
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.size < h * rows * p:
         buf = _scratch.buf = np.empty(h * rows * p, np.float32)
+    product = lib.bmm if lib is not None else lambda a, b, o: np.matmul(a, b, out=o)
     sums = np.empty((h, r), np.float32)
     out = np.empty((h, r, d), np.float32)
     for r0 in range(0, r, rows):
         r1 = min(r, r0 + rows)
         sc = buf[: h * (r1 - r0) * p].reshape(h, r1 - r0, p)
-        if lib is None:
-            np.matmul(qp[:, r0:r1], kt, out=sc)
-        else:
-            lib.bmm(qp[:, r0:r1], kt, sc)
+        product(qp[:, r0:r1], kt, sc)
         top = row_max[:, r0:r1]
         np.maximum(top, sc.max(axis=-1), out=top)
         sc -= top[..., None]
         np.exp(sc, out=sc)
         np.sum(sc, axis=-1, out=sums[:, r0:r1])
-        if lib is None:
-            np.matmul(sc, values, out=out[:, r0:r1])
-        else:
-            lib.bmm(sc, values, out[:, r0:r1])
+        product(sc, values, out[:, r0:r1])
     return sums, out

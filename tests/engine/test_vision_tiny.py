@@ -175,8 +175,10 @@ def test_prompts_the_model_cannot_take_are_refused_naming_the_part(loaded):
         loaded[2].prompt(*parts(junk))
     video = {"type": "video_url", "video_url": "data:video/mp4;base64," +
              base64.b64encode(b"\0\0\0 ftypmp4").decode()}  # fmt: skip
-    with pytest.raises(PromptRefused, match="takes images only"):
+    with pytest.raises(PromptRefused, match=r"'tiny-llava' \(llava\) takes no video") as info:
         loaded[2].prompt(*parts(video))
+    assert info.value.param == "messages[0].content[0].video_url"
+    assert info.value.code.value == "unsupported_value"
 
 
 def test_blocks_filled_while_decoding_in_the_batch_are_reused_exactly(loaded):

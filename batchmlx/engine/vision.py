@@ -1,9 +1,10 @@
-"""Vision-language models through mlx-vlm (the `vision` extra): prompts with images, and an engine.
+"""Vision-language models through mlx-vlm (the `vision` extra): prompts with images and videos,
+and an engine.
 
-`VisionPrompter` turns chat messages and their images into what the engine runs: the model's
-chat template (an image entry per image), the processor's pixels and its expanded placeholder
-tokens, and one `MediaSpan` per image (its placeholder run keyed by the image's digest, for the
-prefix cache: core/media.py).
+`VisionPrompter` turns chat messages and their images and videos into what the engine runs: the
+model's chat template (an entry per part), the processor's pixels and its expanded placeholder
+tokens, and one `MediaSpan` per part (its placeholder run keyed by the part's digest, for the
+prefix cache: core/media.py). A video's frames come from engine/video.py.
 
 `VisionEngine` is EngineProtocol over mlx-vlm's model classes: a step prefills at most one
 waiting prompt (its own cache; one at a time, as the vision tower and the prefix-cache hit are

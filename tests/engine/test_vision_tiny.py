@@ -167,8 +167,7 @@ def test_prompts_the_model_cannot_take_are_refused_naming_the_part(loaded):
            base64.b64encode(png(1)).decode()}  # fmt: skip
     with pytest.raises(PromptRefused) as info:
         loaded[2].prompt(*parts(two, two))
-    assert info.value.param == "messages[0].content[1].image_url" and "at most 1" in str(
-        info.value)
+    assert info.value.param == "messages[0].content[1].image_url" and "at most 1" in str(info.value)
     junk = {"type": "image_url", "image_url": "data:image/png;base64," +
             base64.b64encode(b"not a png").decode()}  # fmt: skip
     with pytest.raises(PromptRefused, match="not an image PIL can read"):

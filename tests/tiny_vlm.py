@@ -157,17 +157,33 @@ def build_tiny_qwen2_vl(dest: Path, cache: Path, seed: int = 0) -> Path:
 
 
 def video(seed: int, frames: int = 8, fps: float = 4.0, size: int = VIDEO_SIZE) -> bytes:
-    """A random clip as MJPG-in-AVI bytes (a codec every OpenCV build writes and reads)."""
-    import tempfile
+    """A random clip as MJPG-in-AVI bytes, written by PyAV (its wheel's FFmpeg has the encoder)."""
+    return encode_video(random_frames(seed, frames, size), fps)
 
-    import cv2
+
+def random_frames(seed: int, frames: int = 8, size: int = VIDEO_SIZE) -> list:
+    """`frames` random RGB uint8 frames of size x size (the same for the same seed)."""
     import numpy as np
 
     rng = np.random.RandomState(seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/clip.avi"
-        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), fps, (size, size))
-        for _ in range(frames):
-            writer.write((rng.rand(size, size, 3) * 255).astype("uint8"))
-        writer.release()
-        return Path(path).read_bytes()
+    return [(rng.rand(size, size, 3) * 255).astype("uint8") for _ in range(frames)]
+
+
+def encode_video(
+    frames: list, fps: float = 4.0, container: str = "avi", codec: str = "mjpeg"
+) -> bytes:
+    """RGB frames encoded by PyAV into a container's bytes (MJPG in AVI unless told)."""
+    import io
+    from fractions import Fraction
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container) as out:
+        stream = out.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+        for rgb in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+        out.mux(stream.encode())  # flush the encoder
+    return buf.getvalue()

@@ -60,7 +60,7 @@ class VisionInputs:
 
 class PromptRefused(ValueError):
     """A prompt the model cannot take (a video on an image-only model, more images than it
-    takes, a video OpenCV cannot decode): the line's 400, `param` the part, `code` its code."""
+    takes, a video PyAV cannot decode): the line's 400, `param` the part, `code` its code."""
 
     def __init__(
         self, message: str, param: str | None = None, code: ErrorCode = ErrorCode.INVALID_VALUE
@@ -179,7 +179,7 @@ def _frames(part: MediaPart) -> Any:
                             part.max_frames or DEFAULT_VIDEO_FRAMES)  # fmt: skip
         return np.stack(clip.frames)
     except VideoUnreadable as exc:
-        raise PromptRefused(f"{part.param} is not a video OpenCV can decode ({exc}).",
+        raise PromptRefused(f"{part.param} is not a video PyAV can decode ({exc}).",
                             part.param) from None  # fmt: skip
     except ValueError as exc:  # frames of different sizes in one clip
         raise PromptRefused(f"{part.param}: its frames cannot be read as one clip ({exc}).",

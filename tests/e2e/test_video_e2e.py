@@ -1,6 +1,6 @@
 """Video lines end to end on a tiny random-weight Qwen2-VL (tests/tiny_vlm.py): `submit --wait`
 through the real SQLite queue and the real MLX path, with the prefix cache's video cases in
-`cached_tokens`; a video OpenCV cannot decode, a video on an image-only model and a video on a
+`cached_tokens`; a video PyAV cannot decode, a video on an image-only model and a video on a
 text-only model are per-line 400s naming the field (and the model)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.e2e.helpers import describe, make_cli, request_line, write_jsonl
 from tests.tiny_vlm import png, video
 
 pytest.importorskip("mlx_vlm")
-pytest.importorskip("cv2")
+pytest.importorskip("av")
 
 SYSTEM = "You are a careful assistant who watches short clips and answers in one short sentence."
 FIELD = "messages[1].content[0].video_url.url"
@@ -89,7 +89,7 @@ def test_a_video_batch_through_submit(tmp_path, tiny_qwen2_vl_dir, monkeypatch):
     assert junk["status_code"] == 400
     e = junk["body"]["error"]
     assert (e["code"], e["param"]) == ("invalid_value", FIELD)
-    assert "not a video OpenCV can decode" in e["message"]
+    assert "not a video PyAV can decode" in e["message"]
 
 
 def test_models_that_take_no_video_refuse_the_line(tmp_path, tiny_vlm_dir, tiny_model_dir):

@@ -15,7 +15,7 @@ from batchmlx.formats.params import parse_request
 from tests.tiny_vlm import png, video
 
 pytest.importorskip("mlx_vlm")
-pytest.importorskip("cv2")
+pytest.importorskip("av")
 
 MAX = 6
 SYSTEM = "You are a careful assistant who watches short videos and answers in one sentence."
@@ -169,7 +169,7 @@ def test_videos_the_model_cannot_take_are_refused_naming_the_part(loaded):
 
     where = "messages[1].content[0].video_url.url"
     for junk in (b"not a video", video(1)[:600]):
-        with pytest.raises(PromptRefused, match="not a video OpenCV can decode") as info:
+        with pytest.raises(PromptRefused, match="not a video PyAV can decode") as info:
             loaded[2].prompt(*parsed(video_part(junk)))
         assert (info.value.param, info.value.code.value) == (where, "invalid_value")
     # frames smaller than one merged patch (28 pixels): the processor's refusal, named

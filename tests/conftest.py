@@ -90,3 +90,15 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-llava", model_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Qwen2-VL folder (images and videos, M-RoPE; see tests/tiny_vlm)."""
+    pytest.importorskip("mlx_vlm", reason="the vision extra (mlx-vlm) is not installed")
+    pytest.importorskip("av", reason="the vision extra (PyAV) is not installed")
+    from tests.e2e.helpers import model_cache_dir
+    from tests.tiny_vlm import build_tiny_qwen2_vl
+
+    dest = tmp_path_factory.mktemp("vlm") / "tiny-qwen2-vl"
+    return build_tiny_qwen2_vl(dest, model_cache_dir())

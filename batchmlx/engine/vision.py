@@ -1,9 +1,10 @@
-"""Vision-language models through mlx-vlm (the `vision` extra): prompts with images, and an engine.
+"""Vision-language models through mlx-vlm (the `vision` extra): prompts with images and videos,
+and an engine.
 
-`VisionPrompter` turns chat messages and their images into what the engine runs: the model's
-chat template (an image entry per image), the processor's pixels and its expanded placeholder
-tokens, and one `MediaSpan` per image (its placeholder run keyed by the image's digest, for the
-prefix cache: core/media.py).
+`VisionPrompter` turns chat messages and their images and videos into what the engine runs: the
+model's chat template (an entry per part), the processor's pixels and its expanded placeholder
+tokens, and one `MediaSpan` per part (its placeholder run keyed by the part's digest, for the
+prefix cache: core/media.py). A video's frames come from engine/video.py.
 
 `VisionEngine` is EngineProtocol over mlx-vlm's model classes: a step prefills at most one
 waiting prompt (its own cache; one at a time, as the vision tower and the prefix-cache hit are
@@ -43,7 +44,8 @@ from batchmlx.core.sequence import Sequence
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import initial_width
 from batchmlx.engine.sampler import SampleRow, sample
-from batchmlx.formats.media import MediaKind, MediaPart
+from batchmlx.formats.errors import ErrorCode
+from batchmlx.formats.media import DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_FRAMES, MediaKind, MediaPart
 
 log = logging.getLogger("batchmlx.engine")
 
@@ -58,16 +60,22 @@ class VisionInputs:
 
 class PromptRefused(ValueError):
     """A prompt the model cannot take (a video on an image-only model, more images than it
-    takes): the line's 400, `param` the part."""
+    takes, a video PyAV cannot decode): the line's 400, `param` the part, `code` its code."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, code: ErrorCode = ErrorCode.INVALID_VALUE
+    ) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 # images one prompt may hold, by model_type, where mlx-vlm's model takes fewer than the request
 # bound (formats.media.MAX_MEDIA_PARTS): its LLaVA merges the features of one image per input
 MAX_IMAGES = {"llava": 1}
+# model_types whose mlx-vlm model and processor take video (`videos=`, pixel_values_videos and
+# video_grid_thw, M-RoPE positions); other families' videos are the line's 400
+VIDEO_MODELS = frozenset({"qwen2_vl", "qwen2_5_vl"})
 # images whose vision-tower features the engine keeps (by content digest), so the same image
 # under another question skips the tower even where its last block is not a cache hit
 FEATURE_CACHE_IMAGES = 16
@@ -75,75 +83,130 @@ FEATURE_CACHE_IMAGES = 16
 
 class VisionPrompter:
     """Messages and resolved media parts → (prompt tokens, spans, inputs), through the model's
-    own processor (mlx-vlm loads it with the model)."""
+    own processor (mlx-vlm loads it with the model). Videos are decoded into frames here
+    (engine/video.py) and go to the processor as `videos=`, on the families that take them."""
 
     def __init__(self, processor: Any, config: dict[str, Any], model_name: str) -> None:
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.model_name = model_name
+        self.model_type = str(config.get("model_type"))
         self.image_token_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
-        self.max_images = MAX_IMAGES.get(str(config.get("model_type")))
+        self.video_token_id = int(config.get("video_token_index", config.get("video_token_id", -1)))
+        self.max_images = MAX_IMAGES.get(self.model_type)
+        has_videos = getattr(processor, "video_processor", None) is not None
+        self.takes_video = self.model_type in VIDEO_MODELS and has_videos
 
     def prompt(
         self, messages: Seq[dict[str, str]], media: Seq[MediaPart]
     ) -> tuple[list[int], str, tuple[MediaSpan, ...], VisionInputs | None]:
-        from PIL import Image
-
-        for i, part in enumerate(media):
-            if part.kind is not MediaKind.IMAGE:
-                raise PromptRefused(
-                    f"the model '{self.model_name}' takes images only; {part.param} is a "
-                    f"{part.kind.value}.", part.param,
-                )  # fmt: skip
-            if self.max_images is not None and i >= self.max_images:
-                raise PromptRefused(
-                    f"the model '{self.model_name}' takes at most {self.max_images} image(s) "
-                    f"per request; {part.param} is one more.", part.param,
-                )  # fmt: skip
-        per_message = [0] * len(messages)
-        for part in media:
-            per_message[part.message] += 1
+        self._check(media)
         chat = []
-        for m, count in zip(messages, per_message, strict=True):
-            content = [{"type": "image"}] * count + [{"type": "text", "text": m["content"]}]
+        for i, m in enumerate(messages):  # each part where it sat, then the message's text
+            content: list[dict[str, str]] = [{"type": p.kind.value} for p in media
+                                             if p.message == i]  # fmt: skip
+            content.append({"type": "text", "text": m["content"]})
             chat.append({"role": m["role"], "content": content})
         text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True,
                                                   tokenize=False)  # fmt: skip
         if not media:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             return list(ids), text, (), None
-        images = []
-        for part in media:
-            try:
-                images.append(Image.open(io.BytesIO(part.data or b"")).convert("RGB"))
-            except Exception as exc:  # PIL raises several kinds for bytes that are no image
-                raise PromptRefused(f"{part.param} is not an image PIL can read ({exc}).",
-                                    part.param) from None  # fmt: skip
-        out = self.processor(text=[text], images=images)
+        images = [_image(p) for p in media if p.kind is MediaKind.IMAGE]
+        videos = [_frames(p) for p in media if p.kind is MediaKind.VIDEO]
+        try:
+            out = self.processor(text=[text], **({"images": images} if images else {}),
+                                 **({"videos": videos} if videos else {}))  # fmt: skip
+        except ValueError as exc:  # frames smaller than a patch, an aspect it refuses
+            where = media[0].param if len(media) == 1 else None
+            what = where or "these images or videos"
+            raise PromptRefused(
+                f"the model's processor cannot take {what} ({exc}).", where
+            ) from None
         ids = [int(t) for t in mx.array(out["input_ids"]).reshape(-1).tolist()]
-        spans = _spans(ids, self.image_token_id, media)
-        pixel_values = mx.array(out["pixel_values"])
-        extra = {k: mx.array(v) for k, v in out.items()
-                 if k not in ("input_ids", "attention_mask", "pixel_values")}  # fmt: skip
-        return ids, text, spans, VisionInputs(pixel_values, extra)
+        spans = _spans(ids, {MediaKind.IMAGE: self.image_token_id,
+                             MediaKind.VIDEO: self.video_token_id}, media)  # fmt: skip
+        pixels = "pixel_values" if images else "pixel_values_videos"
+        extra = {k: mx.array(v) for k, v in out.items() if k not in (
+                 "input_ids", "attention_mask", "pixel_values", "pixel_values_videos")}  # fmt: skip
+        return ids, text, spans, VisionInputs(mx.array(out[pixels]), extra)
+
+    def _check(self, media: Seq[MediaPart]) -> None:
+        """The parts this model cannot take: the line's 400 naming the part."""
+        images = 0
+        for part in media:
+            if part.kind is MediaKind.VIDEO and not self.takes_video:
+                raise PromptRefused(
+                    f"the model '{self.model_name}' ({self.model_type}) takes no video; "
+                    f"{part.param} is a video. Video runs on Qwen2-VL and Qwen2.5-VL models.",
+                    part.param, ErrorCode.UNSUPPORTED_VALUE,
+                )  # fmt: skip
+            if part.kind is MediaKind.IMAGE:
+                images += 1
+                if self.max_images is not None and images > self.max_images:
+                    raise PromptRefused(
+                        f"the model '{self.model_name}' takes at most {self.max_images} "
+                        f"image(s) per request; {part.param} is one more.", part.param,
+                    )  # fmt: skip
+        kinds = {p.kind for p in media}
+        if len(kinds) > 1:  # mlx-vlm's Qwen2-VL runs its vision tower over one kind per prompt
+            second = next(p for p in media if p.kind is not media[0].kind)
+            raise PromptRefused(
+                f"the model '{self.model_name}' takes images or videos in one request, not "
+                f"both; {second.param} is a {second.kind.value} after a "
+                f"{media[0].kind.value}.", second.param, ErrorCode.UNSUPPORTED_VALUE,
+            )  # fmt: skip
 
 
-def _spans(ids: list[int], image_token: int, media: Seq[MediaPart]) -> tuple[MediaSpan, ...]:
-    """The runs of placeholder tokens, one per image, in order."""
-    runs: list[tuple[int, int]] = []
+def _image(part: MediaPart) -> Any:
+    from PIL import Image
+
+    try:
+        return Image.open(io.BytesIO(part.data or b"")).convert("RGB")
+    except Exception as exc:  # PIL raises several kinds for bytes that are no image
+        raise PromptRefused(f"{part.param} is not an image PIL can read ({exc}).",
+                            part.param) from None  # fmt: skip
+
+
+def _frames(part: MediaPart) -> Any:
+    """A video's sampled frames as one (frames, height, width, 3) array, the processor's input."""
+    import numpy as np
+
+    from batchmlx.engine.video import VideoUnreadable, decode_video
+
+    try:
+        clip = decode_video(part.data or b"", part.fps or DEFAULT_VIDEO_FPS,
+                            part.max_frames or DEFAULT_VIDEO_FRAMES)  # fmt: skip
+        return np.stack(clip.frames)
+    except VideoUnreadable as exc:
+        raise PromptRefused(f"{part.param} is not a video PyAV can decode ({exc}).",
+                            part.param) from None  # fmt: skip
+    except ValueError as exc:  # frames of different sizes in one clip
+        raise PromptRefused(f"{part.param}: its frames cannot be read as one clip ({exc}).",
+                            part.param) from None  # fmt: skip
+
+
+def _spans(
+    ids: list[int], tokens: dict[MediaKind, int], media: Seq[MediaPart]
+) -> tuple[MediaSpan, ...]:
+    """The runs of placeholder tokens, one per image or video, in order."""
+    kind_of = {t: k for k, t in tokens.items() if t >= 0}
+    runs: list[tuple[int, int, MediaKind]] = []
     for i, t in enumerate(ids):
-        if t != image_token:
+        kind = kind_of.get(t)
+        if kind is None:
             continue
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        if runs and runs[-1][0] + runs[-1][1] == i and runs[-1][2] is kind:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, kind)
         else:
-            runs.append((i, 1))
-    if len(runs) != len(media):
+            runs.append((i, 1, kind))
+    kinds = [r[2] for r in runs]
+    if kinds != [p.kind for p in media]:
         raise PromptRefused(
-            f"the prompt holds {len(runs)} image placeholder runs for {len(media)} images; "
-            "this model's template takes one image per placeholder."
+            f"the prompt holds {len(runs)} placeholder runs for {len(media)} images and videos; "
+            "this model's template takes one per placeholder."
         )
-    return tuple(MediaSpan(s, n, p.digest or b"") for (s, n), p in zip(runs, media, strict=True))
+    return tuple(MediaSpan(s, n, p.digest or b"") for (s, n, _), p in zip(runs, media, strict=True))
 
 
 @dataclass(slots=True)
@@ -154,6 +217,7 @@ class _Live:
     cached_tokens: int = 0
     outcome: CacheOutcome = CacheOutcome.MISS
     running: bool = False  # a row of the decode batch (its last token not yet computed)
+    rope_delta: int = 0  # M-RoPE: a token's position is its index plus this (after the media)
 
 
 class VisionEngine:
@@ -202,6 +266,10 @@ class VisionEngine:
         # an image's merged features by digest, most recent last (FEATURE_CACHE_IMAGES of them)
         self._features: OrderedDict[bytes, Any] = OrderedDict()
         plain = all(type(c) is KVCache for c in make_prompt_cache(model.language_model))
+        # M-RoPE (Qwen2-VL): positions are 3-D (time, height, width) over media tokens; mlx-vlm
+        # keeps them on the language model between calls, for one sequence, so the engine
+        # computes each request's itself and passes them on every forward
+        self.mrope = hasattr(model.language_model, "get_rope_index")
         self.width = self.cfg.running_bound if batched and plain else 1
         if self.width > 1:
             log.info("vision engine: prompts prefilled one at a time, decodes batched (up to "
@@ -322,7 +390,11 @@ class VisionEngine:
                 c.update_and_fetch(keys, values)
         ids = mx.array([seq.token_ids])
         embeds = self._embeddings(ids, seq.request, cached)
-        out = lm(ids[:, cached:], inputs_embeds=embeds, cache=cache)
+        extra = {}
+        if self.mrope:
+            positions, live.rope_delta = self._positions(ids, seq.request.media)
+            extra["position_ids"] = positions[:, :, cached:]
+        out = lm(ids[:, cached:], inputs_embeds=embeds, cache=cache, **extra)
         live.cached_tokens = cached
         max_hit = self.kv.max_cached_blocks(seq, bs)
         if cached == 0:
@@ -335,6 +407,16 @@ class VisionEngine:
         seq.num_computed_tokens = seq.num_tokens
         self._register(live, cache, 0, 0)
         return cache, _logits(out)[:, -1, :]
+
+    def _positions(self, ids: Any, inputs: VisionInputs | None) -> tuple[Any, int]:
+        """The prompt's M-RoPE positions (3, 1, tokens), by the model's own rule over its
+        image and video grids, and the delta a later token's position adds to its index."""
+        extra = {} if inputs is None else inputs.extra
+        positions, delta = self.model.language_model.get_rope_index(
+            ids, extra.get("image_grid_thw"), extra.get("video_grid_thw"))  # fmt: skip
+        if positions.ndim == 2:  # text only: the three axes are the token's index
+            positions = mx.broadcast_to(positions[None], (3, *positions.shape))
+        return positions, int(mx.array(delta).reshape(-1)[0].item())
 
     def _embeddings(self, ids: Any, req: GenerationRequest, cached: int) -> Any:
         """The input embeddings of the prompt from position `cached` on. The vision tower runs
@@ -394,7 +476,11 @@ class VisionEngine:
         running, batch = self._running, self._batch
         assert batch is not None
         tokens = mx.array([[live.seq.token_ids[-1]] for live in running])
-        logits = _logits(self.model.language_model(tokens, cache=batch))[:, -1, :]
+        extra = {}
+        if self.mrope:  # each row's own position: its last token's index plus its delta
+            at = mx.array([[lv.seq.num_tokens - 1 + lv.rope_delta] for lv in running])
+            extra["position_ids"] = mx.broadcast_to(at[None], (3, *at.shape))
+        logits = _logits(self.model.language_model(tokens, cache=batch, **extra))[:, -1, :]
         pads = batch[0].left_padding.tolist()
         for i, live in enumerate(running):
             live.seq.num_computed_tokens = live.seq.num_tokens

@@ -1,4 +1,4 @@
-"""The bytes of a request's https and file images, under bounds, or the line's 400.
+"""The bytes of a request's https and file images and videos, under bounds, or the line's 400.
 
 formats/media.py decodes data: URLs; the parts it leaves here are read once per request:
 - https URLs are fetched with a time limit (`FETCH_TIMEOUT_S`) and the size bound of one part
@@ -83,14 +83,16 @@ class MediaReader:
         if part.source is MediaSource.FILE:
             return self._file(part)
         if not self.fetch_enabled:
-            raise _refuse(part, f"fetching https images is turned off here (${MEDIA_FETCH_ENV}); "
-                          "give the image as a data: URL.")  # fmt: skip
+            kind = part.kind.value
+            raise _refuse(part, f"fetching https {kind}s is turned off here (${MEDIA_FETCH_ENV}); "
+                          f"give the {kind} as a data: URL.")  # fmt: skip
         try:
             data, media_type = self.fetch(part.url, self.timeout_s, MAX_MEDIA_BYTES)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             why = getattr(exc, "reason", exc)
-            raise _refuse(part, f"the image could not be fetched ({why}); this machine may have "
-                          "no network: give the image as a data: URL.") from None  # fmt: skip
+            kind = part.kind.value
+            raise _refuse(part, f"the {kind} could not be fetched ({why}); this machine may have "
+                          f"no network: give the {kind} as a data: URL.") from None  # fmt: skip
         if len(data) > MAX_MEDIA_BYTES:
             raise _refuse(part, f"an image or video may be at most {MAX_MEDIA_BYTES} bytes.")
         return part.with_data(data, media_type)

@@ -131,7 +131,8 @@ class Translator:
                 tokens, text = self._prompt(parsed)
         except Exception as exc:  # a template that rejects these messages, an unreadable image
             param = getattr(exc, "param", None)  # engine.vision.PromptRefused names the part
-            err = RequestError(400, ErrorCode.INVALID_VALUE.value, f"Invalid prompt: {exc}", param)
+            code = getattr(exc, "code", ErrorCode.INVALID_VALUE)
+            err = RequestError(400, code.value, f"Invalid prompt: {exc}", param)
             return None, [], error_result(err)
         # the one context check: the engine only bounds generation by the room left
         max_tokens = parsed.sampling.max_tokens

@@ -167,16 +167,17 @@ def test_prompts_the_model_cannot_take_are_refused_naming_the_part(loaded):
            base64.b64encode(png(1)).decode()}  # fmt: skip
     with pytest.raises(PromptRefused) as info:
         loaded[2].prompt(*parts(two, two))
-    assert info.value.param == "messages[0].content[1].image_url" and "at most 1" in str(
-        info.value)
+    assert info.value.param == "messages[0].content[1].image_url" and "at most 1" in str(info.value)
     junk = {"type": "image_url", "image_url": "data:image/png;base64," +
             base64.b64encode(b"not a png").decode()}  # fmt: skip
     with pytest.raises(PromptRefused, match="not an image PIL can read"):
         loaded[2].prompt(*parts(junk))
     video = {"type": "video_url", "video_url": "data:video/mp4;base64," +
              base64.b64encode(b"\0\0\0 ftypmp4").decode()}  # fmt: skip
-    with pytest.raises(PromptRefused, match="takes images only"):
+    with pytest.raises(PromptRefused, match=r"'tiny-llava' \(llava\) takes no video") as info:
         loaded[2].prompt(*parts(video))
+    assert info.value.param == "messages[0].content[0].video_url"
+    assert info.value.code.value == "unsupported_value"
 
 
 def test_blocks_filled_while_decoding_in_the_batch_are_reused_exactly(loaded):

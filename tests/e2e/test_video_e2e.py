@@ -1,7 +1,8 @@
-"""Video lines end to end on a tiny random-weight Qwen2-VL (tests/tiny_vlm.py): `submit --wait`
-through the real SQLite queue and the real MLX path, with the prefix cache's video cases in
-`cached_tokens`; a video PyAV cannot decode, a video on an image-only model and a video on a
-text-only model are per-line 400s naming the field (and the model)."""
+"""Video lines end to end on a tiny random-weight Qwen2-VL (tests/tiny_vlm.py): `submit --wait`,
+the inbox and HTTP (an online request) through the real SQLite queue and the real MLX path,
+with the prefix cache's video cases in `cached_tokens`; a video PyAV cannot decode, a video on
+an image-only model and a video on a text-only model are 400s naming the field (and the
+model)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.helpers import describe, make_cli, request_line, write_jsonl
+from tests.e2e.test_model_names import _watch_once
+from tests.server.helpers import start_server
 from tests.tiny_vlm import png, video
 
 pytest.importorskip("mlx_vlm")
@@ -50,7 +53,7 @@ def submit(cli, path: Path, model: Path) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_a_video_batch_through_submit(tmp_path, tiny_qwen2_vl_dir, monkeypatch):
+def test_a_video_batch_through_submit_the_inbox_and_http(tmp_path, tiny_qwen2_vl_dir, monkeypatch):
     allowed = tmp_path / "videos"
     allowed.mkdir()
     (allowed / "clip.avi").write_bytes(video(1))
@@ -90,6 +93,30 @@ def test_a_video_batch_through_submit(tmp_path, tiny_qwen2_vl_dir, monkeypatch):
     e = junk["body"]["error"]
     assert (e["code"], e["param"]) == ("invalid_value", FIELD)
     assert "not a video PyAV can decode" in e["message"]
+
+    # the inbox takes the same file into a batch of the same model, with the same answers
+    _watch_once(cli, tmp_path / "inbox", path, tmp_path / "watch.log")
+    worker = cli("worker", "--until-idle", "--model", str(tiny_qwen2_vl_dir), timeout=300)
+    assert worker.returncode == 0, describe(worker)
+    inbox_batch = next(b for b in cli.json("list") if b["id"] != batch["id"])
+    assert inbox_batch["request_counts"] == {"total": 7, "completed": 6, "failed": 1}
+    again = by_id(cli("results", inbox_batch["id"]).stdout)
+    assert {c: r["body"]["choices"][0]["message"]["content"] for c, r in again.items()} == answer
+
+    # HTTP: an online chat request with the clip, and one with an undecodable clip
+    server = start_server(tmp_path / "srv", "--model", str(tiny_qwen2_vl_dir))
+    try:
+        client = server.client()
+        reply = client.chat.completions.create(**chat(clip(video(1)), "What happens in this clip?"))
+        bad = client.with_options(max_retries=0).chat.completions.with_raw_response
+        with pytest.raises(Exception) as refused:
+            bad.create(**chat(clip(b"these bytes are no video"), "What happens?"))
+    finally:
+        server.stop()
+    assert reply.choices[0].message.content == answer["first"]
+    assert reply.usage.prompt_tokens == prompt
+    status = getattr(refused.value, "status_code", None)
+    assert status == 400 and FIELD in str(refused.value), refused.value
 
 
 def test_models_that_take_no_video_refuse_the_line(tmp_path, tiny_vlm_dir, tiny_model_dir):

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,31 @@ class Cli:
 
 def describe(proc: subprocess.CompletedProcess[str]) -> str:
     return f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def watch_once(cli: Cli, inbox: Path, path: Path, log: Path) -> None:
+    """`watch` takes the file into a batch (moved to done/), then stops."""
+    inbox.mkdir()
+    proc = cli.popen("watch", inbox, "--settle", "0.2", log=log)
+    try:
+        (inbox / path.name).write_bytes(path.read_bytes())
+        deadline = time.monotonic() + 60
+        while not (inbox / "done" / path.name).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def run_through_inbox(cli: Cli, base: Path, path: Path, model: str | Path, *,
+                      besides: str) -> dict[str, Any]:  # fmt: skip
+    """`path` dropped into a watched inbox, then run by `worker --until-idle` on `model`: the
+    batch the inbox made (the one that is not `besides`)."""
+    watch_once(cli, base / "inbox", path, base / "watch.log")
+    worker = cli("worker", "--until-idle", "--model", model, timeout=300)
+    assert worker.returncode == 0, describe(worker)
+    return next(b for b in cli.json("list") if b["id"] != besides)
 
 
 def make_cli(base: Path) -> Cli:

@@ -10,12 +10,19 @@ import io
 import json
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from openai import NotFoundError
 
-from tests.e2e.helpers import Cli, chat_body, describe, make_cli, request_line, write_jsonl
+from tests.e2e.helpers import (
+    Cli,
+    chat_body,
+    describe,
+    make_cli,
+    request_line,
+    watch_once,
+    write_jsonl,
+)  # fmt: skip
 from tests.server.helpers import start_server, wait_validated
 
 OPENAI_SENTENCE = "The provided model 'gpt-4o-mini' is not supported by the Batch API."
@@ -27,21 +34,6 @@ def openai_file(path: Path, model: str = "gpt-4o-mini") -> Path:
                                         temperature=0))
         for i in range(2)
     ])  # fmt: skip
-
-
-def _watch_once(cli: Cli, inbox: Path, path: Path, log: Path) -> None:
-    """`watch` takes the file into a batch (moved to done/), then stops."""
-    inbox.mkdir()
-    proc = cli.popen("watch", inbox, "--settle", "0.2", log=log)
-    try:
-        (inbox / path.name).write_bytes(path.read_bytes())
-        deadline = time.monotonic() + 60
-        while not (inbox / "done" / path.name).exists():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def _validated_over_http(client, path: Path):
@@ -70,7 +62,7 @@ def test_an_openai_file_gives_the_same_result_on_every_path(
     cli = make_cli(tmp_path)
     path = openai_file(tmp_path / "openai.jsonl")
     # the inbox first: it would take a later drop of this content (and model) for a duplicate
-    _watch_once(cli, tmp_path / "inbox", path, tmp_path / "watch.log")
+    watch_once(cli, tmp_path / "inbox", path, tmp_path / "watch.log")
     via_cli = cli.json("submit", path)
     server = start_server(tmp_path, "--no-worker")  # the same home, so the same queue
     try:

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
+from openai import BadRequestError
 
-from tests.e2e.helpers import describe, make_cli, request_line, write_jsonl
-from tests.e2e.test_model_names import _watch_once
+from tests.e2e.helpers import describe, make_cli, request_line, run_through_inbox, write_jsonl
 from tests.server.helpers import start_server
 from tests.tiny_vlm import png, video
 
@@ -95,10 +95,7 @@ def test_a_video_batch_through_submit_the_inbox_and_http(tmp_path, tiny_qwen2_vl
     assert "not a video PyAV can decode" in e["message"]
 
     # the inbox takes the same file into a batch of the same model, with the same answers
-    _watch_once(cli, tmp_path / "inbox", path, tmp_path / "watch.log")
-    worker = cli("worker", "--until-idle", "--model", str(tiny_qwen2_vl_dir), timeout=300)
-    assert worker.returncode == 0, describe(worker)
-    inbox_batch = next(b for b in cli.json("list") if b["id"] != batch["id"])
+    inbox_batch = run_through_inbox(cli, tmp_path, path, tiny_qwen2_vl_dir, besides=batch["id"])
     assert inbox_batch["request_counts"] == {"total": 7, "completed": 6, "failed": 1}
     again = by_id(cli("results", inbox_batch["id"]).stdout)
     assert {c: r["body"]["choices"][0]["message"]["content"] for c, r in again.items()} == answer
@@ -108,15 +105,15 @@ def test_a_video_batch_through_submit_the_inbox_and_http(tmp_path, tiny_qwen2_vl
     try:
         client = server.client()
         reply = client.chat.completions.create(**chat(clip(video(1)), "What happens in this clip?"))
-        bad = client.with_options(max_retries=0).chat.completions.with_raw_response
-        with pytest.raises(Exception) as refused:
-            bad.create(**chat(clip(b"these bytes are no video"), "What happens?"))
+        with pytest.raises(BadRequestError) as refused:
+            client.with_options(max_retries=0).chat.completions.create(
+                **chat(clip(b"these bytes are no video"), "What happens?")
+            )
     finally:
         server.stop()
     assert reply.choices[0].message.content == answer["first"]
     assert reply.usage.prompt_tokens == prompt
-    status = getattr(refused.value, "status_code", None)
-    assert status == 400 and FIELD in str(refused.value), refused.value
+    assert refused.value.status_code == 400 and FIELD in str(refused.value), refused.value
 
 
 def test_models_that_take_no_video_refuse_the_line(tmp_path, tiny_vlm_dir, tiny_model_dir):

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import describe, make_cli, request_line, write_jsonl
-from tests.e2e.test_model_names import _watch_once
+from tests.e2e.helpers import describe, make_cli, request_line, run_through_inbox, write_jsonl
 from tests.server.helpers import start_server
 from tests.tiny_vlm import png
 
@@ -93,10 +92,7 @@ def test_an_image_batch_through_submit_the_inbox_and_http(tmp_path, tiny_vlm_dir
     )
 
     # the inbox takes the same file into a batch of the same model
-    _watch_once(cli, tmp_path / "inbox", path, tmp_path / "watch.log")
-    worker = cli("worker", "--until-idle", "--model", model, timeout=300)
-    assert worker.returncode == 0, describe(worker)
-    inbox_batch = next(b for b in cli.json("list") if b["id"] != batch["id"])
+    inbox_batch = run_through_inbox(cli, tmp_path, path, model, besides=batch["id"])
     assert inbox_batch["request_counts"]["completed"] == 5, inbox_batch
     again = by_id(cli("results", inbox_batch["id"]).stdout)
     assert {c: r["body"]["choices"][0]["message"]["content"] for c, r in again.items()} == answer

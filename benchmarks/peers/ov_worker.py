@@ -4,9 +4,10 @@ import: only the standard library and openvino_genai).
     <openvino venv>/bin/python ov_worker.py IN.json OUT.json
 
 IN: {"gguf", "messages": [[...], ...], "max_tokens", "ignore_eos", "max_num_seqs",
-"threads"}. Builds `LLMPipeline(gguf, "CPU", scheduler_config=...)` (continuous batching, paged
-KV, prefix caching on), applies the GGUF's chat template with the pipeline's own tokenizer and
-runs one `generate` over every prompt, greedy. OUT: texts, generated token counts, the
+"threads", "props"}. Builds `LLMPipeline(gguf, "CPU", scheduler_config=...)` (continuous
+batching, paged KV, prefix caching on; "props": CPU plugin properties such as
+DYNAMIC_QUANTIZATION_GROUP_SIZE), applies the GGUF's chat template with the pipeline's own
+tokenizer and runs one `generate` over every prompt, greedy. OUT: texts, generated token counts, the
 inference precision the CPU plugin picked, and the moments (seconds since this script started)
 the pipeline was built and the generation done.
 """
@@ -28,7 +29,7 @@ def main(inp: str, out: str) -> None:
     sched.max_num_seqs = job["max_num_seqs"]
     sched.enable_prefix_caching = True
     sched.cache_size = job.get("cache_gb", 2)
-    props = {}
+    props = dict(job.get("props") or {})
     if job.get("threads"):
         props["INFERENCE_NUM_THREADS"] = job["threads"]
     pipe = genai.LLMPipeline(job["gguf"], "CPU", scheduler_config=sched, **props)
@@ -51,7 +52,9 @@ def main(inp: str, out: str) -> None:
         generated = int(res.perf_metrics.get_num_generated_tokens())
     except Exception:  # older wheels: per-text counts only
         generated = sum(counts)
-    hint = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT")
+    # the pipeline's compiled model is not exposed: the hint it was given, else the plugin's default
+    hint = props.get("INFERENCE_PRECISION_HINT") or ov.Core().get_property(
+        "CPU", "INFERENCE_PRECISION_HINT")
     precision = hint.to_string() if hasattr(hint, "to_string") else str(hint)
     result = {"texts": texts, "token_counts": counts, "generated_tokens": generated,
               "precision": precision, "version": genai.__version__, "t_import": t_import,

@@ -14,6 +14,12 @@ tokens, the texts by custom_id (for parity checks) and the precision the peer co
   scheduler_config=...)` with max_num_seqs = the request count and prefix caching on, one
   greedy `generate` over the chat-templated prompts. Precision: the CPU plugin's
   INFERENCE_PRECISION_HINT (bf16 on AVX512_BF16 CPUs) over the GGUF's weight types.
+- `run_vllm_mlx`: `vllm_mlx_worker.py` in vllm-mlx's venv: the continuous-batching engine of
+  `vllm-mlx serve --continuous-batching` (`BatchedEngine`, scheduler defaults), every request
+  submitted at once, greedy, on a float32 MLX folder of the default model (batchmlx's weights,
+  `dequantize_model` to float32). It runs under the BLAS batchmlx re-executes onto (the
+  variables of `python -m batchmlx.accel --exports`), threads = the CPUs this process may use.
+  Precision: float32.
 
     python -m benchmarks.peers.run_peer --peer llama --workload unique --requests 8 --model default
 """
@@ -37,12 +43,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers.models import gguf_type, model_files, path_for
+from benchmarks.peers.models import MODELS, default_mlx_folder, gguf_type, model_files, path_for
 from benchmarks.peers.setup import ensure
 from benchmarks.whole_process import QUICK, WORKLOADS, ProcessRun, Workload
 
 HERE = Path(__file__).resolve().parent
-PEERS = ("llama", "openvino", "vllm")
+PEERS = ("llama", "openvino", "vllm", "vllm-mlx")
 _SAMPLE_S = 0.2
 _REQUEST_TIMEOUT_S = 3600
 
@@ -56,7 +62,7 @@ class PeerRun:
     """One whole-process run of a peer; `as_process_run()` gives whole_process.py's row."""
 
     system: str  # e.g. "llama.cpp server (64 slots)"
-    peer: str  # llama | openvino | vllm
+    peer: str  # llama | openvino | vllm | vllm-mlx | batchmlx
     model: str  # default | 360m | 1.7b | 8b
     precision: str  # what it computes in
     wall_s: float  # spawn to exit
@@ -354,14 +360,17 @@ def run_vllm(wl: Workload, model: str = "default", *, dtype: str = "float32",
 
 
 def run_openvino(wl: Workload, model: str = "default", quant: str | None = None, *,
-                 ignore_eos: bool | None = None, cache_gb: int = 2) -> PeerRun:  # fmt: skip
+                 ignore_eos: bool | None = None, cache_gb: int = 2,
+                 props: dict[str, str] | None = None) -> PeerRun:  # fmt: skip
+    """`props`: CPU plugin properties over its defaults, e.g. DYNAMIC_QUANTIZATION_GROUP_SIZE=0
+    and KV_CACHE_PRECISION=bf16 to run it at batchmlx's precision (bf16 activations and KV)."""
     inst = ensure("openvino")
     gguf = Path(path_for(model, quant or _default_quant(model)))
     reqs = requests_of(wl, _tokenizer(model))
     work = Path(tempfile.mkdtemp(prefix="peer-openvino-"))
     job = {"gguf": str(gguf), "messages": [m for _, m in reqs], "max_tokens": wl.max_tokens,
            "ignore_eos": _ignore_eos(model, ignore_eos), "max_num_seqs": len(reqs),
-           "threads": _threads(), "cache_gb": cache_gb}  # fmt: skip
+           "threads": _threads(), "cache_gb": cache_gb, "props": props or {}}  # fmt: skip
     (work / "in.json").write_text(json.dumps(job))
     cmd = [inst.python, str(HERE / "ov_worker.py"), str(work / "in.json"), str(work / "out.json")]
     w = Watched(cmd, env=peer_env(), cwd=work, log_path=work / "openvino.log")
@@ -372,12 +381,109 @@ def run_openvino(wl: Workload, model: str = "default", quant: str | None = None,
     tokens = int(res["generated_tokens"])
     ready = w.first("[ov_worker] loaded") or res["t_loaded"]
     last = w.first("[ov_worker] generated") or res["t_done"]
+    label = "".join(f", {k}={v}" for k, v in (props or {}).items())
     return PeerRun(
-        f"OpenVINO GenAI ({len(reqs)} seqs, prefix caching)", "openvino", model,
+        f"OpenVINO GenAI ({len(reqs)} seqs, prefix caching{label})", "openvino", model,
         f"{res['precision'].lower()} activations, {gguf_type(gguf)} weights", wall,
         ready, tokens / (last - ready), tokens,
         w.peak / 2**20, {cid: t for (cid, _), t in zip(reqs, res["texts"], strict=True)},
         {"gguf": gguf.name, "version": inst.version, "token_counts": res["token_counts"]},
+    )  # fmt: skip
+
+
+# -- vllm-mlx --------------------------------------------------------------------------------
+
+
+def fast_blas_env(threads: int | None = None) -> dict[str, str]:
+    """The variables `python -m batchmlx.accel --exports` prints (LD_PRELOAD of the fast BLAS,
+    its core type...), worked out afresh as for a new process (an LD_PRELOAD or re-exec marker
+    this process inherited is ignored), plus `threads` for the BLAS and OpenMP runtimes."""
+    from batchmlx.accel import REEXEC_MARKER, reexec_env
+    from batchmlx.threads import THREAD_VARIABLES
+
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", REEXEC_MARKER)}
+    env = dict(reexec_env(base) or {})
+    if threads:
+        env |= dict.fromkeys(THREAD_VARIABLES, str(threads))
+    return env
+
+
+def default_float32_folder() -> Path:
+    """The default model as an MLX folder in float32: batchmlx's conversion of the GGUF loaded
+    with mlx-lm and `dequantize_model(model, mx.float32)` (what batchmlx runs at --dtype float32
+    and whole_process.py's batch_generate peer runs), saved with mlx-lm's utilities. Written
+    once into the bench cache."""
+    dest = MODELS / "SmolLM2-135M-Instruct-mlx-float32"
+    if (dest / "config.json").is_file():
+        return dest
+    import shutil
+
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.utils import save_config, save_model
+
+    from batchmlx.engine.models.loader import dequantize_model
+
+    src = default_mlx_folder()
+    model, _, config = mlx_lm.load(str(src), return_config=True)
+    dequantize_model(model, mx.float32)
+    for key in ("quantization", "quantization_config"):
+        config.pop(key, None)
+    config["torch_dtype"] = "float32"
+    MODELS.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".mlx-float32-", dir=MODELS))
+    save_model(tmp, model)
+    save_config(config, tmp / "config.json")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "generation_config.json"):  # fmt: skip
+        if (src / f).is_file():
+            shutil.copyfile(src / f, tmp / f)
+    tmp.chmod(0o755)  # mkdtemp makes it owner-only
+    os.replace(tmp, dest)
+    return dest
+
+
+def run_vllm_mlx(wl: Workload, model: str = "default", *, ignore_eos: bool | None = None,
+                 **_: Any) -> PeerRun:  # fmt: skip
+    """vllm-mlx's continuous-batching engine in its own venv (`vllm_mlx_worker.py`), on the
+    float32 weights, under batchmlx's BLAS; ready = the worker's "loaded" line (engine started),
+    steady = completion tokens over ready -> "generated". Tokens are counted without the eos
+    token (as batchmlx counts them; its own completion_tokens, with it, are in `extra`). Texts
+    are its server's (special tokens removed, stripped); `extra["raw_texts"]`: its tokens
+    decoded, for a parity check that a trailing newline does not spoil. The random-weight
+    models run from their bf16 MLX folder (batchmlx's); its engine has no ignore_eos, so they
+    stop at eos if they emit it by chance (`ignore_eos` is recorded, not applied)."""
+    inst = ensure("vllm-mlx")
+    if model == "default":
+        folder, precision = default_float32_folder(), "float32"
+    else:
+        folder, precision = Path(path_for(model, "mlx")), "bfloat16"
+    reqs = requests_of(wl, _tokenizer(model))
+    work = Path(tempfile.mkdtemp(prefix="peer-vllm-mlx-"))
+    job = {"model": str(folder), "messages": [m for _, m in reqs], "max_tokens": wl.max_tokens}
+    (work / "in.json").write_text(json.dumps(job))
+    threads = _threads()
+    blas = fast_blas_env(threads)
+    cmd = [inst.python, str(HERE / "vllm_mlx_worker.py"), str(work / "in.json"),
+           str(work / "out.json")]  # fmt: skip
+    w = Watched(cmd, env=peer_env(**blas), cwd=work, log_path=work / "vllm-mlx.log")
+    wall = w.wait()
+    if w.proc.returncode != 0 or not (work / "out.json").is_file():
+        raise RuntimeError(f"vllm-mlx failed ({w.proc.returncode}):\n{w.tail()}")
+    res = json.loads((work / "out.json").read_text())
+    tokens = int(res["generated_tokens"])
+    ready = w.first("[vllm_mlx_worker] loaded") or res["t_loaded"]
+    last = w.first("[vllm_mlx_worker] generated") or res["t_done"]
+    return PeerRun(
+        "vllm-mlx BatchedEngine (continuous batching, defaults)", "vllm-mlx", model, precision,
+        wall, ready, tokens / (last - ready), tokens, w.peak / 2**20,
+        {cid: t for (cid, _), t in zip(reqs, res["texts"], strict=True)},
+        {"version": res["version"], "install": inst.version, "model_folder": str(folder),
+         "threads": threads, "blas": res["blas"], "blas_env": blas, "device": res["device"],
+         "token_counts": res["token_counts"], "completion_tokens": res["completion_tokens"],
+         "finish_reasons": res["finish_reasons"],
+         "raw_texts": {cid: t for (cid, _), t in zip(reqs, res["raw_texts"], strict=True)},
+         "ignore_eos_asked": _ignore_eos(model, ignore_eos), "log": str(work / "vllm-mlx.log")},
     )  # fmt: skip
 
 
@@ -430,7 +536,7 @@ def same_texts(a: dict[str, str], b: dict[str, str]) -> str:
 
 
 RUNNERS = {"llama": run_llama, "openvino": run_openvino, "vllm": run_vllm,
-           "batchmlx": run_batchmlx}
+           "vllm-mlx": run_vllm_mlx, "batchmlx": run_batchmlx}  # fmt: skip
 
 
 def run(peer: str, wl: Workload, model: str = "default", **kw: Any) -> PeerRun:
@@ -454,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="default", help="default | 360m | 1.7b | 8b")
     p.add_argument("--quant", help="GGUF type for llama/openvino (default: Q4_1 / Q8_0)")
     p.add_argument("--vllm-dtype", default="float32")
+    p.add_argument("--ov-prop", action="append", default=[], metavar="KEY=VALUE",
+                   help="an OpenVINO CPU plugin property (repeatable)")  # fmt: skip
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="default: on for random-weight models")  # fmt: skip
     p.add_argument("--parity", action="store_true",
@@ -469,8 +577,13 @@ def main(argv: list[str] | None = None) -> int:
             kw["dtype"] = args.vllm_dtype
         elif peer == "batchmlx":
             kw["dtype"] = args.dtype
-        elif args.quant:
-            kw["quant"] = args.quant
+        elif peer == "vllm-mlx":
+            pass  # float32, its engine's defaults: nothing to choose
+        else:
+            if args.quant:
+                kw["quant"] = args.quant
+            if peer == "openvino" and args.ov_prop:
+                kw["props"] = dict(kv.split("=", 1) for kv in args.ov_prop)
         log(f"{peer}: {wl.name}, {wl.requests} x {wl.max_tokens} tokens, model {args.model}")
         try:
             r = run(peer, wl, args.model, **kw)

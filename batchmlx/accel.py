@@ -198,8 +198,10 @@ def vendored_gomp(site_dirs: Sequence[Path], *, system_has: bool | None = None) 
 
 
 def fortran_runtime_dir(
-    cache_dir: Path | None = None, site_dirs: Sequence[Path] | None = None,
-    *, system_gomp: bool | None = None,
+    cache_dir: Path | None = None,
+    site_dirs: Sequence[Path] | None = None,
+    *,
+    system_gomp: bool | None = None,
 ) -> Path | None:
     """A private folder that makes numpy's vendored Fortran runtime loadable under its usual
     soname: `libgfortran.so.5` links to numpy's hashed copy, which itself names its libquadmath
@@ -332,7 +334,7 @@ CUDA_BACKENDS = ("mlx-cuda-12", "mlx-cuda-13")  # MLX's CUDA wheels (`batchmlx[c
 
 
 def mlx_backend(installed: Callable[[str], bool] | None = None) -> str:
-    """"cuda" when MLX's CUDA wheel is installed without the CPU one (the GPU install in the
+    """ "cuda" when MLX's CUDA wheel is installed without the CPU one (the GPU install in the
     README removes mlx-cpu, since both ship mlx/lib/libmlx.so), else "cpu". Read from package
     metadata, so the CLI knows before importing MLX."""
     installed = _installed if installed is None else installed

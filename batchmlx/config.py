@@ -109,8 +109,9 @@ def load_settings(
         retention_days=_number(env, RETENTION_DAYS_ENV),
         strict_models=truthy(env.get(STRICT_MODELS_ENV)),
         model_aliases=tuple(
-            parse_aliases(split_aliases(env.get(MODEL_ALIASES_ENV) or ""),
-                          what=f"${MODEL_ALIASES_ENV}").items()
+            parse_aliases(
+                split_aliases(env.get(MODEL_ALIASES_ENV) or ""), what=f"${MODEL_ALIASES_ENV}"
+            ).items()
         ),  # fmt: skip
     )
 

@@ -78,9 +78,7 @@ class CpuSample:
     cpus: int  # CPUs the host's figures are summed over
 
 
-def read_cpu_sample(
-    proc_stat: str | None = None, self_stat: str | None = None
-) -> CpuSample | None:
+def read_cpu_sample(proc_stat: str | None = None, self_stat: str | None = None) -> CpuSample | None:
     """Now's CPU times (None where /proc cannot be read)."""
     try:
         host = PROC_STAT.read_text() if proc_stat is None else proc_stat

@@ -27,10 +27,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).with_name("RESULTS-ingest.md")
 LINES = 50_000  # OpenAI's cap on one batch file
-SYSTEM = ("You are a careful assistant for a customer-support team. Answer in at most three "
-          "sentences, cite the policy section you rely on, and never invent order numbers.")
-TOPICS = ("a late delivery", "a damaged parcel", "a refund for a cancelled order",
-          "changing a delivery address", "a missing item", "an invoice in another currency")
+SYSTEM = (
+    "You are a careful assistant for a customer-support team. Answer in at most three "
+    "sentences, cite the policy section you rely on, and never invent order numbers."
+)
+TOPICS = (
+    "a late delivery",
+    "a damaged parcel",
+    "a refund for a cancelled order",
+    "changing a delivery address",
+    "a missing item",
+    "an invoice in another currency",
+)
 
 
 def log(msg: str) -> None:

@@ -68,8 +68,16 @@ def _mkl_gemm(lib: ctypes.CDLL):
     return f
 
 
-def step_runs(m: int, s: dict, shapes: list, mxw: list, w8: list, ws: list, paths: dict,
-              rng: np.random.Generator) -> dict:
+def step_runs(
+    m: int,
+    s: dict,
+    shapes: list,
+    mxw: list,
+    w8: list,
+    ws: list,
+    paths: dict,
+    rng: np.random.Generator,
+) -> dict:
     """The timed callables at M rows: each runs every linear layer of one step once."""
     import mlx.core as mx
 

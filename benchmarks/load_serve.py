@@ -268,7 +268,7 @@ def _mlx_gauges(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         if line.startswith('batchmlx_mlx_memory_bytes{kind="'):
-            kind, _, value = line[len('batchmlx_mlx_memory_bytes{kind="'):].partition('"} ')
+            kind, _, value = line[len('batchmlx_mlx_memory_bytes{kind="') :].partition('"} ')
             out[kind] = float(value)
     return out
 
@@ -299,9 +299,13 @@ async def poll(c: httpx.AsyncClient, p: Poller, batch_id: str, rec: Record,
 
 async def one_stream(c: httpx.AsyncClient, plan: Plan, i: int, rnd: int, rec: Record) -> None:
     what = "POST /v1/chat/completions (stream)"
-    body = {"model": "default", "stream": True, "max_tokens": plan.stream_max_tokens,
-            "temperature": 0,
-            "messages": [{"role": "user", "content": f"Stream {i}, round {rnd}: tell me a fact."}]}
+    body = {
+        "model": "default",
+        "stream": True,
+        "max_tokens": plan.stream_max_tokens,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": f"Stream {i}, round {rnd}: tell me a fact."}],
+    }
     t = time.perf_counter()
     last: float | None = None
     done = False
@@ -582,8 +586,13 @@ def _machine() -> str:
 
 def _commit() -> str:
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, cwd=Path(__file__).parent).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "batchmlx"],
                                capture_output=True, text=True, timeout=10,
                                cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
@@ -634,7 +643,8 @@ def report(o: Outcome, *, quick: bool, database: str, machine_start: str, wall_s
         f"{_ms(_pct(rec.itl, 99))} | {_ms(max(rec.itl, default=float('nan')))} |",
         "",
         f"Embeddings request ({plan.embed_inputs} inputs): "
-        + ("no answer" if rec.embed_s is None else f"answered in {rec.embed_s:.1f} s") + ".",
+        + ("no answer" if rec.embed_s is None else f"answered in {rec.embed_s:.1f} s")
+        + ".",
         f"Batch rows: {o.output_rows} in the output file, {o.error_rows} in the error file; "
         f"request_counts {json.dumps(o.batch.get('request_counts'))}.",
         f"Server stop (SIGTERM): exited after {o.stop_s:.1f} s, code {o.stop_code} "
@@ -645,9 +655,13 @@ def report(o: Outcome, *, quick: bool, database: str, machine_start: str, wall_s
     ]
     if rec.slow:
         rec.slow.sort()
-        lines += ["", f"Control requests slower than {SLOW_S * 1000:.0f} ms (sent at, since "
-                  "the load started; the first 20): " + "; ".join(
-                      f"{at:.1f} s {what} {_ms(dt)}" for at, what, dt in rec.slow[:20]) + "."]
+        lines += [
+            "",
+            f"Control requests slower than {SLOW_S * 1000:.0f} ms (sent at, since "
+            "the load started; the first 20): "
+            + "; ".join(f"{at:.1f} s {what} {_ms(dt)}" for at, what, dt in rec.slow[:20])
+            + ".",
+        ]
     if rec.failures:
         lines += ["", "Errors (the first 20):", ""]
         lines += [f"- {f.at_s:.1f} s, {f.what}: {f.kind}: {f.detail}" for f in rec.failures[:20]]
@@ -674,8 +688,11 @@ def _rss_lines(rss: list[tuple[float, int]],
     ]
     for kind in ("active", "cache") if mlx else ():
         near = [min(mlx, key=lambda m, t=t: abs(m[0] - t))[1].get(kind) for t, _ in pts]
-        lines.append(f"| MLX {kind} | "
-                     + " | ".join("?" if v is None else f"{v / 2**20:.0f}" for v in near) + " |")
+        lines.append(
+            f"| MLX {kind} | "
+            + " | ".join("?" if v is None else f"{v / 2**20:.0f}" for v in near)
+            + " |"
+        )
     return lines
 
 

@@ -305,7 +305,7 @@ def timing_passes(loaded: Any, ov: OVWorker, prompts: Prompts, r: Results) -> No
             ps = prompts.take(w)
             r.prompt_tokens.setdefault(w, []).append(sum(len(p) for p in ps))
             order = ("bmx", "bmx1", "ov")
-            order = order[rep % 3:] + order[: rep % 3]  # drift falls on all three
+            order = order[rep % 3 :] + order[: rep % 3]  # drift falls on all three
             for who in order:
                 if who in ("bmx", "bmx1"):
                     threads = blas_threads()
@@ -322,9 +322,11 @@ def timing_passes(loaded: Any, ov: OVWorker, prompts: Prompts, r: Results) -> No
                                  max_tokens=s.max_tokens)  # fmt: skip
                     r.ov.setdefault(w, []).append(figures(ans["steps"], w))
             b, b1, o = r.bmx[w][-1], r.bmx1[w][-1], r.ov[w][-1]
-            log(f"rep {rep} width {w}: decode step batchmlx {b.decode_ms:.1f} ms (BLAS 1 thread "
+            log(
+                f"rep {rep} width {w}: decode step batchmlx {b.decode_ms:.1f} ms (BLAS 1 thread "
                 f"{b1.decode_ms:.1f}), OpenVINO {o.decode_ms:.1f} ms; prefill phase "
-                f"{b.prefill_ms:.0f} / {b1.prefill_ms:.0f} / {o.prefill_ms:.0f} ms")
+                f"{b.prefill_ms:.0f} / {b1.prefill_ms:.0f} / {o.prefill_ms:.0f} ms"
+            )
     for w in s.widths:
         log(f"OpenVINO generate() at width {w}")
         r.ov_generate[w] = ov.ask(cmd="generate", width=w, budget=s.budget,
@@ -453,8 +455,9 @@ def header(r: Results, loaded_desc: str) -> list[str]:
     return [
         "# batchmlx's steps beside OpenVINO GenAI's, and where batchmlx's time goes",
         "",
-        "`python -m benchmarks.profile_steps" + (" --quick`" if s == QUICK else "`") +
-        f" ({time.strftime('%Y-%m-%d %H:%M')}). {m['cpus']} CPUs this process may use; the machine "
+        "`python -m benchmarks.profile_steps"
+        + (" --quick`" if s == QUICK else "`")
+        + f" ({time.strftime('%Y-%m-%d %H:%M')}). {m['cpus']} CPUs this process may use; the machine "
         f"was shared: load average {m['load_before']} at the start, {m['load_mid']} after the "
         f"timing passes, {m['load_after']} at the end; CPUs busy with others' work just before "
         f"{m['busy_before']:.0%} and just after {m['busy_after']:.0%} (/proc/stat over 2 s, "
@@ -560,8 +563,13 @@ def profile_table(r: Results, kind: str) -> list[str]:
     rows.append(["cProfile step (main thread)",
                  *(f"**{r.profiled_wall[w].get(kind, float('nan')) * 1e3:.1f}**"
                    for w in r.s.widths)])  # fmt: skip
-    rows.append(["Python and MLX op calls (the Python rows: an upper bound, the profiler's "
-                 "cost included)", *(f"{python_share(r, w, kind):.1f}" for w in r.s.widths)])
+    rows.append(
+        [
+            "Python and MLX op calls (the Python rows: an upper bound, the profiler's "
+            "cost included)",
+            *(f"{python_share(r, w, kind):.1f}" for w in r.s.widths),
+        ]
+    )
     return _table(["ms per step", *(f"W={w}" for w in r.s.widths)], rows)
 
 
@@ -606,8 +614,10 @@ CAUSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("matmuls in float32 (projections, MLP, lm_head)", (sp.PROJ, sp.MLP, sp.HEAD)),
     ("attention", (sp.ATTN,)),
     ("Python per step (glue, scheduling, post-processing)", (sp.GLUE, sp.SCHED, sp.POST)),
-    ("elementwise model ops (norms, RoPE, SwiGLU, residuals)",
-     (sp.NORM, sp.ROPE, sp.SWIGLU, sp.OTHER)),
+    (
+        "elementwise model ops (norms, RoPE, SwiGLU, residuals)",
+        (sp.NORM, sp.ROPE, sp.SWIGLU, sp.OTHER),
+    ),
     ("KV writes / gathers and the step's layout", (sp.KV, sp.LAYOUT)),
     ("sampling", (sp.SAMPLE,)),
 )
@@ -622,10 +632,20 @@ def causes_table(r: Results, one: bool = False) -> list[str]:
     order = sorted(vals, key=lambda n: -vals[n][rank_w])
     rows = [[str(i + 1), n, *(f"{vals[n][w]:.1f}" for w in r.s.widths)]
             for i, n in enumerate(order)]  # fmt: skip
-    rows.append(["", "**batchmlx decode step**",
-                 *(f"**{_med([x.decode_ms for x in runs[w]]):.1f}**" for w in r.s.widths)])
-    rows.append(["", "**OpenVINO GenAI decode step (everything)**",
-                 *(f"**{_med([x.decode_ms for x in r.ov[w]]):.1f}**" for w in r.s.widths)])
+    rows.append(
+        [
+            "",
+            "**batchmlx decode step**",
+            *(f"**{_med([x.decode_ms for x in runs[w]]):.1f}**" for w in r.s.widths),
+        ]
+    )
+    rows.append(
+        [
+            "",
+            "**OpenVINO GenAI decode step (everything)**",
+            *(f"**{_med([x.decode_ms for x in r.ov[w]]):.1f}**" for w in r.s.widths),
+        ]
+    )
     gap = [_med([x.decode_ms for x in runs[w]]) - _med([x.decode_ms for x in r.ov[w]])
            for w in r.s.widths]  # fmt: skip
     rows.append(["", "gap (batchmlx - OpenVINO)", *(f"{g:.1f}" for g in gap)])

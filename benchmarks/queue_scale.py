@@ -229,8 +229,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--claimer", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--sleep-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--only", choices=KINDS, action="append",
-                    help="measure only these rows (repeatable); the others are left out")
+    ap.add_argument(
+        "--only",
+        choices=KINDS,
+        action="append",
+        help="measure only these rows (repeatable); the others are left out",
+    )
     ap.add_argument("--quick", action="store_true", help="half the requests of each row")
     args = ap.parse_args()
     if args.sleep_worker:

@@ -311,7 +311,8 @@ def section(quick: bool = False, with_worker: bool = True) -> list[str]:
         ),
         "",
         "Left in the engine after the run: "
-        + ", ".join(f"{k} {v}" for k, v in r.leftover.items()) + ".",
+        + ", ".join(f"{k} {v}" for k, v in r.leftover.items())
+        + ".",
         "",
     ]
     if with_worker:

@@ -72,8 +72,9 @@ print(json.dumps({"threads": m.threads.threads, "seconds": [round(s, 2) for s, _
 BUSY = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass\n"
 
 
-def measure(threads: str, neighbours: int, repeat: int, width: int = 1,
-            limit_s: float = 300) -> dict:
+def measure(
+    threads: str, neighbours: int, repeat: int, width: int = 1, limit_s: float = 300
+) -> dict:
     busy = [subprocess.Popen([sys.executable, "-c", BUSY.format(s=limit_s)])
             for _ in range(neighbours)]  # fmt: skip
     try:

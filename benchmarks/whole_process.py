@@ -115,7 +115,7 @@ def run_batchmlx(data: bytes, label: str, source: Path | None = None) -> Process
                          env=env, capture_output=True, text=True)  # fmt: skip
     if out.returncode != 0:
         raise RuntimeError(f"{label}: submit failed ({out.returncode}): {out.stderr[-2000:]}")
-    batch = json.loads(out.stdout[out.stdout.index("{"):])
+    batch = json.loads(out.stdout[out.stdout.index("{") :])
     subprocess.run([*cli, "results", batch["id"], "-o", "out.jsonl"], cwd=work, env=env,
                    check=True, capture_output=True)  # fmt: skip
     wall = time.perf_counter() - t0
@@ -209,8 +209,13 @@ QUICK = {
 
 
 def measure(
-    *, quick: bool = False, baseline: str | None = None, peer_shared: bool = False,
-    only: tuple[str, ...] = (), peer: bool = True, repeats: int = 2,
+    *,
+    quick: bool = False,
+    baseline: str | None = None,
+    peer_shared: bool = False,
+    only: tuple[str, ...] = (),
+    peer: bool = True,
+    repeats: int = 2,
 ) -> dict[Workload, list[ProcessRun]]:
     """Each system's runs of a workload, `repeats` rounds with the systems interleaved (so a
     slow spell of the machine hits every system alike); each row keeps its best wall."""
@@ -285,10 +290,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--baseline", help="also run batchmlx from this git revision")
-    p.add_argument("--peer-shared", action="store_true",
-                   help="also run batch_generate on the shared workload (about 10 minutes)")
-    p.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=[],
-                   help="run only this workload (repeatable; default: all)")
+    p.add_argument(
+        "--peer-shared",
+        action="store_true",
+        help="also run batch_generate on the shared workload (about 10 minutes)",
+    )
+    p.add_argument(
+        "--workload",
+        action="append",
+        choices=sorted(WORKLOADS),
+        default=[],
+        help="run only this workload (repeatable; default: all)",
+    )
     p.add_argument("--no-peer", action="store_true", help="batchmlx rows only")
     p.add_argument("--out", default="benchmarks/RESULTS-process.md")
     p.add_argument("--peer", help=argparse.SUPPRESS)

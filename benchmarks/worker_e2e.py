@@ -119,9 +119,7 @@ def run_peer(msgs: list[list[dict[str, str]]], max_tokens: int, dtype: str) -> d
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     mlx_lm.batch_generate(model, tok, prompts[:2], max_tokens=2)  # warm-up
     t0 = time.perf_counter()
-    resp = mlx_lm.batch_generate(
-        model, tok, prompts, max_tokens=max_tokens, return_token_ids=True
-    )
+    resp = mlx_lm.batch_generate(model, tok, prompts, max_tokens=max_tokens, return_token_ids=True)
     wall = time.perf_counter() - t0
     toks = sum(len(t) for t in resp.token_ids)
     from mlx.utils import tree_flatten

@@ -75,9 +75,7 @@ async def expire(
     `completed`, if everything had finished in time). The worker aborts the batch's running
     requests first; with no worker, `expire_unattended` calls this. Safe to redo after a crash."""
     rec = await get_batch(store, batch_id)
-    if rec.status is not BatchStatus.IN_PROGRESS or not is_expired(
-        rec.status, rec.expires_at, now
-    ):
+    if rec.status is not BatchStatus.IN_PROGRESS or not is_expired(rec.status, rec.expires_at, now):
         return rec
     await store.finish_unfinished(batch_id, EXPIRED_RESULT, now)
     return await finalize(store, settings, batch_id, now=now, hooks=hooks)

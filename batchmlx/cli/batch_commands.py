@@ -31,30 +31,40 @@ def submit(
         Path | None, typer.Argument(help="OpenAI Batch input file (JSONL)", show_default=False)
     ] = None,
     example: Annotated[
-        bool, typer.Option("--example", help="Submit the example batch shipped with batchmlx "
-                           "(8 chat requests; `batchmlx example` prints it)"),
+        bool,
+        typer.Option(
+            "--example",
+            help="Submit the example batch shipped with batchmlx "
+            "(8 chat requests; `batchmlx example` prints it)",
+        ),
     ] = False,
     model: Annotated[
         str | None,
-        typer.Option(help="Serve the file with this model, whatever its bodies name: "
-                     "'default', a local MLX folder, a .gguf file or a hub id (without it, "
-                     "a name that is no model here is served by 'default'; docs/models.md)"),
+        typer.Option(
+            help="Serve the file with this model, whatever its bodies name: "
+            "'default', a local MLX folder, a .gguf file or a hub id (without it, "
+            "a name that is no model here is served by 'default'; docs/models.md)"
+        ),
     ] = None,
     strict_models: StrictModelsOpt = None,
     model_alias: ModelAliasOpt = None,
     wait: Annotated[bool, typer.Option(help="Run to completion, showing progress")] = False,
     endpoint: Annotated[
         str | None,
-        typer.Option(help="The batch's endpoint, e.g. /v1/chat/completions; a line with "
-                     "another url fails the file. Default: the first line's url"),
+        typer.Option(
+            help="The batch's endpoint, e.g. /v1/chat/completions; a line with "
+            "another url fails the file. Default: the first line's url"
+        ),
     ] = None,
     completion_window: Annotated[str, typer.Option(help="e.g. 24h (OpenAI's), 90m, 2d")] = "24h",
     metadata: Annotated[list[str] | None, typer.Option(help="key=value, repeatable")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the Batch object")] = False,
     output_expires_after: Annotated[
         int | None,
-        typer.Option(help="Seconds (3600-2592000) after which the output and error files are "
-                     "deleted; default: kept"),
+        typer.Option(
+            help="Seconds (3600-2592000) after which the output and error files are "
+            "deleted; default: kept"
+        ),
     ] = None,
     *,
     engine: EngineChoice,

@@ -38,8 +38,11 @@ def engine_choice(
         int, _option("Hard cap on the running batch (the adaptive width grows up to it)")
     ] = D.max_batch_size,
     adaptive_width: Annotated[
-        bool, _option("Size the running batch of queued work by measured throughput and KV "
-                      "memory (--no-adaptive-width: always --max-batch-size)"),
+        bool,
+        _option(
+            "Size the running batch of queued work by measured throughput and KV "
+            "memory (--no-adaptive-width: always --max-batch-size)"
+        ),
     ] = D.adaptive_width,
     block_size: Annotated[int, _option("Tokens per KV block")] = D.block_size,
     use_paged_cache: Annotated[
@@ -60,10 +63,14 @@ def engine_choice(
     dtype: Annotated[str, _option(DTYPE_HELP)] = "auto",
     threads: Annotated[
         int | None,
-        typer.Option(min=1, envvar="BATCHMLX_THREADS", rich_help_panel=PANEL,
-                     help="Compute threads (BLAS, host kernels); default: the CPUs this process "
-                     "may use (affinity, cgroup quota) that other processes leave free, looked at "
-                     "again every 5 s; `batchmlx doctor` shows it"),
+        typer.Option(
+            min=1,
+            envvar="BATCHMLX_THREADS",
+            rich_help_panel=PANEL,
+            help="Compute threads (BLAS, host kernels); default: the CPUs this process "
+            "may use (affinity, cgroup quota) that other processes leave free, looked at "
+            "again every 5 s; `batchmlx doctor` shows it",
+        ),
     ] = D.threads,
 ) -> EngineChoice:
     """The engine options into what they decide."""

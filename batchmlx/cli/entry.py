@@ -34,9 +34,7 @@ def _hoist_database_url(argv: list[str]) -> list[str]:
 
 
 # commands that never load a model: no re-execution onto the fast BLAS (about 0.5 s each)
-_NO_MODEL_COMMANDS = frozenset(
-    {"status", "list", "results", "cancel", "watch", "purge", "example"}
-)
+_NO_MODEL_COMMANDS = frozenset({"status", "list", "results", "cancel", "watch", "purge", "example"})
 
 
 def runs_model(argv: list[str]) -> bool:

@@ -38,8 +38,10 @@ def example_path(name: str = DEFAULT_EXAMPLE) -> Path:
 def example(
     name: Annotated[
         str,
-        typer.Argument(help="Which example: chat (8 chat requests), completions, or images "
-                       "(4 image requests, for a vision-language model)"),  # fmt: skip
+        typer.Argument(
+            help="Which example: chat (8 chat requests), completions, or images "
+            "(4 image requests, for a vision-language model)"
+        ),  # fmt: skip
     ] = DEFAULT_EXAMPLE,
     path: Annotated[bool, typer.Option("--path", help="Print where the file is instead")] = False,
 ) -> None:

@@ -20,8 +20,12 @@ def purge(
     ctx: typer.Context,
     older_than: Annotated[
         float | None,
-        typer.Option(min=0, metavar="DAYS", help="Batches that finished more than DAYS ago "
-                     f"(default: ${RETENTION_DAYS_ENV}; 0: every finished batch)"),
+        typer.Option(
+            min=0,
+            metavar="DAYS",
+            help="Batches that finished more than DAYS ago "
+            f"(default: ${RETENTION_DAYS_ENV}; 0: every finished batch)",
+        ),
     ] = None,
     dry_run: Annotated[bool, typer.Option(help="Say what would go; remove nothing")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print what went as JSON")] = False,

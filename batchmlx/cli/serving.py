@@ -27,8 +27,12 @@ LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
 
 RetentionOpt = Annotated[
     float | None,
-    typer.Option(min=0, metavar="DAYS", help="Purge batches that finished more than DAYS ago "
-                 f"(rows and files; ${RETENTION_DAYS_ENV}); default: kept until deleted"),
+    typer.Option(
+        min=0,
+        metavar="DAYS",
+        help="Purge batches that finished more than DAYS ago "
+        f"(rows and files; ${RETENTION_DAYS_ENV}); default: kept until deleted",
+    ),
 ]
 
 
@@ -42,8 +46,8 @@ def worker(
     until_idle: Annotated[bool, typer.Option(help="Exit when nothing is left to do")] = False,
     model: Annotated[str | None, typer.Option(help="Serve every batch with this model")] = None,
     max_attempts: Annotated[
-        int, typer.Option(min=1, help="Runs of one request (each ended by a crash) before "
-                          "giving up")
+        int,
+        typer.Option(min=1, help="Runs of one request (each ended by a crash) before giving up"),
     ] = 3,
     inbox: Annotated[
         Path | None, typer.Option(help="Also watch this folder: each *.jsonl becomes a batch")
@@ -53,20 +57,22 @@ def worker(
     ] = 1.0,
     metrics_port: Annotated[
         int | None,
-        typer.Option(min=1, max=65535, help="Serve Prometheus metrics at http://HOST:PORT/metrics")
+        typer.Option(min=1, max=65535, help="Serve Prometheus metrics at http://HOST:PORT/metrics"),
     ] = None,
     metrics_host: Annotated[str, typer.Option(help="Address for --metrics-port")] = "127.0.0.1",
     only_model: Annotated[
         list[str] | None,
-        typer.Option(help="Claim only batches of this model (repeatable); others are left to "
-                     "workers that serve them"),
+        typer.Option(
+            help="Claim only batches of this model (repeatable); others are left to "
+            "workers that serve them"
+        ),
     ] = None,
     retention_days: RetentionOpt = None,
     strict_models: StrictModelsOpt = None,
     model_alias: ModelAliasOpt = None,
     progress_every: Annotated[
-        float, typer.Option(min=0.1, metavar="SECONDS",
-                            help="Log a running batch's progress this often")
+        float,
+        typer.Option(min=0.1, metavar="SECONDS", help="Log a running batch's progress this often"),
     ] = 30.0,
     *,
     engine: EngineChoice,
@@ -189,8 +195,11 @@ def serve(
         bool, typer.Option(help="Run the worker in this process (--no-worker: API only)")
     ] = True,
     model: Annotated[
-        str, typer.Option(help="The model this server runs: it answers every batch and online "
-                          "request, whatever model they name (unless --strict-models)")
+        str,
+        typer.Option(
+            help="The model this server runs: it answers every batch and online "
+            "request, whatever model they name (unless --strict-models)"
+        ),
     ] = "default",
     stream_interval: Annotated[
         int, typer.Option(min=1, help="Streamed tokens per chunk (1: every token)")

@@ -88,9 +88,8 @@ class KVCacheManager:
     def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Blocks for num_new_tokens more tokens after seq's computed ones; False (nothing
         taken) when the pool is short."""
-        need = (
-            blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
-            - len(seq.block_table)
+        need = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(
+            seq.block_table
         )
         if need <= 0:
             return True

@@ -20,7 +20,6 @@ class ModelSpec:
     source: str  # absolute path (mlx_dir, gguf), hub id (hub), or "" (default)
 
 
-
 def resolve_model(spec: str, *, cache_dir: Path) -> ModelSpec | None:
     """Map a request's `model` string to something loadable, or None if we cannot serve it."""
     del cache_dir  # part of the signature so aliases may later depend on cached models

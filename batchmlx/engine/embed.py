@@ -100,9 +100,10 @@ class Embedder:
             start = 0
             while start < len(members):
                 end = start + 1
-                while end < len(members) and (len(inputs[members[end]]) - p * bs) * (
-                    end + 1 - start
-                ) <= budget:
+                while (
+                    end < len(members)
+                    and (len(inputs[members[end]]) - p * bs) * (end + 1 - start) <= budget
+                ):
                     end += 1
                 chunk = members[start:end]
                 rows = [inputs[i] for i in chunk]

@@ -142,9 +142,7 @@ class Grammars:
             self._templates.move_to_end(key)
             return template.matcher
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema, overrides=_JSON_OPTIONS
-            )
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
                 grammar, self.tokenizer
             )

@@ -102,7 +102,7 @@ class HostRope:
         sw = np.empty((t, n, d), np.float32)
         sw[..., first], sw[..., second] = x[..., second], x[..., first]
         if self.dims < d:
-            sw[..., self.dims:] = 0  # times a sin of 0: the unrotated dims stay as they are
+            sw[..., self.dims :] = 0  # times a sin of 0: the unrotated dims stay as they are
         out = np.multiply(x.reshape(t, n * d), rope.cos)
         sw = sw.reshape(t, n * d)
         sw *= rope.sin

@@ -62,9 +62,7 @@ class ModelRunner:
         if self.host is not None and self.host.runs(layout):
             assert isinstance(layout, PackedLayout)
             return self.host.forward(layout, rows)
-        caches = [
-            PagedLayerCache(self.storage, i, layout) for i in range(self.storage.num_layers)
-        ]
+        caches = [PagedLayerCache(self.storage, i, layout) for i in range(self.storage.num_layers)]
         with self.attention.active():  # the graph is built here; evaluation comes later
             hidden = self.body(layout.tokens, caches)  # [B, Q, H], packed: [T, 1, H]
         if isinstance(layout, PackedLayout):
@@ -80,6 +78,7 @@ def _split(model: nn.Module) -> tuple[Any, Any]:
     inner = getattr(model, "model", None)
     args = getattr(model, "args", None)
     if inner is not None and hasattr(inner, "embed_tokens"):
+
         def body(tokens, cache):
             return inner(tokens, cache)
 

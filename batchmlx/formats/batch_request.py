@@ -38,8 +38,7 @@ def endpoint_problem(endpoint: str) -> CreateProblem | None:
         return None
     return CreateProblem(
         ErrorCode.INVALID_VALUE,
-        f"Invalid value: '{endpoint}'. Supported values are: "
-        f"{_quoted_list(sorted(Endpoint))}.",
+        f"Invalid value: '{endpoint}'. Supported values are: {_quoted_list(sorted(Endpoint))}.",
         "endpoint",
     )
 
@@ -53,8 +52,7 @@ def metadata_problem(value: Any) -> CreateProblem | None:
     if not isinstance(value, dict):
         return CreateProblem(
             ErrorCode.INVALID_TYPE,
-            f"Invalid type for 'metadata': expected an object, but got {json_type(value)} "
-            "instead.",
+            f"Invalid type for 'metadata': expected an object, but got {json_type(value)} instead.",
             "metadata",
         )
     for key, item in value.items():

@@ -28,8 +28,7 @@ def parse_expires_after(value: Any, param: str) -> int | None:
     anchor = value.get("anchor")
     if anchor != ANCHOR:
         raise ExpiresAfterError(
-            f"Invalid value for '{param}.anchor': {anchor!r}. Supported values are: "
-            f"'{ANCHOR}'.",
+            f"Invalid value for '{param}.anchor': {anchor!r}. Supported values are: '{ANCHOR}'.",
             f"{param}.anchor",
         )
     seconds = value.get("seconds")

@@ -103,7 +103,11 @@ async def cancel(request: Request) -> JSONResponse:
         await ctx.validator.validate(batch_id)
     try:
         rec = await cancel_unattended(
-            ctx.store, ctx.settings, batch_id, now=time.time(), worker_alive=ctx.worker_alive,
+            ctx.store,
+            ctx.settings,
+            batch_id,
+            now=time.time(),
+            worker_alive=ctx.worker_alive,
             hooks=ctx.finalize_hooks,
         )
     except CannotCancel as exc:  # OpenAI's 409, with no code

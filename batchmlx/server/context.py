@@ -109,5 +109,6 @@ class ServerContext:
 
     @property
     def worker_alive(self) -> bool:
-        return self.worker is not None and self.worker_task is not None \
-            and not self.worker_task.done()
+        return (
+            self.worker is not None and self.worker_task is not None and not self.worker_task.done()
+        )

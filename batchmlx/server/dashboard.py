@@ -80,8 +80,11 @@ def batch_view(
         "cached_tokens": u.cached_tokens,
         "cache_hit_rate": u.cached_tokens / u.input_tokens if u.input_tokens else None,
         # counted live from the requests: a running or cancelling batch has them too
-        "outcomes": {"hits": rec.outcomes.hits, "prefix_hits": rec.outcomes.prefix_hits,
-                     "misses": rec.outcomes.misses},  # fmt: skip
+        "outcomes": {
+            "hits": rec.outcomes.hits,
+            "prefix_hits": rec.outcomes.prefix_hits,
+            "misses": rec.outcomes.misses,
+        },  # fmt: skip
     }
     return obj
 
@@ -103,9 +106,7 @@ async def summary(request: Request) -> JSONResponse:
     running = {r.id for r in recs if not r.status.terminal}
     meters.prune(running)
     live = inflight_tokens()
-    batches = [
-        batch_view(r, now, meters.get(r) if r.id in running else None, live) for r in recs
-    ]
+    batches = [batch_view(r, now, meters.get(r) if r.id in running else None, live) for r in recs]
     latest = SERIES.latest
     return JSONResponse({
         "now": now,

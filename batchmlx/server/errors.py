@@ -59,8 +59,11 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    msg = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405) \
+    msg = (
+        f"Invalid URL ({request.method} {request.url.path})"
+        if exc.status_code in (404, 405)
         else str(exc.detail)
+    )
     return error_response(ApiError(exc.status_code, msg, code=code))
 
 

@@ -52,9 +52,7 @@ async def _stream(
     chunks = StreamChunks(parsed.endpoint, ticket.model or ctx.model_name, created=int(time.time()))
     interval = ctx.options.stream_interval
     prefix = _echo_prefix(parsed, ticket.decode)
-    streams = [
-        ChoiceStream(ticket.decode, parsed.sampling.stop, prefix) for _ in range(parsed.n)
-    ]
+    streams = [ChoiceStream(ticket.decode, parsed.sampling.stop, prefix) for _ in range(parsed.n)]
     done = False
     try:
         if chunks.chat:

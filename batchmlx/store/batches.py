@@ -222,9 +222,7 @@ class BatchesPart(StoreBase):
 
         async def finished() -> bool:
             async with self._reader.connect() as conn:
-                status = (
-                    await conn.execute(select(B.c.status).where(B.c.id == batch_id))
-                ).scalar()
+                status = (await conn.execute(select(B.c.status).where(B.c.id == batch_id))).scalar()
             return status is None or BatchStatus(status).terminal
 
         async with self._sql.batch_lock(self._engine, batch_id, finished) as held:

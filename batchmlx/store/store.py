@@ -78,9 +78,7 @@ class Store(QueuePart, FilesPart, BatchesPart, EnqueuePart, RetentionPart):
         files = FileStorage.DATABASE if settings.files_in_database else FileStorage.LOCAL
         timeout = settings.busy_timeout_s
         busy = {} if timeout is None else {"busy_timeout_s": timeout}
-        return await cls.open(
-            settings.target, files_dir=settings.files_dir, files=files, **busy
-        )
+        return await cls.open(settings.target, files_dir=settings.files_dir, files=files, **busy)
 
     async def close(self) -> None:
         if self._listener is not None:

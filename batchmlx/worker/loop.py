@@ -362,7 +362,11 @@ async def run_worker(
     store = store or await Store.from_settings(settings)
     try:
         worker = Worker(
-            store, settings, options, on_progress=on_progress, engine_factory=engine_factory,
+            store,
+            settings,
+            options,
+            on_progress=on_progress,
+            engine_factory=engine_factory,
             finalize_hooks=finalize_hooks,
         )
         if signals:

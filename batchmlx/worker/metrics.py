@@ -37,11 +37,13 @@ REQUESTS_FAILED = Counter("batchmlx_requests_failed", "Requests finished with an
 PROMPT_TOKENS = Counter("batchmlx_prompt_tokens", "Prompt tokens of finished requests",
                         registry=REGISTRY)  # fmt: skip
 CACHED_TOKENS = Counter(
-    "batchmlx_cached_tokens", "Prompt tokens of finished requests served from the prefix cache",
+    "batchmlx_cached_tokens",
+    "Prompt tokens of finished requests served from the prefix cache",
     registry=REGISTRY,
 )
 GENERATED_TOKENS = Counter(
-    "batchmlx_generated_tokens", "Tokens sampled by the engine (end-of-sequence tokens too)",
+    "batchmlx_generated_tokens",
+    "Tokens sampled by the engine (end-of-sequence tokens too)",
     registry=REGISTRY,
 )
 STEP_SECONDS = Histogram(
@@ -58,7 +60,9 @@ KV_BLOCKS = Gauge(
 PREEMPTIONS = Counter("batchmlx_preemptions", "Sequences preempted (recomputed later)",
                       registry=REGISTRY)  # fmt: skip
 PREFIX_OUTCOMES = Counter(
-    "batchmlx_prefix_cache_outcomes", "First admissions by prefix-cache outcome", ["outcome"],
+    "batchmlx_prefix_cache_outcomes",
+    "First admissions by prefix-cache outcome",
+    ["outcome"],
     registry=REGISTRY,
 )
 MLX_MEMORY = Gauge(

@@ -254,8 +254,12 @@ class LlamaBatch:
 
     async def start(self) -> None:
         self.t0 = time.perf_counter()
-        bodies = [orjson.loads(line)["body"] for line in batch_lines(
-            self.setup.batch, self.setup.batch_max_tokens, BATCH_QUESTION).splitlines()]
+        bodies = [
+            orjson.loads(line)["body"]
+            for line in batch_lines(
+                self.setup.batch, self.setup.batch_max_tokens, BATCH_QUESTION
+            ).splitlines()
+        ]
         self.tasks = [asyncio.create_task(self._one(b)) for b in bodies]
 
     async def _one(self, body: dict) -> httpx.Response:
@@ -305,7 +309,8 @@ async def measure(system: str, setup: Setup, underneath: bool, info: Info) -> li
                     if bg is not None:
                         at_end = await bg.progress()
                         row.batch_note = f"{at_end} done when the streams ended; " + (
-                            await bg.finish())
+                            await bg.finish()
+                        )
                     log(f"{system} {n} streams{' + batch' * underneath}: {row.requests} "
                         f"requests in {wall:.1f} s, TTFT p50 {_ms(_pct(row.ttft, 50))}, ITL p50 "
                         f"{_ms(_pct(row.itl, 50))}; {row.batch_note} (load "
@@ -403,8 +408,11 @@ def report(rows: list[Row], setup: Setup, info: Info, *, quick: bool, machine_st
         "",
         *table([r for r in rows if r.underneath]),
         "",
-        *(f"- {NAMES[r.system]}, {r.streams} streams: batch {r.batch_note}."
-          for r in rows if r.underneath),  # fmt: skip
+        *(
+            f"- {NAMES[r.system]}, {r.streams} streams: batch {r.batch_note}."
+            for r in rows
+            if r.underneath
+        ),  # fmt: skip
         "",
         f"{h}# Target: at 8 streams, TTFT p50 and ITL p50 <= llama-server's",
         "",

@@ -54,7 +54,8 @@ def main(inp: str, out: str) -> None:
         generated = sum(counts)
     # the pipeline's compiled model is not exposed: the hint it was given, else the plugin's default
     hint = props.get("INFERENCE_PRECISION_HINT") or ov.Core().get_property(
-        "CPU", "INFERENCE_PRECISION_HINT")
+        "CPU", "INFERENCE_PRECISION_HINT"
+    )
     precision = hint.to_string() if hasattr(hint, "to_string") else str(hint)
     result = {"texts": texts, "token_counts": counts, "generated_tokens": generated,
               "precision": precision, "version": genai.__version__, "t_import": t_import,

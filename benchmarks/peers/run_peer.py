@@ -487,8 +487,10 @@ def run_vllm_mlx(wl: Workload, model: str = "default", *, ignore_eos: bool | Non
     )  # fmt: skip
 
 
-_BATCHMLX_CLI = ("import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); "
-                 "from batchmlx.cli import main; main()")  # its load log line marks "ready"
+_BATCHMLX_CLI = (
+    "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); "
+    "from batchmlx.cli import main; main()"
+)  # its load log line marks "ready"
 
 
 def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = None,

@@ -113,9 +113,7 @@ def test_sigterm_during_a_long_step_keeps_leases_and_results(
     s.check_consistent()
 
 
-def test_sigterm_to_an_idle_worker_on_postgresql_exits_at_once(
-    tmp_path: Path, pg_url: str
-) -> None:
+def test_sigterm_to_an_idle_worker_on_postgresql_exits_at_once(tmp_path: Path, pg_url: str) -> None:
     """The idle wait (a LISTEN of up to lease_s / 3) is woken by the stop: the base worker
     took 6-14 s."""
     import asyncio

@@ -84,9 +84,7 @@ def test_the_worker_logs_each_batch_taken_up_its_progress_and_its_end(
     assert not any(chatter in log for chatter in ALEMBIC), log
 
 
-def test_serve_logs_the_work_of_its_worker_and_no_alembic(
-    tmp_path: Path, tiny_model_dir
-) -> None:
+def test_serve_logs_the_work_of_its_worker_and_no_alembic(tmp_path: Path, tiny_model_dir) -> None:
     from tests.server.helpers import start_server
 
     server = start_server(tmp_path, "--model", str(tiny_model_dir))
@@ -148,9 +146,7 @@ def test_results_say_what_a_batch_has_when_it_lacks_the_file_asked_for(
     none = cli("results", done, "--errors", "-o", out)
     assert none.returncode == 3, describe(none)
     assert none.stdout == "" and not out.exists()  # no empty file standing for an answer
-    assert f"{done} (completed) has no error file: all 3 of its requests succeeded" in (
-        none.stderr
-    )
+    assert f"{done} (completed) has no error file: all 3 of its requests succeeded" in (none.stderr)
     assert f"batchmlx results {done}" in none.stderr  # where the output is
     # a batch cancelled before any request ran has no output file, and says where its errors are
     queued = batch_id_of(cli("submit", tiny_file(tmp_path / "c.jsonl", tiny_model_dir, 2)))
@@ -196,8 +192,8 @@ def test_an_empty_file_shows_no_model_rather_than_none(cli: Cli, tmp_path: Path)
     path = tmp_path / "empty.jsonl"
     path.write_text("")
     proc = cli("submit", path)
-    assert "model=None" not in proc.stdout and "model=none (no requests)" in proc.stdout, (
-        describe(proc)
+    assert "model=None" not in proc.stdout and "model=none (no requests)" in proc.stdout, describe(
+        proc
     )
     assert "None" not in cli("status").stdout
 

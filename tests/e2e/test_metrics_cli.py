@@ -66,9 +66,11 @@ def test_worker_metrics_port(cli: Cli, tiny_model_dir: Path):
                 samples = {}
             # the queue gauges refresh on their own timer: wait for them to show the end too
             finished = samples.get(("batchmlx_batches", (("status", "completed"),))) == 1
-            if samples.get(done[0]) == done[1] and finished and cli.json(
-                "status", submitted["id"]
-            )["status"] == "completed":
+            if (
+                samples.get(done[0]) == done[1]
+                and finished
+                and cli.json("status", submitted["id"])["status"] == "completed"
+            ):
                 break
             time.sleep(0.5)
         else:

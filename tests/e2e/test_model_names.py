@@ -127,18 +127,21 @@ def test_strict_models_refuses_as_openai_on_every_path(tmp_path: Path) -> None:
         [err] = b.errors.data
         assert (err.code, err.line, err.param) == ("model_not_found", 1, "body.model")
         assert err.message is not None and err.message.startswith(
-            OPENAI_SENTENCE + " This server serves 'default' (SmolLM2-135M-Instruct)")
+            OPENAI_SENTENCE + " This server serves 'default' (SmolLM2-135M-Instruct)"
+        )
         # online: OpenAI's 404 for a model that does not exist, before any worker is needed
         try:
-            client.chat.completions.create(model="gpt-4o-mini", max_tokens=2,
-                                           messages=[{"role": "user", "content": "hi"}])
+            client.chat.completions.create(
+                model="gpt-4o-mini", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            )
             raise AssertionError("not refused")
         except NotFoundError as exc:
             assert exc.status_code == 404
             body = exc.body if isinstance(exc.body, dict) else {}
             assert body.get("code") == "model_not_found" and body.get("param") is None
             assert body["message"].startswith(
-                "The model `gpt-4o-mini` does not exist or you do not have access to it.")
+                "The model `gpt-4o-mini` does not exist or you do not have access to it."
+            )
     finally:
         server.stop()
 

@@ -74,10 +74,14 @@ def batch_file_lines() -> list[dict[str, Any]]:
                 "user": "e2e",
             },
         ),
-        request_line("bad_message", {
-            "model": "gpt-4o-mini", "max_tokens": 4,
-            "messages": [{"rolez": "user", "contentz": "This must not run."}],
-        }),  # fmt: skip
+        request_line(
+            "bad_message",
+            {
+                "model": "gpt-4o-mini",
+                "max_tokens": 4,
+                "messages": [{"rolez": "user", "contentz": "This must not run."}],
+            },
+        ),  # fmt: skip
         request_line(
             "bad_temperature", chat_body("This must not run.", temperature=5, max_tokens=4)
         ),

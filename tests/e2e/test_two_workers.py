@@ -20,9 +20,20 @@ def test_two_workers_one_database(tmp_path: Path, tiny_model_dir: Path) -> None:
     logs = [tmp_path / f"w{i}.log" for i in range(2)]
     workers = [
         subprocess.Popen(
-            [sys.executable, "-m", "batchmlx.cli", "worker", "--model", str(tiny_model_dir),
-             "--max-batch-size", "2"],
-            env=s.cli.env, cwd=tmp_path, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "batchmlx.cli",
+                "worker",
+                "--model",
+                str(tiny_model_dir),
+                "--max-batch-size",
+                "2",
+            ],
+            env=s.cli.env,
+            cwd=tmp_path,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
         )  # fmt: skip
         for log in logs
     ]
@@ -36,7 +47,10 @@ def test_two_workers_one_database(tmp_path: Path, tiny_model_dir: Path) -> None:
         subs = [
             subprocess.Popen(
                 [sys.executable, "-m", "batchmlx.cli", "submit", str(p), "--json"],
-                env=s.cli.env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env=s.cli.env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
             )  # fmt: skip
             for p, _ in files

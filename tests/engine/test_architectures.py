@@ -52,69 +52,212 @@ class Family:
 
 
 FAMILIES = [
-    Family("llama", llama, dict(
-        model_type="llama", intermediate_size=128, rms_norm_eps=1e-5, rope_theta=1e4, head_dim=16,
-    ), EnginePath.PAGED),
-    # mistral-style: the first layer sees a 6-token window (mlx-lm gives it a RotatingKVCache)
-    Family("sliding window (llama layer_types)", llama, dict(
-        model_type="llama", intermediate_size=128, rms_norm_eps=1e-5, rope_theta=1e4, head_dim=16,
-        sliding_window=6, layer_types=["sliding_attention", "full_attention"],
-    ), EnginePath.PAGED, 6),
-    # gemma3: rotating caches on the local layers, a different RoPE base there
-    Family("rotating cache (gemma3_text)", gemma3_text, dict(
-        model_type="gemma3_text", intermediate_size=128, head_dim=16, query_pre_attn_scalar=16,
-        sliding_window=5, sliding_window_pattern=2, vocab_size=VOCAB,
-    ), EnginePath.PAGED, 5),
-    Family("hybrid conv + attention (lfm2)", lfm2, dict(
-        model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=64,
-        block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
-        block_ff_dim=128, full_attn_idxs=[1],
-    ), EnginePath.UNPAGED),
-    Family("state space (mamba2)", mamba2, dict(
-        model_type="mamba2", num_heads=4, head_dim=16, vocab_size=VOCAB, hidden_size=64,
-        intermediate_size=64, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
-        conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=True,
-        time_step_limit=(0.0, float("inf")), time_step_rank=4,
-    ), EnginePath.UNPAGED, base=False),
-    # attention and state-space side by side in each layer (one CacheList per layer)
-    Family("hybrid attention + mamba (falcon_h1)", falcon_h1, dict(
-        model_type="falcon_h1", intermediate_size=128, head_dim=16, mamba_d_conv=4,
-        mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=16, mamba_n_heads=4, mamba_chunk_size=16,
-        rope_theta=1e4,
-    ), EnginePath.UNPAGED),
-    Family("mixture of experts (qwen3_moe)", qwen3_moe, dict(
-        model_type="qwen3_moe", intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-        decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-5,
-        head_dim=16, rope_theta=1e4, norm_topk_prob=True,
-    ), EnginePath.PAGED),
-    Family("mixture of experts (mixtral)", mixtral, dict(
-        model_type="mixtral", intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
-        rms_norm_eps=1e-5, rope_theta=1e4,
-    ), EnginePath.PAGED),
-    # multi-head latent attention: keys and values the paged seam does not fit
-    Family("latent attention + experts (deepseek_v3)", deepseek_v3, dict(
-        model_type="deepseek_v3", intermediate_size=128, moe_intermediate_size=32,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=16,
-        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
-        first_k_dense_replace=1, n_group=1, topk_group=1, rms_norm_eps=1e-5,
-    ), EnginePath.UNPAGED),
-    # attention written in the model: its mask broadcast fits one sequence at a time only
-    Family("softcapped attention (gemma2)", gemma2, dict(
-        model_type="gemma2", intermediate_size=128, head_dim=16, rms_norm_eps=1e-5,
-        rope_theta=1e4, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-        query_pre_attn_scalar=16,
-    ), EnginePath.UNPAGED, one_at_a_time=True),
-    # chunked attention: mlx-lm cannot batch its ChunkedKVCache, so its single-request loop
-    Family("chunked attention + experts (llama4)", llama4, dict(
-        model_type="llama4", text_config=dict(
-            model_type="llama4_text", attention_bias=False, attention_chunk_size=8, head_dim=16,
-            hidden_size=64, interleave_moe_layer_step=1, intermediate_size=32,
-            intermediate_size_mlp=128, max_position_embeddings=512, num_attention_heads=4,
-            num_experts_per_tok=1, num_hidden_layers=4, num_key_value_heads=2,
-            num_local_experts=4, rms_norm_eps=1e-5, rope_scaling=None, rope_theta=1e4,
-            use_qk_norm=True, vocab_size=VOCAB,
+    Family(
+        "llama",
+        llama,
+        dict(
+            model_type="llama",
+            intermediate_size=128,
+            rms_norm_eps=1e-5,
+            rope_theta=1e4,
+            head_dim=16,
         ),
-    ), EnginePath.UNPAGED, one_at_a_time=True, base=False),
+        EnginePath.PAGED,
+    ),
+    # mistral-style: the first layer sees a 6-token window (mlx-lm gives it a RotatingKVCache)
+    Family(
+        "sliding window (llama layer_types)",
+        llama,
+        dict(
+            model_type="llama",
+            intermediate_size=128,
+            rms_norm_eps=1e-5,
+            rope_theta=1e4,
+            head_dim=16,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        EnginePath.PAGED,
+        6,
+    ),
+    # gemma3: rotating caches on the local layers, a different RoPE base there
+    Family(
+        "rotating cache (gemma3_text)",
+        gemma3_text,
+        dict(
+            model_type="gemma3_text",
+            intermediate_size=128,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=5,
+            sliding_window_pattern=2,
+            vocab_size=VOCAB,
+        ),
+        EnginePath.PAGED,
+        5,
+    ),
+    Family(
+        "hybrid conv + attention (lfm2)",
+        lfm2,
+        dict(
+            model_type="lfm2",
+            norm_eps=1e-5,
+            conv_bias=False,
+            conv_L_cache=3,
+            block_dim=64,
+            block_multiple_of=16,
+            block_ffn_dim_multiplier=1.0,
+            block_auto_adjust_ff_dim=False,
+            block_ff_dim=128,
+            full_attn_idxs=[1],
+        ),
+        EnginePath.UNPAGED,
+    ),
+    Family(
+        "state space (mamba2)",
+        mamba2,
+        dict(
+            model_type="mamba2",
+            num_heads=4,
+            head_dim=16,
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=64,
+            state_size=16,
+            num_hidden_layers=2,
+            layer_norm_epsilon=1e-5,
+            conv_kernel=4,
+            n_groups=1,
+            use_bias=False,
+            use_conv_bias=True,
+            tie_word_embeddings=True,
+            time_step_limit=(0.0, float("inf")),
+            time_step_rank=4,
+        ),
+        EnginePath.UNPAGED,
+        base=False,
+    ),
+    # attention and state-space side by side in each layer (one CacheList per layer)
+    Family(
+        "hybrid attention + mamba (falcon_h1)",
+        falcon_h1,
+        dict(
+            model_type="falcon_h1",
+            intermediate_size=128,
+            head_dim=16,
+            mamba_d_conv=4,
+            mamba_d_head=16,
+            mamba_d_ssm=64,
+            mamba_d_state=16,
+            mamba_n_heads=4,
+            mamba_chunk_size=16,
+            rope_theta=1e4,
+        ),
+        EnginePath.UNPAGED,
+    ),
+    Family(
+        "mixture of experts (qwen3_moe)",
+        qwen3_moe,
+        dict(
+            model_type="qwen3_moe",
+            intermediate_size=128,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            moe_intermediate_size=32,
+            rms_norm_eps=1e-5,
+            head_dim=16,
+            rope_theta=1e4,
+            norm_topk_prob=True,
+        ),
+        EnginePath.PAGED,
+    ),
+    Family(
+        "mixture of experts (mixtral)",
+        mixtral,
+        dict(
+            model_type="mixtral",
+            intermediate_size=128,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rms_norm_eps=1e-5,
+            rope_theta=1e4,
+        ),
+        EnginePath.PAGED,
+    ),
+    # multi-head latent attention: keys and values the paged seam does not fit
+    Family(
+        "latent attention + experts (deepseek_v3)",
+        deepseek_v3,
+        dict(
+            model_type="deepseek_v3",
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            qk_nope_head_dim=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            rms_norm_eps=1e-5,
+        ),
+        EnginePath.UNPAGED,
+    ),
+    # attention written in the model: its mask broadcast fits one sequence at a time only
+    Family(
+        "softcapped attention (gemma2)",
+        gemma2,
+        dict(
+            model_type="gemma2",
+            intermediate_size=128,
+            head_dim=16,
+            rms_norm_eps=1e-5,
+            rope_theta=1e4,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=16,
+        ),
+        EnginePath.UNPAGED,
+        one_at_a_time=True,
+    ),
+    # chunked attention: mlx-lm cannot batch its ChunkedKVCache, so its single-request loop
+    Family(
+        "chunked attention + experts (llama4)",
+        llama4,
+        dict(
+            model_type="llama4",
+            text_config=dict(
+                model_type="llama4_text",
+                attention_bias=False,
+                attention_chunk_size=8,
+                head_dim=16,
+                hidden_size=64,
+                interleave_moe_layer_step=1,
+                intermediate_size=32,
+                intermediate_size_mlp=128,
+                max_position_embeddings=512,
+                num_attention_heads=4,
+                num_experts_per_tok=1,
+                num_hidden_layers=4,
+                num_key_value_heads=2,
+                num_local_experts=4,
+                rms_norm_eps=1e-5,
+                rope_scaling=None,
+                rope_theta=1e4,
+                use_qk_norm=True,
+                vocab_size=VOCAB,
+            ),
+        ),
+        EnginePath.UNPAGED,
+        one_at_a_time=True,
+        base=False,
+    ),
 ]
 
 
@@ -132,9 +275,10 @@ def build(family: Family):
 def prompts() -> list[list[int]]:
     rng = np.random.default_rng(3)
     shared = rng.integers(1, VOCAB, size=9).tolist()
-    return [
-        rng.integers(1, VOCAB, size=n).tolist() for n in (3, 14, 7)
-    ] + [shared + rng.integers(1, VOCAB, size=4).tolist(), shared + [5]]
+    return [rng.integers(1, VOCAB, size=n).tolist() for n in (3, 14, 7)] + [
+        shared + rng.integers(1, VOCAB, size=4).tolist(),
+        shared + [5],
+    ]
 
 
 def reference(model, prompt: list[int], n: int) -> list[int]:

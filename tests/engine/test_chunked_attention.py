@@ -55,9 +55,7 @@ def test_causal_string_and_half_precision_inputs(kernel) -> None:
     k, v = (mx.random.normal((1, 2, 90, 32), key=kk) for kk in keys[1:])
     causal = (np.arange(90)[None, :] <= np.arange(70)[:, None] + 20)[None, None]
     want = naive(q, k, v, 0.2, causal)
-    np.testing.assert_allclose(
-        np.array(kernel(q, k, v, 0.2, "causal")), want, atol=2e-6, rtol=1e-5
-    )
+    np.testing.assert_allclose(np.array(kernel(q, k, v, 0.2, "causal")), want, atol=2e-6, rtol=1e-5)
     half = kernel(*(x.astype(mx.bfloat16) for x in (q, k, v)), 0.2, "causal")
     assert half.dtype == mx.bfloat16
     np.testing.assert_allclose(np.array(half.astype(mx.float32)), want, atol=3e-2)

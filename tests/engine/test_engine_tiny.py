@@ -297,6 +297,7 @@ def test_the_adaptive_width_shrinks_under_memory_pressure(model):
     # narrowing after the first preemptions spares the pool most of the fixed width's
     assert 0 < e.scheduler.stats.preemptions < fixed.scheduler.stats.preemptions
 
+
 # -- mixed steps, packed: decodes never wait for a prefill ----------------------------------
 
 

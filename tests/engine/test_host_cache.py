@@ -152,8 +152,9 @@ def test_load_model_writes_the_cache_once_then_reads_it(tiny_model_dir, tmp_path
     stamp = files[0].stat().st_mtime_ns
     calls = []
     real_pack = onednn.OneDNN.pack
-    monkeypatch.setattr(onednn.OneDNN, "pack",
-                        lambda self, *a, **k: calls.append(1) or real_pack(self, *a, **k))
+    monkeypatch.setattr(
+        onednn.OneDNN, "pack", lambda self, *a, **k: calls.append(1) or real_pack(self, *a, **k)
+    )
     second = load_model(spec, cache_dir=tmp_path, dtype=PACKED.value)
     assert calls == [] and files[0].stat().st_mtime_ns == stamp  # read back, not packed
     np.testing.assert_array_equal(np.array(second.model(TOKENS)), np.array(first.model(TOKENS)))

@@ -58,6 +58,7 @@ def test_long_prompts_arriving_mid_decode_keep_greedy_tokens(default_model):
     for _, r in arrivals:
         (alone,) = simple.generate([r])
         assert mixed[r.request_id] == alone.token_ids, r.request_id
-        assert mixed[r.request_id] == mlx_lm_greedy(default_model, r.prompt_tokens, N)[
-            : len(alone.token_ids)
-        ], r.request_id
+        assert (
+            mixed[r.request_id]
+            == mlx_lm_greedy(default_model, r.prompt_tokens, N)[: len(alone.token_ids)]
+        ), r.request_id

@@ -26,8 +26,11 @@ def test_greedy_rows_take_the_first_argmax_and_only_askers_get_logprobs(host, mo
     tokens, lps = sample(mx.array(logits).astype(mx.bfloat16).astype(mx.float32), rows)
     x = np.array(mx.array(logits).astype(mx.bfloat16).astype(mx.float32))
     assert tokens[:3] == [int(x[0].argmax()), 7, int(x[2].argmax())]
-    want = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(
-        -1, keepdims=True)
+    want = (
+        x
+        - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - x.max(-1, keepdims=True)
+    )
     assert lps[1] is None
     for i in (0, 2, 3):
         assert lps[i].token_id == tokens[i]

@@ -52,7 +52,8 @@ def test_an_unreachable_database_is_a_clear_error(tmp_path):
         proc = a.cli(*args)
         assert proc.returncode == 1, describe(proc)
         assert "cannot open the database postgresql+asyncpg://batchmlx:***@127.0.0.1:1" in (
-            proc.stderr), describe(proc)
+            proc.stderr
+        ), describe(proc)
         assert "Traceback" not in proc.stderr and "secret" not in proc.stderr
 
 

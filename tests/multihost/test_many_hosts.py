@@ -63,8 +63,9 @@ def test_four_hosts_2000_requests_exactly_once_with_one_worker_killed(
         try:
             for b in range(batches):
                 path = _batch_file(tmp_path / f"in{b}.jsonl", f"b{b}", per_batch, "default")
-                inputs[await _submit(store, submitter, path)] = [f"b{b}-{i}"
-                                                                 for i in range(per_batch)]
+                inputs[await _submit(store, submitter, path)] = [
+                    f"b{b}-{i}" for i in range(per_batch)
+                ]
             for h in hosts:
                 h.start_worker("--model", tiny_model_dir, "--max-batch-size", "32")
             victim = hosts[0]
@@ -92,8 +93,11 @@ def test_four_hosts_2000_requests_exactly_once_with_one_worker_killed(
             for _id, status, worker, attempts in done:
                 assert status == RequestStatus.SUCCEEDED.value
                 assert not worker.startswith(f"w-{victim.name}-") and attempts >= 2
-            hosts_used = await rows(store, "SELECT DISTINCT split_part(worker_id, '-', 2) || "
-                                    "'-' || split_part(worker_id, '-', 3) FROM requests")
+            hosts_used = await rows(
+                store,
+                "SELECT DISTINCT split_part(worker_id, '-', 2) || "
+                "'-' || split_part(worker_id, '-', 3) FROM requests",
+            )
             assert len(hosts_used) == 4, hosts_used  # all four took part
         finally:
             await store.close()

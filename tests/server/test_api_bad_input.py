@@ -32,9 +32,7 @@ def test_deep_nesting_fails_and_the_batch_is_not_stuck(server) -> None:
     deep = json.dumps(line).replace("[[[]]]", "[" * 300 + "]" * 300) + "\n"  # orjson reads it
     b = wait_batch(client, _create(client, deep.encode()).id, timeout=60)
     assert b.status == "failed"
-    assert [(e.code, e.line, e.param) for e in b.errors.data] == [
-        ("invalid_json_line", 1, "body")
-    ]
+    assert [(e.code, e.line, e.param) for e in b.errors.data] == [("invalid_json_line", 1, "body")]
     assert "Traceback" not in server.log.read_text()
 
 

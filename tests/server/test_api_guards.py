@@ -25,8 +25,14 @@ CHUNK = 1024 * 1024
 def server(tmp_path_factory):
     old = os.umask(0o022)  # the usual umask: the data directory must be private anyway
     try:
-        s = start_server(tmp_path_factory.mktemp("guards"), "--no-worker",
-                         "--allowed-host", "box.lan", "--allowed-host", "proxy.example")
+        s = start_server(
+            tmp_path_factory.mktemp("guards"),
+            "--no-worker",
+            "--allowed-host",
+            "box.lan",
+            "--allowed-host",
+            "proxy.example",
+        )
     finally:
         os.umask(old)
     yield s
@@ -75,8 +81,12 @@ def test_foreign_origin_cannot_create_a_batch(server, client):
                                       {"Content-Type": ctype, "Origin": origin})  # fmt: skip
             assert status == 403 and _error(body)["code"] == "forbidden_origin", (origin, body)
     # a form upload from a foreign page is refused the same way
-    status, body = server.raw("POST", "/files", b"--x--\r\n", {
-        "Content-Type": "multipart/form-data; boundary=x", "Origin": "http://attacker.example"})
+    status, body = server.raw(
+        "POST",
+        "/files",
+        b"--x--\r\n",
+        {"Content-Type": "multipart/form-data; boundary=x", "Origin": "http://attacker.example"},
+    )
     assert status == 403, body
     assert [b.id for b in client.batches.list(limit=100)] == before
     # a page the server itself serves (same origin) works
@@ -177,8 +187,9 @@ def test_upload_while_the_database_is_locked_is_503(server, client):
         multipart = (b"--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
                      b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jsonl\""
                      b"\r\n\r\n" + good_file() + b"\r\n--b--\r\n")  # fmt: skip
-        status, body = server.raw("POST", "/files", multipart,
-                                  {"Content-Type": "multipart/form-data; boundary=b"})
+        status, body = server.raw(
+            "POST", "/files", multipart, {"Content-Type": "multipart/form-data; boundary=b"}
+        )
         assert status == 503 and _error(body)["code"] == "database_unavailable", body
     finally:
         lock.execute("ROLLBACK")

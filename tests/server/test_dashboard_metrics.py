@@ -73,9 +73,19 @@ def test_the_page_loads_without_the_key_but_its_data_needs_it(server):
 def test_metrics_add_up_to_the_batch(server):
     client = server.client()
     before = scrape(server)
-    lines = [request_line(f"q{i}", chat_body(f"Question {i}?", max_tokens=6) | {
-        "messages": [{"role": "system", "content": SYSTEM},
-                     {"role": "user", "content": f"Question {i}?"}]}) for i in range(6)]
+    lines = [
+        request_line(
+            f"q{i}",
+            chat_body(f"Question {i}?", max_tokens=6)
+            | {
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Question {i}?"},
+                ]
+            },
+        )
+        for i in range(6)
+    ]
     lines.append(request_line("bad", chat_body("hot", max_tokens=4, temperature=5)))
     f = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",

@@ -132,8 +132,10 @@ def test_a_file_failing_on_its_last_line_enqueues_nothing(with_store, tmp_path):
     """Good lines are enqueued as they come, in the transaction that starts the batch: a bad
     line after several chunks' worth of good ones leaves no request behind."""
     settings = Settings(home=tmp_path / "home", cache_dir=tmp_path / "cache")
-    line = (b'{"custom_id": "r%d", "method": "POST", "url": "/v1/chat/completions", "body": '
-            b'{"model": "default", "messages": [{"role": "user", "content": "%s"}]}}\n')
+    line = (
+        b'{"custom_id": "r%d", "method": "POST", "url": "/v1/chat/completions", "body": '
+        b'{"model": "default", "messages": [{"role": "user", "content": "%s"}]}}\n'
+    )
     good = [line % (i, b"x" * 1000) for i in range(3000)]  # about 3 MiB: several chunks
     data = b"".join(good) + b'{"custom_id": "r0", "method": "GET"}\n'
 

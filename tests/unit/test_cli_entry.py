@@ -82,8 +82,10 @@ def test_the_database_url_after_the_command_survives_the_reexecution(tmp_path: P
 
 
 def test_status_loads_no_mlx(tmp_path: Path) -> None:
-    code = ("import sys; from batchmlx.cli import app; app(['status'], standalone_mode=False); "
-            "print([m for m in ('mlx', 'mlx_lm', 'batchmlx.engine') if m in sys.modules])")
+    code = (
+        "import sys; from batchmlx.cli import app; app(['status'], standalone_mode=False); "
+        "print([m for m in ('mlx', 'mlx_lm', 'batchmlx.engine') if m in sys.modules])"
+    )
     env = dict(os.environ, BATCHMLX_HOME=str(tmp_path), PYTHONPATH=str(Path(__file__).parents[2]))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
@@ -113,6 +115,7 @@ def test_serve_hands_the_cache_options_and_the_url_to_the_server(monkeypatch, tm
     import batchmlx.server.app
 
     seen = {}
+
     def serve(settings, options, **_kw) -> None:
         seen.update(s=settings, o=options)
 

@@ -117,14 +117,26 @@ def test_time_queued_before_a_worker_took_it_up_is_not_slowness():
 
 
 def test_a_batch_that_never_ran_has_no_estimate():
-    rec = BatchRecord(id="b", endpoint="/v1/completions", model=None, input_file_id="f",
-                      completion_window="24h", status=BatchStatus.VALIDATING, created_at=1)
+    rec = BatchRecord(
+        id="b",
+        endpoint="/v1/completions",
+        model=None,
+        input_file_id="f",
+        completion_window="24h",
+        status=BatchStatus.VALIDATING,
+        created_at=1,
+    )
     assert estimate_batch(rec, 100.0) == Estimate(None, None)
 
 
 def test_formats():
     assert [format_eta(x) for x in (None, 0.4, 59, 61, 3599, 3600 * 2 + 61)] == [
-        "n/a", "0s", "59s", "1m 01s", "59m 59s", "2h 01m"
+        "n/a",
+        "0s",
+        "59s",
+        "1m 01s",
+        "59m 59s",
+        "2h 01m",
     ]
     assert format_rate(None) == "n/a"
     assert format_rate(1234.56) == "1,234.6 tok/s"

@@ -26,8 +26,10 @@ def test_backoff_doubles_to_its_cap_and_resets() -> None:
     ("exc", "transient"),
     [
         (OperationalError("UPDATE", {}, sqlite3.OperationalError("database is locked")), True),
-        (OperationalError("UPDATE", {}, sqlite3.OperationalError("database or disk is full")),
-         True),
+        (
+            OperationalError("UPDATE", {}, sqlite3.OperationalError("database or disk is full")),
+            True,
+        ),
         (OperationalError("UPDATE", {}, sqlite3.OperationalError("no such table: x")), False),
         (IntegrityError("INSERT", {}, sqlite3.IntegrityError("UNIQUE constraint")), False),
         (OSError(errno.ENOSPC, "No space left on device"), True),

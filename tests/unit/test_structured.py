@@ -34,7 +34,8 @@ def test_json_schema_becomes_a_canonical_grammar():
     assert g.schema == canonical_schema(SCHEMA)
     two = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
     assert canonical_schema(two) == (
-        '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"integer"}}}')
+        '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"integer"}}}'
+    )
 
 
 def test_json_object_and_text():

@@ -80,12 +80,14 @@ def test_others_are_the_host_busy_time_less_this_process() -> None:
 
 def test_the_governor_follows_neighbours_that_come_and_go() -> None:
     clock = [0.0]
-    samples = iter([
-        CpuSample(0, 0, 0, 2),  # the governor's first look
-        CpuSample(100, 200, 100, 2),  # alone: all busy time is ours -> 2
-        CpuSample(300, 400, 200, 2),  # a neighbour busy on 1 CPU -> 1
-        CpuSample(400, 600, 300, 2),  # it left -> 2
-    ])
+    samples = iter(
+        [
+            CpuSample(0, 0, 0, 2),  # the governor's first look
+            CpuSample(100, 200, 100, 2),  # alone: all busy time is ours -> 2
+            CpuSample(300, 400, 200, 2),  # a neighbour busy on 1 CPU -> 1
+            CpuSample(400, 600, 300, 2),  # it left -> 2
+        ]
+    )
     applied: list[int] = []
     gov = ThreadGovernor(
         ThreadChoice(2, "test", CpuBudget(2, None), auto=True), review_s=5.0,

@@ -52,8 +52,9 @@ def test_max_tokens_past_what_the_context_leaves_is_a_400_not_a_clamp():
     )
     # completions count their default max_tokens (16), as OpenAI's do
     _, _, result = tr.prepare(claimed("x" * 9))
-    assert result is not None and "9 in the prompt, 16 in the completion" in (
-        result.body["error"]["message"]
+    assert (
+        result is not None
+        and "9 in the prompt, 16 in the completion" in (result.body["error"]["message"])
     )
     _, gens, result = tr.prepare(claimed("x" * 6, max_tokens=4))  # exactly full: accepted
     assert result is None and len(gens) == 1

@@ -152,8 +152,9 @@ def test_steps_held_below_the_width_do_not_count_toward_its_measurement():
     assert ctl.limit == 128 and ctl.measured == {64: pytest.approx(640.0)}
     # online requests hold batch admissions back: 20 run, slowly, while work waits
     held = StepReport(20, 1.0, running=20, waiting=True, blocks_used=20, blocks_total=10_000)
-    ctl.observe(StepReport(128, 0.1, running=128, waiting=True, blocks_used=128,
-                           blocks_total=10_000))  # 128 running: the window opens
+    ctl.observe(
+        StepReport(128, 0.1, running=128, waiting=True, blocks_used=128, blocks_total=10_000)
+    )  # 128 running: the window opens
     for _ in range(50):
         ctl.observe(held)
     assert ctl.limit == 128 and 128 not in ctl.measured  # no plateau from the narrow steps

@@ -63,7 +63,8 @@ def test_steps_become_increments_and_gauges():
     assert series.latest == engine.now
     # the first two steps took 0.5 s (99.7-100.2): 6 of their 10 tokens in second 99
     assert [(p.t, pytest.approx(p.tokens), p.running) for p in series.points] == [
-        (99, 6, 0), (100, 8, 4)
+        (99, 6, 0),
+        (100, 8, 4),
     ]
     # a last step that empties the batch: the second still shows the batch it ran
     engine.now = replace(engine.now, steps=4, step_s=0.8, generated_tokens=18, running=0)
@@ -86,10 +87,13 @@ def test_an_engine_without_counters_is_ignored():
 
 
 def test_results_count_by_status_and_source():
-    names = [("batchmlx_requests_completed_total", {"source": "batch"}),
-             ("batchmlx_requests_failed_total", {"source": "batch"}),
-             ("batchmlx_requests_completed_total", {"source": "online"}),
-             ("batchmlx_prompt_tokens_total", {}), ("batchmlx_cached_tokens_total", {})]
+    names = [
+        ("batchmlx_requests_completed_total", {"source": "batch"}),
+        ("batchmlx_requests_failed_total", {"source": "batch"}),
+        ("batchmlx_requests_completed_total", {"source": "online"}),
+        ("batchmlx_prompt_tokens_total", {}),
+        ("batchmlx_cached_tokens_total", {}),
+    ]
     before = [value(n, **lb) for n, lb in names]
     ok = RequestResult(RequestStatus.SUCCEEDED, 200, {}, prompt_tokens=30, cached_tokens=16)
     bad = RequestResult(RequestStatus.FAILED, 400, {}, prompt_tokens=0)
@@ -119,7 +123,10 @@ def test_a_long_step_spreads_its_tokens_over_the_seconds_it_took():
     s.add(20.5, 10, 4, duration=0.5)  # 20.0-20.5
     s.add(23.0, 30, 8, duration=2.5)  # 20.5-23.0: 6 in second 20, 12 in 21 and 22, 0 in 23
     assert [(p.t, p.tokens, p.running) for p in s.points] == [
-        (20, 16.0, 4), (21, 12.0, 4), (22, 12.0, 4), (23, 0.0, 8)
+        (20, 16.0, 4),
+        (21, 12.0, 4),
+        (22, 12.0, 4),
+        (23, 0.0, 8),
     ]
     assert s.window(24.0, seconds=5) == [
         {"t": 19, "tokens": 0, "running": 0},

@@ -165,8 +165,9 @@ def test_streamed_tokens_cross_to_the_loop_in_order(tmp_path: Path) -> None:
 
         worker = Worker(store, settings, WorkerOptions(), engine_factory=build)
         run = asyncio.create_task(worker.run())
-        ticket = worker.online.submit("/v1/completions",
-                                      {"model": "default", "prompt": "ab", "max_tokens": 5})
+        ticket = worker.online.submit(
+            "/v1/completions", {"model": "default", "prompt": "ab", "max_tokens": 5}
+        )
         events = []
         while not isinstance(ev := await asyncio.wait_for(ticket.events.get(), 10), DoneEvent):
             events.append(ev)

@@ -78,9 +78,11 @@ def _run(tmp_path: Path, embedder: FakeEmbedder | None, data: bytes | None = Non
         out = await batches.files.file_content(store, rec.output_file_id)
         err = await batches.files.file_content(store, rec.error_file_id)
         await store.close()
-        return rec, [json.loads(x) for x in out.splitlines()], [
-            json.loads(x) for x in err.splitlines()
-        ]
+        return (
+            rec,
+            [json.loads(x) for x in out.splitlines()],
+            [json.loads(x) for x in err.splitlines()],
+        )
 
     return asyncio.run(main())
 

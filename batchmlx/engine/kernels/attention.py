@@ -68,6 +68,7 @@ STEP_ROPE = cpu_kernels()
 # tokens, measured alone), False = always kernels.fast_swiglu
 HOST_SWIGLU = cpu_kernels()
 
+
 def additive_mask(mask: mx.array | None, dtype: mx.Dtype = mx.float32) -> mx.array | None:
     """A boolean mask (True = attend) as 0 / -inf to add to scores; float masks pass through."""
     if mask is None or mask.dtype != mx.bool_:

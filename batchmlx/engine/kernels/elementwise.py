@@ -40,7 +40,6 @@ def exp_nonpositive(x: mx.array) -> mx.array:
     return p * scale
 
 
-
 class ShapeCompiled:
     """mx.compile(fn) per distinct input shapes, with at most `limit` shapes kept."""
 
@@ -129,9 +128,7 @@ def rope_table(
     return mx.cos(theta), mx.sin(theta)
 
 
-def apply_rope(
-    x: mx.array, cos: mx.array, sin: mx.array, traditional: bool, dims: int
-) -> mx.array:
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, traditional: bool, dims: int) -> mx.array:
     """x [B, H, L, D] rotated by a table [B, L, dims / 2]; features past dims unchanged."""
     c, s = cos[:, None].astype(x.dtype), sin[:, None].astype(x.dtype)
     if traditional:  # pairs (2i, 2i + 1)

@@ -282,7 +282,15 @@ class PackedLayout:
                 block_size, h, table, st, lens, qpos, qvalid, share_prefix
             )
             seg = Segment(
-                first, len(tokens) - first, kind, b, q, runs, mask, prefix, additive_bias(mask),
+                first,
+                len(tokens) - first,
+                kind,
+                b,
+                q,
+                runs,
+                mask,
+                prefix,
+                additive_bias(mask),
                 int(st.max()) - int(kpos[0]),
             )
             if kind is SegmentKind.CHUNKS:
@@ -427,9 +435,13 @@ class PagedLayerCache:
             self.segment_kv = [
                 _fetch(kruns, vruns, seg.gather_runs, seg.prefix_runs, h, d, keys.dtype)
                 if seg.dense is None
-                else seg.dense.fetch(self.layer, kpool, vpool,
-                                     keys[seg.first : seg.first + seg.length],
-                                     values[seg.first : seg.first + seg.length])  # fmt: skip
+                else seg.dense.fetch(
+                    self.layer,
+                    kpool,
+                    vpool,
+                    keys[seg.first : seg.first + seg.length],
+                    values[seg.first : seg.first + seg.length],
+                )  # fmt: skip
                 for seg in lay.segments
             ]
             return keys, values

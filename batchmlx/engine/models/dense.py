@@ -75,8 +75,10 @@ def save_dense(folder: Path, dtype: str, model: Any) -> Path | None:
             config.pop(key, None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for f in folder.iterdir():
-            if f.is_file() and f.name not in (MARKER_NAME, "config.json") and not (
-                f.name.startswith("model") and f.name.endswith((".safetensors", ".json"))
+            if (
+                f.is_file()
+                and f.name not in (MARKER_NAME, "config.json")
+                and not (f.name.startswith("model") and f.name.endswith((".safetensors", ".json")))
             ):
                 shutil.copy2(f, tmp / f.name)
 

@@ -160,8 +160,10 @@ def host_format(dtype: str, *, on_cpu: bool | None = None) -> HostFormat | None:
     if lib.supports(onednn.DataType.BF16):
         return HostFormat.BF16
     if dtype == "bfloat16":
-        log.warning("weights as bfloat16 in MLX's own (slow) CPU kernels: this CPU's oneDNN has "
-                    "no bf16 matmul (it needs AVX-512); --dtype auto computes in float32")
+        log.warning(
+            "weights as bfloat16 in MLX's own (slow) CPU kernels: this CPU's oneDNN has "
+            "no bf16 matmul (it needs AVX-512); --dtype auto computes in float32"
+        )
         return None
     log.info("this CPU's oneDNN has no bf16 matmul (it needs AVX-512): weights as float32")
     return HostFormat.F32
@@ -190,7 +192,7 @@ def _dense_copy(folder: Path, dtype: str) -> Path | None:
 
 
 def effective_dtype(dtype: str, *, quantized: bool, on_cpu: bool | None = None) -> str:
-    """"auto": quantized weights become float32 on MLX's CPU backend, whose quantized matmul
+    """ "auto": quantized weights become float32 on MLX's CPU backend, whose quantized matmul
     runs several times slower than float32 (measured: 9 vs 12.5 tok/s decode for SmolLM2-135M
     at batch 1, before the fast BLAS); on a GPU (Metal, or CUDA with `batchmlx[cuda12]`) they
     stay quantized, where quantized kernels are the fast path and memory is what is scarce.

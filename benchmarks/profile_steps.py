@@ -457,7 +457,8 @@ def header(r: Results, loaded_desc: str) -> list[str]:
         "",
         "`python -m benchmarks.profile_steps"
         + (" --quick`" if s == QUICK else "`")
-        + f" ({time.strftime('%Y-%m-%d %H:%M')}). {m['cpus']} CPUs this process may use; the machine "
+        + f" ({time.strftime('%Y-%m-%d %H:%M')}). {m['cpus']} CPUs this process may use; "
+        "the machine "
         f"was shared: load average {m['load_before']} at the start, {m['load_mid']} after the "
         f"timing passes, {m['load_after']} at the end; CPUs busy with others' work just before "
         f"{m['busy_before']:.0%} and just after {m['busy_after']:.0%} (/proc/stat over 2 s, "

@@ -3,7 +3,7 @@ store, the migrations) asks for its dialect, instead of each deciding from the U
 
 It lives beside config.py, not in store/, because the settings ask it too and store/ imports
 the settings; SQLAlchemy is imported only when a URL is parsed, so importing the settings loads
-no SQL (accel.py relies on that).
+no SQL (engine/host/fast_blas.py relies on that).
 """
 
 from __future__ import annotations

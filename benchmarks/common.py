@@ -42,9 +42,10 @@ QUICK = Settings(
 
 
 def fast_blas() -> None:
-    """Re-execute onto a fast BLAS when batchmlx.accel finds one (BATCHMLX_FAST_BLAS=0: don't)."""
+    """Re-execute onto a fast BLAS when engine/host/fast_blas.py finds one
+    (BATCHMLX_FAST_BLAS=0: don't)."""
     try:
-        from batchmlx.accel import ensure_fast_blas
+        from batchmlx.engine.host.fast_blas import ensure_fast_blas
     except Exception:  # noqa: BLE001 - optional: without it we run on MLX's own BLAS
         return
     ensure_fast_blas()

@@ -1,4 +1,4 @@
-"""Host steps (engine/host_step.py) beside the MLX path and OpenVINO GenAI, step by step, and
+"""Host steps (engine/host/step.py) beside the MLX path and OpenVINO GenAI, step by step, and
 where a host step's time goes (issue 28, item 2, after the host steps).
 
     python -m benchmarks.host_steps [--quick] [--out PATH]
@@ -70,8 +70,8 @@ class Pieces:
 
     @contextmanager
     def patched(self) -> Iterator[None]:
-        from batchmlx.engine import host_step as hs
-        from batchmlx.engine.kernels.host_linear import SharedGemm
+        from batchmlx.engine.host import step as hs
+        from batchmlx.engine.host.linear import SharedGemm
 
         targets = [
             (SharedGemm, "host", PIECES[0]), (hs._StepKV, "attend", PIECES[1]),
@@ -129,7 +129,7 @@ class Pieces:
 def measure(widths: tuple[int, ...], repeats: int, max_tokens: int) -> dict[str, Any]:
     import os
 
-    from batchmlx.threads import ENV
+    from batchmlx.engine.host.threads import ENV
     from benchmarks.peers.models import default_gguf
     from benchmarks.width import load
 

@@ -11,7 +11,7 @@ real step, for each path side by side in one process, repeated round-robin, medi
 The int8 rows time the GEMM alone and, as "+quant", with the per-token activation
 quantization and the output scaling a layer needs (numpy, as in batchmlx's int8 kernel).
 
-    eval "$(python -m batchmlx.accel --exports)"
+    eval "$(python -m batchmlx.engine.host.fast_blas --exports)"
     python -m benchmarks.int8_paths --model 135m --rows 8,64,128,1000
     python -m benchmarks.int8_paths --model 1.7b --layers 4   # 1.7B: 4 layers + lm_head
 
@@ -52,7 +52,7 @@ def find_lib(names: list[str], extra: list[str]) -> str | None:
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    from batchmlx.engine.kernels.host_linear import quantize_rows as q
+    from batchmlx.engine.host.linear import quantize_rows as q
 
     p, s = q(x)
     return p, s[:, None]
@@ -105,7 +105,7 @@ def step_runs(
                 outs[n] *= qs
 
     def run_dnnl(quant: bool) -> None:
-        from batchmlx.engine.kernels.onednn import DataType
+        from batchmlx.engine.host.onednn import DataType
 
         d = paths["onednn"]
         for w, sc, (n, k) in zip(w8, ws, shapes, strict=True):
@@ -158,7 +158,7 @@ def main() -> None:
         paths["mkl"] = ctypes.CDLL(mkl_path)
     dnnl_path = find_lib(["libdnnl.so.3.2", "libdnnl.so.3"], a.lib)
     if dnnl_path and "onednn" not in skip:
-        from batchmlx.engine.kernels.onednn import OneDNN
+        from batchmlx.engine.host.onednn import OneDNN
 
         paths["onednn"] = OneDNN(dnnl_path)
     print(f"# MKL: {mkl_path}\n# oneDNN: {dnnl_path}", flush=True)

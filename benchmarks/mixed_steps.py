@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--out", type=Path, help="also write the Markdown here")
     args = ap.parse_args(argv)
-    from batchmlx.accel import ensure_fast_blas
+    from batchmlx.engine.host.fast_blas import ensure_fast_blas
 
     ensure_fast_blas()  # re-executes once onto the fast BLAS, as every batchmlx command does
     from batchmlx.core.models import resolve_model

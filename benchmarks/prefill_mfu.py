@@ -10,7 +10,7 @@
   over the time of its prefill steps. Three kernel settings are measured in this one run
   (`KERNELS`): mlx-lm's attention and activation (the first engine), `chunked_attention` as MLX
   ops with `kernels.fast_swiglu` (the previous one), and the default: numpy attention on the
-  host where a call has enough scores (`engine/kernels/host_attention.py`).
+  host where a call has enough scores (`engine/host/attention.py`).
 - **Decode MFU** at widths 32/64/128/256 (256: where the adaptive width settles on the unique
   workload), with the first and the default kernels: that many requests with distinct
   random prompts, greedy, each generating `decode_tokens`; MFU = FLOPs of the decode steps
@@ -304,7 +304,7 @@ def decode_flops(mf: ModelFlops, prompts: list[list[int]], tokens: list[list[int
 def sgemm_gflops() -> float:
     """`batchmlx doctor`'s measurement (best of 5 1024^3 float32 matmuls) on this run's clock."""
     if CLOCK is time.perf_counter:
-        from batchmlx.accel import measure_matmul_gflops
+        from batchmlx.engine.host.fast_blas import measure_matmul_gflops
 
         return measure_matmul_gflops()
     import mlx.core as mx
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         global CLOCK
         CLOCK = time.process_time
     if argv is None:
-        from batchmlx.accel import ensure_fast_blas
+        from batchmlx.engine.host.fast_blas import ensure_fast_blas
 
         ensure_fast_blas()  # re-executes this command line once, before any timing
     import os

@@ -200,7 +200,7 @@ class OVWorker:
 
 
 def sgemm_gflops() -> float:
-    from batchmlx.accel import measure_matmul_gflops
+    from batchmlx.engine.host.fast_blas import measure_matmul_gflops
 
     return measure_matmul_gflops()
 
@@ -228,7 +228,7 @@ def blas_threads(n: int | None = None) -> int:
     """The preloaded OpenBLAS's thread count (set to n first when given); 0 without one."""
     import ctypes
 
-    from batchmlx.accel import active_blas
+    from batchmlx.engine.host.fast_blas import active_blas
 
     blas = active_blas()
     if blas is None or blas.name != "openblas" or not blas.library:

@@ -598,7 +598,7 @@ def _memory() -> str:
 
 def _active_blas() -> str:
     try:
-        from batchmlx.accel import active_blas
+        from batchmlx.engine.host.fast_blas import active_blas
     except Exception as e:  # noqa: BLE001 - any failure just means "not reported"
         return f"unknown ({type(e).__name__})"
     try:

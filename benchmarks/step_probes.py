@@ -99,7 +99,8 @@ class Barriers:
 
         from batchmlx.core import postprocess
         from batchmlx.engine import llm_engine
-        from batchmlx.engine.kernels import attention, elementwise, host_attention
+        from batchmlx.engine.host import attention as host_attention
+        from batchmlx.engine.kernels import attention, elementwise
         from batchmlx.engine.kv import decode, paged
 
         names = {id(m): n for n, m in engine.runner.model.named_modules()}

@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from batchmlx.accel import active_blas, ensure_fast_blas
+    from batchmlx.engine.host.fast_blas import active_blas, ensure_fast_blas
 
     ensure_fast_blas()  # re-executes once onto the fast BLAS, as every batchmlx command does
     from batchmlx.core.models import resolve_model

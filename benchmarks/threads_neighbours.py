@@ -6,7 +6,7 @@ plain Python busy loops, bounded in time.
     python -m benchmarks.threads_neighbours [--threads 1 2 auto] [--neighbours 0 2] [--repeat 2]
                                             [--width 1]
 
-`auto` is the default choice (batchmlx/threads.py: the CPUs other processes leave free, looked
+`auto` is the default choice (engine/host/threads.py: the CPUs other processes leave free, looked
 at again between steps); `--width N` runs N chats at once (tok/s then says what 2 threads buy).
 
 Measured on a quiet 2-core machine, 2026-12-01 19:32 UTC (load average 0.4 at the start; best
@@ -38,9 +38,9 @@ import time
 
 CHILD = r"""
 import json, sys, time
-from batchmlx.accel import ensure_fast_blas
+from batchmlx.engine.host.fast_blas import ensure_fast_blas
 ensure_fast_blas()
-from batchmlx.threads import apply_threads, choose_threads
+from batchmlx.engine.host.threads import apply_threads, choose_threads
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
 from batchmlx.worker.build import build_engine

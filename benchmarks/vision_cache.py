@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    from batchmlx.accel import ensure_fast_blas
+    from batchmlx.engine.host.fast_blas import ensure_fast_blas
 
     ensure_fast_blas()  # re-executes once onto the fast BLAS, as every batchmlx command does
     from batchmlx.core.engine_api import EngineSettings

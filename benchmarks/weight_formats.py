@@ -5,7 +5,7 @@ At each width W, W unique chats are generated greedily (`--max-tokens` each, pre
 included) through the paged engine; the formats alternate, `--reps` times, medians kept. Also
 the memory the weights hold in each format.
 
-    eval "$(python -m batchmlx.accel --exports)"
+    eval "$(python -m batchmlx.engine.host.fast_blas --exports)"
     python -m benchmarks.weight_formats --widths 8,64,128 --max-tokens 32 --reps 2
 """
 

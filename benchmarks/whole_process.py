@@ -149,7 +149,7 @@ def run_peer(data: bytes, label: str = "mlx_lm.batch_generate") -> ProcessRun:
 
 def peer_main(path: str, out: str) -> None:
     """mlx_lm.batch_generate as a user runs it, on the float32 weights batchmlx runs."""
-    from batchmlx.accel import ensure_fast_blas
+    from batchmlx.engine.host.fast_blas import ensure_fast_blas
 
     ensure_fast_blas()  # the same BLAS batchmlx re-executes onto
     import mlx.core as mx

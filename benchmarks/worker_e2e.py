@@ -174,11 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         child(args)
         return 0
 
-    from batchmlx.accel import ensure_fast_blas
+    from batchmlx.engine.host.fast_blas import ensure_fast_blas
 
     ensure_fast_blas()  # re-executes once onto the fast BLAS
-    from batchmlx.accel import active_blas, measure_matmul_gflops
     from batchmlx.core.models import resolve_model
+    from batchmlx.engine.host.fast_blas import active_blas, measure_matmul_gflops
     from batchmlx.engine.models.loader import model_folder
 
     folder = model_folder(resolve_model("default", cache_dir=CACHE), cache_dir=CACHE)

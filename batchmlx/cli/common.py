@@ -82,17 +82,17 @@ def check_port_free(host: str, port: int, option: str) -> None:
 
 
 # the weights these --dtype values give on MLX's CPU backend have their GEMMs off MLX (oneDNN,
-# or numpy's own BLAS: engine/kernels/host_linear.py), so its BLAS matters little to them
+# or numpy's own BLAS: engine/host/linear.py), so its BLAS matters little to them
 HOST_DTYPES = ("auto", "bfloat16", "int8")
 
 
 def warn_if_slow_blas(dtype: str = "float32") -> None:
-    """One loud line on stderr when MLX would run on the reference BLAS (see batchmlx.accel)
+    """One loud line on stderr when MLX would run on the reference BLAS (engine/host/fast_blas.py)
     and the weights `dtype` gives would compute there."""
-    from batchmlx.accel import slow_blas_warning
+    from batchmlx.engine.host.fast_blas import slow_blas_warning
 
     if dtype in HOST_DTYPES:
-        from batchmlx.engine.kernels import onednn
+        from batchmlx.engine.host import onednn
 
         if onednn.available():
             return

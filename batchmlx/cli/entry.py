@@ -63,7 +63,7 @@ def main() -> None:  # pragma: no cover - the console script
     argv = _hoist_database_url(sys.argv[1:])
     try:
         if runs_model(argv):
-            from batchmlx.accel import ensure_fast_blas
+            from batchmlx.engine.host.fast_blas import ensure_fast_blas
 
             # reruns this interpreter's own command line (sys.orig_argv): the options, the
             # database URL among them, travel in argv, and this same parse runs again there
@@ -125,7 +125,7 @@ def _working_threads() -> list[threading.Thread]:
     exit does not wait for those either) and not the engine's host-kernel pool, which is idle
     between steps (a step waits for its jobs). Measured: that pool kept every `submit --wait`
     on the slow exit, about 0.5 s."""
-    host = sys.modules.get("batchmlx.engine.kernels.host_attention")
+    host = sys.modules.get("batchmlx.engine.host.attention")
     pool = host.THREAD_NAME if host is not None else None
     return [
         t

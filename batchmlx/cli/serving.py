@@ -81,7 +81,7 @@ def worker(
     batch up, its progress every --progress-every seconds, one when it ends)."""
     import logging
 
-    from batchmlx.accel import active_blas
+    from batchmlx.engine.host.fast_blas import active_blas
     from batchmlx.ingest import INBOX_HOOKS
     from batchmlx.store import StoreUnavailable
     from batchmlx.worker import WorkerOptions, run_worker
@@ -170,7 +170,7 @@ def doctor(
     measure: Annotated[bool, typer.Option(help="Time a 1024x1024 float32 matmul")] = True,
 ) -> None:
     """Say which BLAS and device MLX runs with here, and how fast a matmul runs."""
-    from batchmlx.accel import doctor_report
+    from batchmlx.engine.host.fast_blas import doctor_report
 
     print_json(doctor_report(measure=measure))
 

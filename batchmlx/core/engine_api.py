@@ -37,7 +37,7 @@ class EngineSettings:
     # rather than gathering them from the paged pool every step
     dense_decode: bool = True
     # compute threads (BLAS, host kernels); None: the CPUs this process may use that other
-    # processes leave free, looked at again between steps (batchmlx/threads.py; `doctor`)
+    # processes leave free, looked at again between steps (engine/host/threads.py; `doctor`)
     threads: int | None = None
 
     @property

@@ -27,7 +27,7 @@ from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import StepReport, WidthController, WidthPhase, WidthPolicy
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
-from batchmlx.engine.host_memory import HeapTrimmer, release_free_memory
+from batchmlx.engine.host.memory import HeapTrimmer, release_free_memory
 from batchmlx.engine.kv.decode import BUDGET_BYTES as DECODE_KV_BUDGET
 from batchmlx.engine.kv.decode import DecodeKV
 from batchmlx.engine.kv.paged import BatchLayout, PackedLayout, PagedKVStorage
@@ -154,7 +154,7 @@ class Engine:
         seed: int | None = None,
         sliding_window: int | None = None,
     ) -> None:
-        """sliding_window: the model has layers that see only that many keys (arch.py): their
+        """sliding_window: the model has layers that see only that many keys (choose.py): their
         masks are limited to it, and steps never use cascade attention (whose shared-prefix
         part has no mask)."""
         self.cfg = cfg = config or EngineSettings()
@@ -164,7 +164,7 @@ class Engine:
         self.clock = clock
         self._rand = random.Random(seed)
         size_buffer_cache()
-        self.heap = HeapTrimmer()  # freed heap pages back to the OS (engine/host_memory.py)
+        self.heap = HeapTrimmer()  # freed heap pages back to the OS (engine/host/memory.py)
         num_layers, n_kv, head_dim = model_dims(model)
         dtype = _kv_dtype(model)
         per_block = PagedKVStorage.bytes_per_block(

@@ -7,7 +7,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from batchmlx.engine.host_step import HostStep
+from batchmlx.engine.host.step import HostStep
 from batchmlx.engine.kernels.attention import (
     AttentionRoute,
     PrefixAttention,

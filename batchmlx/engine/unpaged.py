@@ -1,6 +1,6 @@
 """The unpaged engine: mlx-lm's own continuous batching (`BatchGenerator`) behind EngineProtocol.
 
-For models the paged engine cannot run (arch.py decides): hybrid and state-space caches,
+For models the paged engine cannot run (engine/choose.py decides): hybrid and state-space caches,
 rotations that keep a prefix, attention the paged seam does not fit. mlx-lm batches these with
 its own per-architecture caches. What stays the same as the paged engine: each sampled token's
 post-processing step (core/postprocess.py: end of sequence, max tokens, grammar, stop strings,
@@ -32,7 +32,7 @@ from batchmlx.core.request import GenerationOutput, GenerationRequest, TokenLogp
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import initial_width
 from batchmlx.engine.grammar import Grammars
-from batchmlx.engine.host_memory import HeapTrimmer, release_free_memory
+from batchmlx.engine.host.memory import HeapTrimmer, release_free_memory
 from batchmlx.engine.sampler import SampleRow, sample
 from batchmlx.faults import crash_point
 
@@ -62,7 +62,7 @@ class UnpagedEngine:
         batched: bool = True,
     ) -> None:
         """batched False: one request at a time through mlx-lm's single-request loop, for a
-        model whose batched caches or attention mlx-lm cannot run correctly (arch.py)."""
+        model whose batched caches or attention mlx-lm cannot run correctly (engine/choose.py)."""
         self.cfg = config or EngineSettings()
         self.batched = batched
         self.model = model
@@ -72,7 +72,7 @@ class UnpagedEngine:
         self._rand = random.Random(seed)
         vocab = getattr(getattr(model, "args", None), "vocab_size", None)
         self.grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
-        self.heap = HeapTrimmer()  # freed heap pages back to the OS (engine/host_memory.py)
+        self.heap = HeapTrimmer()  # freed heap pages back to the OS (engine/host/memory.py)
         self._live: dict[str, _Live] = {}  # waiting and running
         self._by_uid: dict[int, str] = {}  # running: in mlx-lm's batch
         self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, request id)

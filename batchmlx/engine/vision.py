@@ -358,7 +358,7 @@ class VisionEngine:
 
     def release_memory(self) -> int:
         """As the paged engine's: freed memory back to the OS."""
-        from batchmlx.engine.host_memory import release_free_memory
+        from batchmlx.engine.host.memory import release_free_memory
 
         return release_free_memory()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from batchmlx.core.engine_api import EmbedderProtocol, EngineProtocol, EngineSettings
-from batchmlx.threads import ThreadGovernor
+from batchmlx.engine.host.threads import ThreadGovernor
 from batchmlx.worker.translate import Translator
 
 log = logging.getLogger("batchmlx.worker")
@@ -38,11 +38,11 @@ def build_engine(
     name: str, *, cache_dir: Path, dtype: str = "auto", settings: EngineSettings
 ) -> ServingModel:
     """Load the model `name` and wrap it in an Engine and the Translator that feeds it. The
-    engine's thread count is set first (batchmlx/threads.py), before anything computes."""
+    engine's thread count is set first (engine/host/threads.py), before anything computes."""
     from batchmlx.core.models import resolve_model
-    from batchmlx.engine.arch import make_engine
+    from batchmlx.engine.choose import make_engine
+    from batchmlx.engine.host.threads import apply_threads, choose_threads
     from batchmlx.engine.models.loader import load_model
-    from batchmlx.threads import apply_threads, choose_threads
 
     # the first look at the neighbours spans the model load (no wait of its own): all the
     # budget's CPUs until then, refitted as soon as the model is in

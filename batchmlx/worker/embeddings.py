@@ -55,7 +55,7 @@ class _Wave:
 
 
 # a wave of at least this many tokens is large: once it ends, the worker gives the memory its
-# passes freed back to the OS (engine/host_memory.py); a small request's wave does not pay that
+# passes freed back to the OS (engine/host/memory.py); a small request's wave does not pay that
 LARGE_WAVE_TOKENS = 4096
 
 

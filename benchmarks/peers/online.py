@@ -71,7 +71,7 @@ OUT = REPO / "benchmarks" / "RESULTS-online-peers.md"
 BATCH_QUESTION = "Tell story number {i}."  # long answers: every batch row runs its 32 tokens
 # llama-server with the peers' threads (the CPUs this process may use), and with one: on a
 # shared machine ggml's spinning thread team stalls when a neighbour holds a core, which
-# batchmlx avoids by counting the free CPUs (batchmlx/threads.py)
+# batchmlx avoids by counting the free CPUs (batchmlx/engine/host/threads.py)
 SYSTEMS = ("batchmlx", "llama", "llama-1t")
 LLAMAS = SYSTEMS[1:]
 LLAMA_MAX_SEQ = 256  # llama.cpp's most slots (LLAMA_MAX_SEQ): -np 257 exits at start
@@ -182,7 +182,7 @@ def _bmx_info(logf: Path) -> tuple[str, str]:
     weights = next((ln.split(": weights as ", 1)[1].split(" on ", 1)[0] for ln in lines
                     if ": weights as " in ln), "see the server log")  # fmt: skip
     threads = [ln.split("engine threads: ", 1)[1] for ln in lines if "engine threads: " in ln]
-    return weights, threads[-1] if threads else "chosen at start (batchmlx/threads.py)"
+    return weights, threads[-1] if threads else "chosen at start (batchmlx/engine/host/threads.py)"
 
 
 def _plan(setup: Setup) -> Plan:

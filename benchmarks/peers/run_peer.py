@@ -18,7 +18,8 @@ tokens, the texts by custom_id (for parity checks) and the precision the peer co
   `vllm-mlx serve --continuous-batching` (`BatchedEngine`, scheduler defaults), every request
   submitted at once, greedy, on a float32 MLX folder of the default model (batchmlx's weights,
   `dequantize_model` to float32). It runs under the BLAS batchmlx re-executes onto (the
-  variables of `python -m batchmlx.accel --exports`), threads = the CPUs this process may use.
+  variables of `python -m batchmlx.engine.host.fast_blas --exports`),
+  threads = the CPUs this process may use.
   Precision: float32.
 
     python -m benchmarks.peers.run_peer --peer llama --workload unique --requests 8 --model default
@@ -395,11 +396,12 @@ def run_openvino(wl: Workload, model: str = "default", quant: str | None = None,
 
 
 def fast_blas_env(threads: int | None = None) -> dict[str, str]:
-    """The variables `python -m batchmlx.accel --exports` prints (LD_PRELOAD of the fast BLAS,
+    """The variables `python -m batchmlx.engine.host.fast_blas --exports` prints (LD_PRELOAD of
+    the fast BLAS,
     its core type...), worked out afresh as for a new process (an LD_PRELOAD or re-exec marker
     this process inherited is ignored), plus `threads` for the BLAS and OpenMP runtimes."""
-    from batchmlx.accel import REEXEC_MARKER, reexec_env
-    from batchmlx.threads import THREAD_VARIABLES
+    from batchmlx.engine.host.fast_blas import REEXEC_MARKER, reexec_env
+    from batchmlx.engine.host.threads import THREAD_VARIABLES
 
     base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", REEXEC_MARKER)}
     env = dict(reexec_env(base) or {})

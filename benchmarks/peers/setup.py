@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from batchmlx.accel import cpu_flags
+from batchmlx.engine.host.fast_blas import cpu_flags
 
 CACHE = Path(os.environ.get("BATCHMLX_BENCH_CACHE", "~/.cache/batchmlx-bench")).expanduser()
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"

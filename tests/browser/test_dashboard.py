@@ -33,7 +33,7 @@ def chromium() -> str:
 
 def browser_env() -> dict[str, str]:
     """This process's environment without the BLAS preload the suite re-executes with
-    (batchmlx.accel): a preloaded OpenBLAS crashes Chromium's GPU process at start."""
+    (engine/host/fast_blas.py): a preloaded OpenBLAS crashes Chromium's GPU process at start."""
     return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")}
 
 

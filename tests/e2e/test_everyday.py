@@ -254,7 +254,7 @@ def test_the_first_run_says_what_it_writes_and_how_much(cli: Cli, tmp_path: Path
     assert re.search(r"wrote SmolLM2-135M-Instruct-mlx \(\d+\.\d MB\) in", text), text
     assert re.search(r"saving a float32 copy .*\n.*wrote SmolLM2-135M-Instruct-mlx-float32 "
                      r"\(5\d\d\.\d MB\)", text), text  # fmt: skip
-    from batchmlx.engine.kernels.host_linear import HostFormat, runs_here
+    from batchmlx.engine.host.linear import HostFormat, runs_here
 
     if runs_here(HostFormat.BF16):  # the CPU's default: bf16 weights packed for oneDNN, kept
         assert re.search(r"saving the bfloat16 weights packed for oneDNN \(3\d\d\.\d MB\)",

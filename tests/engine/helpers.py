@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batchmlx.engine.kernels.host_linear import HostFormat, runs_here
+from batchmlx.engine.host.linear import HostFormat, runs_here
 
 
 def naive(q, k, v, scale, mask):

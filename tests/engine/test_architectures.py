@@ -1,5 +1,5 @@
 """Every architecture family mlx-lm runs, through batchmlx: paged where it fits, mlx-lm's own
-batching where not (engine/arch.py), greedy tokens equal to mlx-lm's `generate_step` on the same
+batching where not (engine/choose.py), greedy tokens equal to mlx-lm's `generate_step` on the same
 random weights, for several concurrent requests of different lengths."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mlx_lm.models import (
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import FinishReason, GenerationRequest, SamplingParams
-from batchmlx.engine.arch import EnginePath, make_engine, plan_architecture
+from batchmlx.engine.choose import EnginePath, make_engine, plan_architecture
 from batchmlx.engine.llm_engine import Engine
 from batchmlx.engine.unpaged import UnpagedEngine
 
@@ -330,7 +330,7 @@ def test_greedy_tokens_equal_mlx_lm(family):
 def test_llama_with_plain_caches_skips_the_probe(monkeypatch):
     """mlx-lm's llama code is tested paged (above, and the real default model): no probe at
     each start. Its sliding-window variant and every other family are still probed."""
-    from batchmlx.engine import arch
+    from batchmlx.engine import choose as arch
 
     llama_fam, window_fam = FAMILIES[0], FAMILIES[1]
     moe_fam = next(f for f in FAMILIES if f.name.startswith("mixture of experts (qwen3"))
@@ -352,7 +352,7 @@ def test_llama_with_plain_caches_skips_the_probe(monkeypatch):
 
 
 def test_the_probe_passes_the_llama_it_skips():
-    from batchmlx.engine.arch import _probe
+    from batchmlx.engine.choose import _probe
 
     assert _probe(build(FAMILIES[0]), None) is None
 

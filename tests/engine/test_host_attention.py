@@ -7,9 +7,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchmlx.engine.kernels import attention, host_attention, onednn
-from batchmlx.engine.kernels.host_attention import host_attention as host
-from batchmlx.engine.kernels.host_attention import host_cascade_attention
+from batchmlx.engine.host import attention as host_attention
+from batchmlx.engine.host import onednn
+from batchmlx.engine.host.attention import host_attention as host
+from batchmlx.engine.host.attention import host_cascade_attention
+from batchmlx.engine.kernels import attention
 from batchmlx.engine.kv import paged as kv_cache
 from batchmlx.engine.kv.paged import BatchLayout
 from tests.engine.helpers import naive

@@ -1,4 +1,4 @@
-"""The host weights cache (engine/models/host_cache.py): oneDNN's packed bytes read back at the
+"""The host weights cache (engine/host/weights_cache.py): oneDNN's packed bytes read back at the
 next start instead of converted again, the same GEMMs bit for bit, and packed anew whenever
 the source, the format or the library differs."""
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from batchmlx.core.models import resolve_model
-from batchmlx.engine.kernels import onednn
-from batchmlx.engine.kernels.host_linear import HostFormat, PackedCache, runs_here, to_host_format
-from batchmlx.engine.models import host_cache
+from batchmlx.engine.host import onednn
+from batchmlx.engine.host import weights_cache as host_cache
+from batchmlx.engine.host.linear import HostFormat, PackedCache, runs_here, to_host_format
 from batchmlx.engine.models.loader import load_model
 from tests.engine.helpers import host_formats
 

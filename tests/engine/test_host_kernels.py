@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from batchmlx.engine.host import elementwise as host_kernels
+from batchmlx.engine.host.elementwise import TILE, host_swiglu
 from batchmlx.engine.kernels import attention
-from batchmlx.engine.kernels import host_elementwise as host_kernels
-from batchmlx.engine.kernels.host_elementwise import TILE, host_swiglu
 
 
 def _operands(rows: int, width: int, dtype=mx.float32) -> tuple[mx.array, mx.array]:

@@ -1,4 +1,4 @@
-"""The host weight formats (kernels/host_linear.py): bf16 and int8 GEMMs in oneDNN and float32
+"""The host weight formats (engine/host/linear.py): bf16 and int8 GEMMs in oneDNN and float32
 ones on numpy's BLAS against float64 references (each where this CPU runs it), fused
 shared-input layers, on the tiny model and (slow) on the real default model against float32."""
 
@@ -9,8 +9,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from batchmlx.engine.kernels import onednn
-from batchmlx.engine.kernels.host_linear import (
+from batchmlx.engine.host import onednn
+from batchmlx.engine.host.linear import (
     HostEmbedding,
     HostFormat,
     HostLinear,
@@ -18,7 +18,7 @@ from batchmlx.engine.kernels.host_linear import (
     quantize_rows,
     to_host_format,
 )
-from batchmlx.engine.kernels.onednn import OneDNNUnavailable
+from batchmlx.engine.host.onednn import OneDNNUnavailable
 from tests.engine.helpers import bf16_bits, host_formats, where_it_runs
 
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="oneDNN (onednn-cpu-gomp)")
@@ -246,7 +246,7 @@ def test_without_onednn_int8_says_what_to_install_and_auto_falls_back(
 
 @needs_onednn
 def test_supports_answers_by_the_cpus_instructions() -> None:
-    from batchmlx.accel import cpu_flags
+    from batchmlx.engine.host.fast_blas import cpu_flags
 
     flags, lib = cpu_flags(), onednn.load_library()
     assert lib.supports(onednn.DataType.F32)
@@ -274,7 +274,7 @@ def test_a_cpu_without_bf16_matmul_gets_float32_host_weights(monkeypatch, caplog
 
 # The real default model: greedy tokens of int8 against float32 (measured on 8 chats x 32
 # tokens: the first token equal on 8/8 through MLX steps, on 6/8 through host steps
-# (engine/host_step.py: the same arithmetic in another float32 order, which per-token
+# (engine/host/step.py: the same arithmetic in another float32 order, which per-token
 # quantization turns into ~10% of logit noise either way), the first 8 on 5/8, the whole 32
 # on 1/8; next-token argmax through MLX equal on 8/8; logits' max error 7-20% of the largest).
 REAL_QUESTIONS = [

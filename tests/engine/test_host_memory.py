@@ -1,4 +1,4 @@
-"""Freed memory is given back (engine/host_memory.py): the heap's free pages by the engine's
+"""Freed memory is given back (engine/host/memory.py): the heap's free pages by the engine's
 steps, MLX's buffer cache after a large one-off request. Tiny random model, in-process."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.host_memory import HeapTrimmer
+from batchmlx.engine.host.memory import HeapTrimmer
 from batchmlx.engine.llm_engine import CPU_BUFFER_CACHE, Engine
 
 MB = 1 << 20

@@ -1,4 +1,4 @@
-"""Packed steps on the host alone (engine/host_step.py): every step's logits against the MLX
+"""Packed steps on the host alone (engine/host/step.py): every step's logits against the MLX
 path's on the same step (decodes over the dense copy or gathered keys, prompt chunks alone,
 padded together or beside decodes, behind a shared prefix), greedy tokens equal, the models it
 declines; on the real default model, text equal to the MLX path's."""
@@ -13,10 +13,10 @@ from mlx.utils import tree_map
 from mlx_lm.models import llama
 
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine import host_step
-from batchmlx.engine.host_step import HostRope, HostStep, unsupported
-from batchmlx.engine.kernels import onednn
-from batchmlx.engine.kernels.host_linear import HostFormat, runs_here, to_host_format
+from batchmlx.engine.host import onednn
+from batchmlx.engine.host import step as host_step
+from batchmlx.engine.host.linear import HostFormat, runs_here, to_host_format
+from batchmlx.engine.host.step import HostRope, HostStep, unsupported
 from tests.engine.helpers import assert_greedy_texts_agree, host_formats
 from tests.engine.test_decode_kv import churn
 from tests.engine.test_engine_tiny import engine, staggered

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from batchmlx.accel import REEXEC_MARKER, reexec_env
 from batchmlx.cli import app, runs_model
 from batchmlx.cli.engine_options import engine_choice
 from batchmlx.core.engine_api import ENGINE_DEFAULTS
+from batchmlx.engine.host.fast_blas import REEXEC_MARKER, reexec_env
 
 
 @pytest.mark.parametrize(
@@ -146,7 +146,7 @@ def test_a_fast_exit_waits_only_for_threads_that_may_be_working() -> None:
     import threading
 
     from batchmlx.cli.entry import _working_threads
-    from batchmlx.engine.kernels import host_attention
+    from batchmlx.engine.host import attention as host_attention
 
     host_attention.workers().submit(lambda: None).result()  # the pool's threads are alive
     pool = [t for t in threading.enumerate() if t.name.startswith(host_attention.THREAD_NAME)]

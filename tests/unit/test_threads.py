@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from batchmlx.threads import (
+from batchmlx.engine.host.threads import (
     ENV,
     CpuBudget,
     CpuSample,
@@ -141,7 +141,7 @@ def test_apply_sets_the_loaded_blas_and_the_variables(monkeypatch: pytest.Monkey
 
 
 def test_doctor_says_the_threads_chosen_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    from batchmlx.accel import doctor_report
+    from batchmlx.engine.host.fast_blas import doctor_report
 
     monkeypatch.delenv(ENV, raising=False)
     report = doctor_report(measure=False)["engine_threads"]

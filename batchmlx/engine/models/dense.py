@@ -19,8 +19,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from batchmlx.engine.models.first_run import size_text
 from batchmlx.engine.models.gguf import MARKER_NAME, build_folder_once, read_marker
-from batchmlx.engine.models.notes import size_text
 
 # Bump when the copy's layout changes so old copies are rewritten.
 DENSE_VERSION = 1

@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from batchmlx.engine.models.notes import disk_use, note, size_text, wrote
+from batchmlx.engine.models.first_run import disk_use, note, size_text, wrote
 
 MARKER_NAME = ".batchmlx-converted.json"
 # Bump when the output layout changes so old conversions are redone.

@@ -17,8 +17,8 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec
-from batchmlx.engine.kernels.host_linear import HostFormat
-from batchmlx.engine.models import notes
+from batchmlx.engine.host.linear import HostFormat
+from batchmlx.engine.models import first_run as notes
 from batchmlx.engine.models.default_model import ensure_default_gguf
 from batchmlx.engine.models.dense import cached_dense, save_dense
 from batchmlx.engine.models.gguf import convert_gguf
@@ -57,7 +57,7 @@ def model_folder(spec: ModelSpec, *, cache_dir: Path) -> Path | str:
 
 def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> LoadedModel:
     """Load `spec` with mlx-lm. dtype "auto" on MLX's CPU backend gives bf16 weights computed
-    by oneDNN (kernels/host_linear.py; float32 where oneDNN cannot load), elsewhere it keeps
+    by oneDNN (engine/host/linear.py; float32 where oneDNN cannot load), elsewhere it keeps
     weights as stored (quantized stays quantized); "stored" keeps them as stored anywhere;
     "float32"/"float16" dequantize every layer to that dtype; "bfloat16" is the host bf16
     format on the CPU (MLX's own bf16 elsewhere); "int8" gives int8 weights computed by oneDNN
@@ -114,8 +114,8 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
 def _to_host(model: nn.Module, fmt: HostFormat, source: Path, cache_dir: Path) -> None:
     """The model's layers in `fmt`, read from the host weights cache where it holds them
     (host_cache.py), packed (and the cache written) where not."""
-    from batchmlx.engine.kernels.host_linear import to_host_format
-    from batchmlx.engine.models import host_cache
+    from batchmlx.engine.host import weights_cache as host_cache
+    from batchmlx.engine.host.linear import to_host_format
 
     # float32 is not packed: its rows load as fast from the float32 copy as from a cache
     if fmt is HostFormat.F32 or not host_cache.enabled() or not source.is_dir():
@@ -136,7 +136,7 @@ def host_format(dtype: str, *, on_cpu: bool | None = None) -> HostFormat | None:
     as fast as any format there, and "bfloat16" MLX's own bf16. Where oneDNN cannot load they
     fall back, with a warning, to float32 and to MLX's bf16. "int8" needs oneDNN and its int8
     matmul (OneDNNUnavailable says what is missing)."""
-    from batchmlx.engine.kernels import onednn
+    from batchmlx.engine.host import onednn
 
     if on_cpu is None:
         on_cpu = mx.default_device().type == mx.DeviceType.cpu

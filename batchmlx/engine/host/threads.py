@@ -18,7 +18,7 @@ count. Where /proc cannot be read (macOS) the budget's CPUs are used.
 `--threads N` (or BATCHMLX_THREADS) overrides the choice; `batchmlx doctor` shows it. The count
 goes to the BLAS MLX's CPU backend calls (OpenBLAS or MKL, set at run time through the preloaded
 library), to the variables a library loaded later reads, and to the host-attention pool
-(engine/kernels/host_attention.py reads BATCHMLX_THREADS). Pure apart from reading /proc-like
+(engine/host/attention.py reads BATCHMLX_THREADS). Pure apart from reading /proc-like
 files and the loaded BLAS; imports no MLX.
 """
 
@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("batchmlx.threads")
+log = logging.getLogger("batchmlx.engine.host.threads")
 
 ENV = "BATCHMLX_THREADS"  # the --threads flag's variable; host_attention reads it too
 CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchmlx.accel import python_prefixes
+from batchmlx.engine.host.fast_blas import python_prefixes
 
 LIBRARY_ENV = "BATCHMLX_ONEDNN_LIB"  # an explicit path to libdnnl.so.3*
 THREADS_ENV = "BATCHMLX_THREADS"  # threads.py's; read per call so the governor's changes apply

@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.kernels import numpy_blas, onednn
-from batchmlx.engine.kernels.onednn import OneDNN
+from batchmlx.engine.host import numpy_blas, onednn
+from batchmlx.engine.host.onednn import OneDNN
 from batchmlx.engine.kv.paged import additive_bias
 
 # Query rows per tile: 9 query heads x 64 queries x 1,000 keys x 4 B ~ 2.3 MB of scores.
@@ -39,7 +39,7 @@ MIN_HOST_SCORES = 1 << 17
 MIN_HOST_DECODE_SCORES = 1 << 16
 # Threads the tiles (or a decode step's sequences) are split over: numpy releases the GIL in
 # its kernels, and the softmax passes are single-threaded otherwise. At most 2 (measured on 2
-# cores) and at most the engine's thread count (BATCHMLX_THREADS, which batchmlx/threads.py
+# cores) and at most the engine's thread count (BATCHMLX_THREADS, which host/threads.py
 # sizes from the CPUs this process may use), read when the pool starts.
 THREADS = max(1, min(2, os.cpu_count() or 1))
 

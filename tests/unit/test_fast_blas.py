@@ -1,4 +1,5 @@
-"""batchmlx.accel: core-type parsing, BLAS discovery on fake trees, the re-exec decision."""
+"""engine/host/fast_blas.py: core-type
+parsing, BLAS discovery on fake trees, the re-exec decision."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from batchmlx import accel
+from batchmlx.engine.host import fast_blas as accel
 
 CPUINFO_AVX512 = (
     "processor\t: 0\nvendor_id\t: AuthenticAMD\n"
@@ -179,7 +180,7 @@ def test_active_blas_reads_ld_preload(monkeypatch) -> None:
 
 
 def test_module_does_not_import_mlx() -> None:
-    code = "import sys, batchmlx.accel; print('mlx' in sys.modules)"
+    code = "import sys, batchmlx.engine.host.fast_blas; print('mlx' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -187,7 +188,7 @@ def test_module_does_not_import_mlx() -> None:
 def test_doctor_cli_prints_json() -> None:
     # Real path: re-executes onto whatever fast BLAS this machine has, then measures a matmul.
     out = subprocess.run(
-        [sys.executable, "-m", "batchmlx.accel"],
+        [sys.executable, "-m", "batchmlx.engine.host.fast_blas"],
         capture_output=True,
         text=True,
         check=True,
@@ -295,11 +296,11 @@ def test_fast_blas_loads_without_any_system_libgfortran(tmp_path: Path) -> None:
     code = (
         "import mlx.core as mx, sys; a = mx.ones((256, 256));"
         "mx.eval(mx.matmul(a, a, stream=mx.cpu));"
-        "from batchmlx.accel import active_blas; print(active_blas().name);"
+        "from batchmlx.engine.host.fast_blas import active_blas; print(active_blas().name);"
         "sys.stdout.write(open('/proc/self/maps').read())"
     )
     out = subprocess.run(
-        [sys.executable, "-c", f"from batchmlx.accel import ensure_fast_blas; "
+        [sys.executable, "-c", f"from batchmlx.engine.host.fast_blas import ensure_fast_blas; "
          f"ensure_fast_blas(['-c', {code!r}])"],
         env=env, capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
@@ -345,7 +346,7 @@ def test_no_reexec_on_the_cuda_backend(recorded_exec, monkeypatch) -> None:
 
 def test_the_slow_blas_line_is_left_out_for_weights_computed_off_mlx(monkeypatch, capsys) -> None:
     from batchmlx.cli import common
-    from batchmlx.engine.kernels import onednn
+    from batchmlx.engine.host import onednn
 
     monkeypatch.setattr(accel, "slow_blas_warning", lambda environ=None: "WARNING: slow BLAS")
     monkeypatch.setattr(onednn, "available", lambda: True)

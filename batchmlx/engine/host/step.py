@@ -1,6 +1,6 @@
 """Packed steps of a llama-family model in a host weight format, run on the host alone.
 
-On MLX's CPU backend a host-format step (kernels/host_linear.py) hands every GEMM's input to
+On MLX's CPU backend a host-format step (engine/host/linear.py) hands every GEMM's input to
 the host through an evaluation barrier: 121 a step at 135M, ~350 us each, 42 ms of a width-8
 decode step's 81 (measured 2026-12-02), and the norms, RoPE and SwiGLU between them run in
 MLX's slow CPU elementwise kernels. Here a packed step (decodes, prompt chunks, or both) runs
@@ -27,9 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from batchmlx.engine.kernels import host_attention
-from batchmlx.engine.kernels.host_elementwise import swiglu_halves
-from batchmlx.engine.kernels.host_linear import HostEmbedding, HostFormat, HostLinear, SharedGemm
+from batchmlx.engine.host import attention as host_attention
+from batchmlx.engine.host.elementwise import swiglu_halves
+from batchmlx.engine.host.linear import HostEmbedding, HostFormat, HostLinear, SharedGemm
 from batchmlx.engine.kv.decode import DecodePlan
 from batchmlx.engine.kv.paged import PackedLayout, PagedKVStorage, Segment, SegmentKind
 

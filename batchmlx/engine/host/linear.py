@@ -9,7 +9,7 @@ or int8, their GEMMs computed on the host by oneDNN (onednn.py), activations flo
   kernels need AVX-512, so an AVX2-only CPU gets this): weights and products float32, as
   MLX's float32 path computes them but for the order of the sums, the GEMMs on numpy's own
   BLAS (on a Zen 3 host 2.6x oneDNN's float32 matmul at decode widths, measured 2026-12-02);
-  the format exists so the host steps (engine/host_step.py) run there too.
+  the format exists so the host steps (engine/host/step.py) run there too.
 - **int8** (`--dtype int8`): weights int8 with one float32 scale per output channel
   (symmetric, w ~= q * s, |q| <= 127); a layer's input is quantized per token on the fly
   (x ~= p * t, t = max|x_row| / 127) and the int8 x int8 -> int32 GEMM (VNNI) is rescaled:
@@ -34,8 +34,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from batchmlx.engine.kernels import numpy_blas
-from batchmlx.engine.kernels.onednn import DataType, OneDNN, Packed, load_library
+from batchmlx.engine.host import numpy_blas
+from batchmlx.engine.host.onednn import DataType, OneDNN, Packed, load_library
 
 
 class HostFormat(enum.Enum):
@@ -62,7 +62,7 @@ def runs_here(fmt: HostFormat) -> bool:
     where oneDNN loads and has their matmul for this CPU (bf16 needs AVX-512 in oneDNN 3.2)."""
     if fmt is HostFormat.F32:
         return True
-    from batchmlx.engine.kernels import onednn
+    from batchmlx.engine.host import onednn
 
     return onednn.available() and load_library().supports(fmt.data_type, scaled=fmt.scaled)
 
@@ -111,7 +111,7 @@ PACKED_PARTS = ("packed", "scales", "bias", "plain")  # what a layer keeps in a 
 
 @dataclass(eq=False)
 class PackedCache:
-    """The host layers' arrays kept between starts (engine/models/host_cache.py writes them
+    """The host layers' arrays kept between starts (engine/host/weights_cache.py writes them
     to disk): packing is most of a load (1.7B: 25 s, 8B: 169 s), reading back the packed
     bytes is not. Arrays are keyed `<layer key>.<part>` (packed, scales, bias, plain); `found`
     holds what a file had (the packed bytes as read-only numpy views of the mapped file, the
@@ -234,7 +234,7 @@ class SharedGemm:
     def host(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """out[M, N] = x[M, K] . W^T (+ bias) on numpy arrays: x float32 (bf16: its bits as
         uint16 are taken as they are), out float32 C-contiguous (allocated when None). The
-        MLX layers' GEMM and the host steps' (engine/host_step.py)."""
+        MLX layers' GEMM and the host steps' (engine/host/step.py)."""
         if out is None:
             out = np.empty((x.shape[0], self._w.n), np.float32)
         if self.fmt is HostFormat.BF16:

@@ -20,8 +20,8 @@ PyPI's scipy-openblas wheels prefix their symbols (`scipy_cblas_sgemm`), so they
 in. This module imports no MLX at import time; only `measure_matmul_gflops` and
 `doctor_report` do, lazily.
 
-    python -m batchmlx.accel             # doctor report as JSON (re-executes onto the fast BLAS)
-    eval "$(python -m batchmlx.accel --exports)"   # for shell scripts and CI
+    python -m batchmlx.engine.host.fast_blas   # doctor report as JSON (on the fast BLAS)
+    eval "$(python -m batchmlx.engine.host.fast_blas --exports)"   # for shell scripts and CI
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _numpy_runtime_libs(site_dirs: Sequence[Path]) -> tuple[Path, Path] | None:
 
 def vendored_gomp(site_dirs: Sequence[Path], *, system_has: bool | None = None) -> Path | None:
     """A wheel's vendored GNU OpenMP runtime (sentencepiece's, a dependency through mlx-lm) for
-    oneDNN (engine/kernels/onednn.py) where the system has no libgomp.so.1; else None."""
+    oneDNN (engine/host/onednn.py) where the system has no libgomp.so.1; else None."""
     if system_has is None:
         system_has = ctypes.util.find_library("gomp") is not None
     if system_has:
@@ -271,7 +271,7 @@ def _find_openblas(
             # Overrides an inherited OPENBLAS_CORETYPE too: a mismatched one halves GEMM speed.
             env = {"OPENBLAS_CORETYPE": core} if core else {}
             # Its idle threads sleep at once instead of spinning ~0.1 s after each matmul, so
-            # the numpy attention between two matmuls (engine/kernels/host_attention.py) gets both
+            # the numpy attention between two matmuls (engine/host/attention.py) gets both
             # cores: a 1,000-token prefill 1.17 -> 1.03 s; decode steps no slower.
             env["OPENBLAS_THREAD_TIMEOUT"] = os.environ.get("OPENBLAS_THREAD_TIMEOUT", "4")
             if lib_dir is not None:
@@ -453,7 +453,7 @@ def doctor_report(*, measure: bool = True) -> dict[str, object]:
     """Platform, MLX version and device, the active BLAS and its measured matmul speed."""
     import mlx.core as mx
 
-    from batchmlx.threads import threads_report
+    from batchmlx.engine.host.threads import threads_report
 
     blas = active_blas()
     available = find_fast_blas()

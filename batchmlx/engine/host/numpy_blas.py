@@ -54,7 +54,7 @@ def set_threads(n: int) -> None:
 
 
 def engine_threads() -> int:
-    """The engine's thread count (BATCHMLX_THREADS, which batchmlx/threads.py sizes from the
+    """The engine's thread count (BATCHMLX_THREADS, which host/threads.py sizes from the
     CPUs this process may use and the governor moves), else the CPUs here."""
     try:
         return max(1, int(os.environ.get("BATCHMLX_THREADS") or 0) or (os.cpu_count() or 1))

@@ -1,7 +1,7 @@
 """Host-format weights kept on disk between starts: oneDNN's packed bytes, read back instead of
 converted and packed again.
 
-Converting a model to a host format (kernels/host_linear.py) reads every float weight, rounds
+Converting a model to a host format (engine/host/linear.py) reads every float weight, rounds
 or quantizes it and reorders it into oneDNN's blocked layout: 1.2 s of the default model's
 start, 25 s at SmolLM2-1.7B's shape and 169 s at 8B (benchmarks/RESULTS.md). The first start
 writes what the model ended with into one safetensors file under the model cache
@@ -35,9 +35,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.kernels.host_linear import HostFormat, PackedCache
-from batchmlx.engine.kernels.onednn import load_library
-from batchmlx.engine.models import notes
+from batchmlx.engine.host.linear import HostFormat, PackedCache
+from batchmlx.engine.host.onednn import load_library
+from batchmlx.engine.models import first_run as notes
 
 SWITCH = "BATCHMLX_HOST_CACHE"
 # bump when the keys, parts or file layout change: older files are then rewritten

@@ -17,7 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.kernels.host_attention import THREADS, workers
+from batchmlx.engine.host.attention import THREADS, workers
 
 # Elements from which a SwiGLU runs on the host (see the module note).
 MIN_HOST_ELEMENTS = 1 << 19
@@ -71,7 +71,7 @@ def host_swiglu(gate: mx.array, x: mx.array) -> mx.array:
 def swiglu_halves(gu: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """silu(gate) * up of a fused gate-up GEMM's output gu [M, 2I] (gate the first half of each
     row, up the second), as [M, I] float32: rows tile by tile (each tile's passes in L2), the
-    halves of a large one on two threads. The host steps' MLP (engine/host_step.py)."""
+    halves of a large one on two threads. The host steps' MLP (engine/host/step.py)."""
     m, two = gu.shape
     i = two // 2
     if out is None:

@@ -52,8 +52,8 @@ def bmx_run(loaded: Any, w: int, host: bool, prompts: list[list[int]], max_token
             hook: Any = None) -> list[list[float]]:  # fmt: skip
     run = BmxRun(loaded, w, 2048)
     if not host:
-        run.engine.runner.host = None
-    elif run.engine.runner.host is None:
+        run.engine.runner.forward_pass.host = None
+    elif run.engine.runner.forward_pass.host is None:
         raise SystemExit("host steps are not on for this model (BATCHMLX_HOST_STEPS=0?)")
     return run.run(prompts, max_tokens, hook)
 

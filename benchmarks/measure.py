@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine
+from batchmlx.engine.runners.paged import paged_engine
 
 
 @dataclass(slots=True)
@@ -74,7 +74,7 @@ def run_ours(
     loaded: Any, prompts: list[list[int]], max_tokens: int, config: EngineSettings, label: str
 ) -> RunResult:
     base = _start_memory()
-    eng = Engine(
+    eng = paged_engine(
         loaded.model, loaded.tokenizer, context_length=loaded.context_length, config=config
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -98,8 +98,8 @@ def run_ours(
         ttft_s=[o.first_token_s or 0.0 for o in ordered],
         finish_s=[finish[r.request_id] for r in reqs],
         mlx_peak_bytes=peak,
-        sched=_as_dict(eng.scheduler.stats),
-        engine={**eng.stats.as_dict(), "storage_blocks": eng.storage.capacity_blocks},
+        sched=_as_dict(eng.runner.scheduler.stats),
+        engine={**eng.runner.stats.as_dict(), "storage_blocks": eng.runner.storage.capacity_blocks},
         cached_tokens=[o.cached_tokens for o in ordered],
     )
 

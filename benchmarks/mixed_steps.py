@@ -99,20 +99,20 @@ def requests(loaded: Any, w: Workload, tag: str) -> list[tuple[int, Any]]:
 
 def run(loaded: Any, w: Workload, mixed: bool, tag: str) -> tuple[Run, dict[str, list[int]]]:
     from batchmlx.core.engine_api import EngineSettings
-    from batchmlx.engine.llm_engine import Engine
+    from batchmlx.engine.runners.paged import paged_engine
 
     cfg = EngineSettings(
         max_batch_size=w.max_batch_size, max_prefill_tokens=w.max_prefill_tokens,
         mixed_steps=mixed,
     )  # fmt: skip
-    engine = Engine(loaded.model, loaded.tokenizer, context_length=loaded.context_length,
+    engine = paged_engine(loaded.model, loaded.tokenizer, context_length=loaded.context_length,
                     config=cfg, seed=0)  # fmt: skip
     last: dict[str, tuple[float, int]] = {}
     stall, stall_steps = 0.0, 0
 
     def on_token(rid: str, _tok: int) -> None:
         nonlocal stall, stall_steps
-        now, step = time.perf_counter(), engine.stats.steps
+        now, step = time.perf_counter(), engine.runner.stats.steps
         if rid in last:
             stall = max(stall, now - last[rid][0])
             stall_steps = max(stall_steps, step - last[rid][1])
@@ -134,8 +134,8 @@ def run(loaded: Any, w: Workload, mixed: bool, tag: str) -> tuple[Run, dict[str,
     result = Run(
         mixed=mixed, wall_s=wall, tokens=sum(len(o.token_ids) for o in outs.values()),
         ttft_long=longs, ttft_all=[o.first_token_s for o in outs.values()], stall_s=stall,
-        stall_steps=stall_steps, cpu_s=cpu, steps=engine.stats.steps,
-        mixed_steps=engine.stats.mixed_steps,
+        stall_steps=stall_steps, cpu_s=cpu, steps=engine.runner.stats.steps,
+        mixed_steps=engine.runner.stats.mixed_steps,
     )  # fmt: skip
     return result, {rid[len(tag) :]: o.token_ids for rid, o in outs.items()}
 

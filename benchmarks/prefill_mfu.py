@@ -103,7 +103,7 @@ class ModelFlops:
         import mlx.nn as nn
         from mlx.utils import tree_flatten
 
-        from batchmlx.engine.runner import model_dims
+        from batchmlx.engine.runners.paged_forward import model_dims
 
         inner = model.model
         body = sum(
@@ -186,8 +186,8 @@ def instrumented(engine: Any, timers: Timers) -> Iterator[None]:
     """Eval barriers and timers around each piece of the engine's step, undone afterwards."""
     import mlx.nn as nn
 
-    from batchmlx.engine import llm_engine
     from batchmlx.engine.kv import paged as kv_cache
+    from batchmlx.engine.runners import paged as llm_engine
 
     patches: list[tuple[Any, str, Any]] = []
 
@@ -199,8 +199,8 @@ def instrumented(engine: Any, timers: Timers) -> Iterator[None]:
         setattr(owner, name, staticmethod(new) if isinstance(old, staticmethod) else new)
 
     patch(nn.Linear, "__call__", "model matmuls")
-    patch(engine.runner, "head", "model matmuls")
-    patch(engine.runner.attention, "paged", "attention")
+    patch(engine.runner.forward_pass, "head", "model matmuls")
+    patch(engine.runner.forward_pass.attention, "paged", "attention")
     patch(kv_cache.PagedLayerCache, "update_and_fetch", "KV writes and gathers")
     patch(kv_cache.BatchLayout, "build", "layout")
     patch(kv_cache.PackedLayout, "build", "layout")  # mixed steps run packed
@@ -230,9 +230,9 @@ def run_engine(loaded: Any, prompts: list[list[int]], max_tokens: int, width: in
 
     from batchmlx.core.engine_api import EngineSettings
     from batchmlx.core.request import GenerationRequest, SamplingParams
-    from batchmlx.engine.llm_engine import Engine
+    from batchmlx.engine.runners.paged import paged_engine
 
-    eng = Engine(
+    eng = paged_engine(
         loaded.model, loaded.tokenizer, context_length=loaded.context_length,
         config=EngineSettings(max_batch_size=width, max_prefill_tokens=max(2048, width * 64)),
     )  # fmt: skip
@@ -243,12 +243,12 @@ def run_engine(loaded: Any, prompts: list[list[int]], max_tokens: int, width: in
     outs = {}
     mx.synchronize()
     while eng.has_unfinished():
-        decodes = eng.stats.decode_steps
+        decodes = eng.runner.stats.decode_steps
         t0 = CLOCK()
         for o in eng.step():
             outs[o.request_id] = o
         dt = CLOCK() - t0
-        if eng.stats.decode_steps > decodes:
+        if eng.runner.stats.decode_steps > decodes:
             ph.decode_s += dt
         else:
             ph.prefill_s += dt
@@ -260,13 +260,13 @@ def run_engine(loaded: Any, prompts: list[list[int]], max_tokens: int, width: in
 def profile_engine(
     loaded: Any, prompts: list[list[int]], max_tokens: int, width: int
 ) -> tuple[Timers, Phases]:
-    import batchmlx.engine.llm_engine as le
+    import batchmlx.engine.runners.paged as le
 
     timers = Timers()
     real_engine = le.Engine
     holder: dict[str, Any] = {}
 
-    class Engine(real_engine):  # instrument the engine run_engine builds
+    class paged_engine(real_engine):  # instrument the engine run_engine builds
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             holder["cm"] = instrumented(self, timers)

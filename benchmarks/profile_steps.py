@@ -101,12 +101,12 @@ class BmxRun:
 
     def __init__(self, loaded: Any, width: int, budget: int) -> None:
         from batchmlx.core.engine_api import EngineSettings
-        from batchmlx.engine.llm_engine import Engine
+        from batchmlx.engine.runners.paged import paged_engine
 
         gc.collect()
         cfg = EngineSettings(max_batch_size=width, adaptive_width=False,
                              max_prefill_tokens=budget)  # fmt: skip
-        self.engine = Engine(loaded.model, loaded.tokenizer,
+        self.engine = paged_engine(loaded.model, loaded.tokenizer,
                              context_length=loaded.context_length, config=cfg)  # fmt: skip
         self.width = width
 
@@ -131,8 +131,8 @@ class BmxRun:
         steps: list[StepRow] = []
         mx.synchronize()
         while eng.has_unfinished():
-            before, gen0 = started(), eng.stats.generated_tokens
-            m0, s0 = eng.stats.model_s, eng.stats.sample_s
+            before, gen0 = started(), eng.runner.stats.generated_tokens
+            m0, s0 = eng.runner.stats.model_s, eng.runner.stats.sample_s
             kind = "prefill" if before < w else "decode" if not done else "tail"
             t0 = time.perf_counter()
             if hook is not None:
@@ -142,8 +142,11 @@ class BmxRun:
                 outs = eng.step()
             dt = time.perf_counter() - t0
             done.update(o.request_id for o in outs)
-            new = eng.stats.generated_tokens - gen0
-            model_ms, sample_ms = (eng.stats.model_s - m0) * 1e3, (eng.stats.sample_s - s0) * 1e3
+            new = eng.runner.stats.generated_tokens - gen0
+            model_ms, sample_ms = (
+                (eng.runner.stats.model_s - m0) * 1e3,
+                (eng.runner.stats.sample_s - s0) * 1e3,
+            )
             steps.append([dt * 1e3, before, started(), new, model_ms, sample_ms])
         return steps
 

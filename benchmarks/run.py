@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine
+from batchmlx.engine.runners.paged import paged_engine
 from benchmarks import workloads as wl
 from benchmarks.common import QUICK, Settings, fast_blas
 from benchmarks.measure import RunResult, agreement, run_ours, run_peer, summary
@@ -154,7 +154,7 @@ class Bench:
 
     def _prefix_steps(self) -> list[tuple[str, str, set[str], Any]]:
         a, b = self.unique(2)
-        eng = Engine(
+        eng = paged_engine(
             self.loaded.model,
             self.tok,
             context_length=self.loaded.context_length,
@@ -348,7 +348,7 @@ def section_memory(b: Bench) -> list[str]:
         f"{s.memory_requests} concurrent requests sharing a {s.memory_system_tokens}+-token "
         f"system prompt ({wl.length_summary(b.memory_prompts())}), {s.memory_max_tokens} new "
         f"tokens each, kv_grow_blocks={s.memory_grow_blocks}. Peak KV = bytes of KV arrays "
-        "actually allocated (`eng.stats.peak_kv_bytes`).",
+        "actually allocated (`eng.runner.stats.peak_kv_bytes`).",
         "",
     ]
     rows = [

@@ -30,7 +30,8 @@ import mlx.core as mx
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine
+from batchmlx.engine.core import EngineCore
+from batchmlx.engine.runners.paged import paged_engine
 from benchmarks import workloads as wl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +87,7 @@ class BlocksResult:
 def blocks_run(n: int, system_tokens: int, max_tokens: int, grow: int = 8) -> BlocksResult:
     loaded = tiny_loaded()
     prompts = wl.shared_prompts(loaded.tokenizer, n, system_tokens)
-    eng = Engine(
+    eng = paged_engine(
         loaded.model, loaded.tokenizer, context_length=loaded.context_length,
         config=EngineSettings(max_batch_size=32, adaptive_width=False, kv_grow_blocks=grow),
     )  # fmt: skip
@@ -95,10 +96,10 @@ def blocks_run(n: int, system_tokens: int, max_tokens: int, grow: int = 8) -> Bl
     eng.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
     return BlocksResult(
         requests=n, system_tokens=system_tokens, max_tokens=max_tokens,
-        allocated=eng.storage.capacity_blocks,
-        peak_in_use=eng.scheduler.stats.peak_blocks_in_use,
-        evictions=eng.pool.evictions,
-        prefill_reused=eng.scheduler.stats.prefill_tokens_reused,
+        allocated=eng.runner.storage.capacity_blocks,
+        peak_in_use=eng.runner.scheduler.stats.peak_blocks_in_use,
+        evictions=eng.runner.pool.evictions,
+        prefill_reused=eng.runner.scheduler.stats.prefill_tokens_reused,
         wall_s=time.perf_counter() - t0,
     )  # fmt: skip
 
@@ -127,8 +128,8 @@ class ScaleResult:
     leftover: dict[str, int] = field(default_factory=dict)
 
 
-def _bookkeeping(eng: Engine) -> int:
-    sched = eng.scheduler
+def _bookkeeping(eng: EngineCore) -> int:
+    sched = eng.runner.scheduler
     return len(eng._live) + len(sched._seqs) + len(sched.waiting)
 
 
@@ -137,7 +138,7 @@ def scale_run(n: int, *, backlog: int = 512, sample_every: int = 500, width: int
     loaded = tiny_loaded()
     tok = loaded.tokenizer
     cfg = EngineSettings() if width is None else EngineSettings(max_batch_size=width)
-    eng = Engine(loaded.model, tok, context_length=loaded.context_length, config=cfg)
+    eng = paged_engine(loaded.model, tok, context_length=loaded.context_length, config=cfg)
     distinct = [wl.chat_prompt(tok, wl.question(i)) for i in range(len(wl.QUESTIONS))]
     gc.collect()
     mx.reset_peak_memory()
@@ -149,7 +150,7 @@ def scale_run(n: int, *, backlog: int = 512, sample_every: int = 500, width: int
     def sample() -> None:
         res.samples.append(Sample(
             done, time.perf_counter() - t0, rss_bytes(), mx.get_active_memory(),
-            _bookkeeping(eng), eng.pool.num_cached,
+            _bookkeeping(eng), eng.runner.pool.num_cached,
         ))  # fmt: skip
 
     while done < n:
@@ -169,11 +170,11 @@ def scale_run(n: int, *, backlog: int = 512, sample_every: int = 500, width: int
     sample()
     res.peak_rss = max(s.rss for s in res.samples)
     res.mlx_peak = mx.get_peak_memory()
-    sched = eng.scheduler
+    sched = eng.runner.scheduler
     res.leftover = {
         "engine _live": len(eng._live), "scheduler sequences": len(sched._seqs),
         "waiting": len(sched.waiting), "running": len(sched.running),
-        "cached blocks": eng.pool.num_cached, "pool blocks": eng.pool.num_usable,
+        "cached blocks": eng.runner.pool.num_cached, "pool blocks": eng.runner.pool.num_usable,
     }  # fmt: skip
     return res
 

@@ -98,12 +98,12 @@ class Barriers:
         import mlx.nn as nn
 
         from batchmlx.core import postprocess
-        from batchmlx.engine import llm_engine
         from batchmlx.engine.host import attention as host_attention
         from batchmlx.engine.kernels import attention, elementwise
         from batchmlx.engine.kv import decode, paged
+        from batchmlx.engine.runners import paged as llm_engine
 
-        names = {id(m): n for n, m in engine.runner.model.named_modules()}
+        names = {id(m): n for n, m in engine.runner.forward_pass.model.named_modules()}
 
         def linear(m: Any) -> str:
             n = names.get(id(m), "")
@@ -127,8 +127,8 @@ class Barriers:
         patch(nn.Linear, "__call__", lambda f: t(linear, f))
         patch(nn.RMSNorm, "__call__", lambda f: t(NORM, f))
         patch(elementwise.StepRoPE, "__call__", lambda f: t(ROPE, f))
-        patch(engine.runner, "head", lambda f: t(HEAD, f))
-        patch(engine.runner.attention, "paged", lambda f: t(ATTN, f))
+        patch(engine.runner.forward_pass, "head", lambda f: t(HEAD, f))
+        patch(engine.runner.forward_pass.attention, "paged", lambda f: t(ATTN, f))
         patch(attention, "step_swiglu", lambda f: t(SWIGLU, f))
         patch(attention, "host_attention", lambda f: self.inner(HANDOFF, f))
         patch(attention, "host_cascade_attention", lambda f: self.inner(HANDOFF, f))
@@ -140,8 +140,8 @@ class Barriers:
         patch(decode.DecodeKV, "attach", lambda f: t(LAYOUT, f))
         patch(llm_engine, "sample", lambda f: t(SAMPLE, f))
         patch(postprocess.Postprocessor, "__call__", lambda f: t(POST, f, barrier=False))
-        patch(engine.scheduler, "schedule", lambda f: t(SCHED, f, barrier=False))
-        patch(engine.scheduler, "update", lambda f: t(SCHED, f, barrier=False))
+        patch(engine.runner.scheduler, "schedule", lambda f: t(SCHED, f, barrier=False))
+        patch(engine.runner.scheduler, "update", lambda f: t(SCHED, f, barrier=False))
         try:
             yield
         finally:

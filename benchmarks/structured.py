@@ -50,14 +50,14 @@ def _requests(tok, eos, n: int, max_tokens: int, grammar: str | None, tag: str):
 
 def _run(loaded, reqs) -> tuple[float, int, float]:
     from batchmlx.core.engine_api import EngineSettings
-    from batchmlx.engine.llm_engine import Engine
+    from batchmlx.engine.runners.paged import paged_engine
 
-    engine = Engine(loaded.model, loaded.tokenizer, context_length=loaded.context_length,
+    engine = paged_engine(loaded.model, loaded.tokenizer, context_length=loaded.context_length,
                     config=EngineSettings(max_batch_size=32), seed=0)  # fmt: skip
     t0 = time.perf_counter()
     outs = engine.generate(reqs)
     wall = time.perf_counter() - t0
-    return wall, sum(len(o.token_ids) for o in outs), engine.stats.sample_s
+    return wall, sum(len(o.token_ids) for o in outs), engine.runner.stats.sample_s
 
 
 def main() -> None:

@@ -36,7 +36,9 @@ def main() -> None:
     ensure_fast_blas()  # re-executes once onto the fast BLAS, as every batchmlx command does
     from batchmlx.core.engine_api import EngineSettings
     from batchmlx.core.request import GenerationRequest, SamplingParams
-    from batchmlx.engine.vision import VisionEngine, VisionPrompter, load_vision
+    from batchmlx.engine.runners.vision import vision_engine
+    from batchmlx.engine.vision.load import load_vision
+    from batchmlx.engine.vision.prompter import VisionPrompter
     from batchmlx.formats.params import parse_request
     from tests.e2e.helpers import model_cache_dir
     from tests.tiny_vlm import build_tiny_vlm, png
@@ -67,15 +69,15 @@ def main() -> None:
     seen: dict[str, tuple[int, int, int]] = {}
     for i in range(args.repeats):
         for label, image, question in rows:
-            eng = VisionEngine(model, processor, context_length=4096,
+            eng = vision_engine(model, processor, context_length=4096,
                                config=EngineSettings(cache_max_blocks=512))  # fmt: skip
             eng.generate([request(a, q1, "prime")])  # the cache holds image a with question q1
-            runs = eng.vision_runs
+            runs = eng.runner.vision_runs
             req = request(image, question, f"r{i}")
             t0 = time.perf_counter()
             out = eng.generate([req])[0]
             times[label].append(time.perf_counter() - t0)
-            seen[label] = (out.prompt_tokens, out.cached_tokens, eng.vision_runs - runs)
+            seen[label] = (out.prompt_tokens, out.cached_tokens, eng.runner.vision_runs - runs)
     cold = min(times[rows[0][0]])
     lines = ["| request | prompt tokens | cached tokens | vision tower runs | best ms | "
              "median ms | saved (best) |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip

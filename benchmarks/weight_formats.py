@@ -40,9 +40,9 @@ def weight_bytes(model) -> int:
 def run(loaded, prompts, width: int, max_tokens: int) -> tuple[float, int]:
     from batchmlx.core.engine_api import EngineSettings
     from batchmlx.core.request import GenerationRequest, SamplingParams
-    from batchmlx.engine.llm_engine import Engine
+    from batchmlx.engine.runners.paged import paged_engine
 
-    engine = Engine(loaded.model, loaded.tokenizer, context_length=loaded.context_length,
+    engine = paged_engine(loaded.model, loaded.tokenizer, context_length=loaded.context_length,
                     config=EngineSettings(max_batch_size=width), seed=0)  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     reqs = [GenerationRequest(f"r{i}", p, params, frozenset()) for i, p in enumerate(prompts)]

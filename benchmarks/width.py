@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from batchmlx.core.engine_api import ENGINE_DEFAULTS, EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine
+from batchmlx.engine.runners.paged import paged_engine
 from benchmarks import workloads as wl
 
 WIDTHS = (8, 16, 32, 64, 128, 256)
@@ -66,7 +66,9 @@ def run_width(loaded: Any, prompts: list[list[int]], max_tokens: int, cfg: Engin
     gc.collect()
     mx.synchronize()
     mx.clear_cache()
-    eng = Engine(loaded.model, loaded.tokenizer, context_length=loaded.context_length, config=cfg)
+    eng = paged_engine(
+        loaded.model, loaded.tokenizer, context_length=loaded.context_length, config=cfg
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     reqs = [GenerationRequest(f"r{i}", list(p), params) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
@@ -74,13 +76,13 @@ def run_width(loaded: Any, prompts: list[list[int]], max_tokens: int, cfg: Engin
     wall = time.perf_counter() - t0
     run = WidthRun(
         label=label, wall_s=wall, tokens=sum(len(o.token_ids) for o in outs),
-        peak_running=eng.scheduler.stats.peak_running,
-        preemptions=eng.scheduler.stats.preemptions,
+        peak_running=eng.runner.scheduler.stats.peak_running,
+        preemptions=eng.runner.scheduler.stats.preemptions,
         outputs=[list(o.token_ids) for o in outs],
     )  # fmt: skip
-    if eng.width is not None:
-        run.final_limit = eng.width.limit
-        for c in eng.width.changes:
+    if eng.runner.width is not None:
+        run.final_limit = eng.runner.width.limit
+        for c in eng.runner.width.changes:
             rate = f" at {c.tok_s:.0f} tok/s" if c.tok_s is not None else ""
             run.steps.append(f"{c.old} -> {c.new} ({c.reason}{rate}, step {c.step})")
     log(f"{label}: {run.tok_s:.1f} tok/s, {wall:.1f}s, peak running {run.peak_running}")

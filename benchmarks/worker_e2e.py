@@ -82,7 +82,7 @@ async def run_worker(data: bytes, dtype: str, batch: int) -> dict[str, Any]:
         await worker.run()
         wall = time.perf_counter() - t0
         rec = await store.get_batch(rec.id)
-        st = worker.loaded.engine.stats
+        st = worker.loaded.engine.runner.stats
         return {
             "status": rec.status.value,
             "requests": rec.request_counts.total,

@@ -153,7 +153,7 @@ def _probe(model: Any, window: int | None) -> str | None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from batchmlx.engine.kv.paged import BatchLayout, PagedKVStorage
-    from batchmlx.engine.runner import ModelRunner, model_dims
+    from batchmlx.engine.runners.paged_forward import PagedForward, model_dims
 
     try:
         num_layers, n_kv, head_dim = model_dims(model)
@@ -174,7 +174,7 @@ def _probe(model: Any, window: int | None) -> str | None:
         for n in blocks:
             tables.append(list(range(nxt, nxt + n)))
             nxt += n
-        runner = ModelRunner(model, storage)
+        runner = PagedForward(model, storage)
 
         def run(chunks, starts):
             layout = BatchLayout.build(
@@ -204,18 +204,18 @@ def make_engine(
 ) -> Any:
     """The engine for `model`: paged where `plan_architecture` allows, else unpaged; the
     choice and its reason logged once."""
-    from batchmlx.engine.llm_engine import Engine
-    from batchmlx.engine.unpaged import UnpagedEngine
+    from batchmlx.engine.runners.mlx_lm import mlx_lm_engine
+    from batchmlx.engine.runners.paged import paged_engine
 
     plan = plan_architecture(model)
     model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
     log.info("model %s (%s): %s engine, %s", name, model_type, plan.path.value, plan.reason)
     if plan.paged:
-        return Engine(
+        return paged_engine(
             model, tokenizer, context_length=context_length, config=config,
             sliding_window=plan.window,
         )  # fmt: skip
-    return UnpagedEngine(
+    return mlx_lm_engine(
         model, tokenizer, context_length=context_length, config=config,
         batched=not plan.one_at_a_time,
     )  # fmt: skip

@@ -53,7 +53,7 @@ def build_engine(
     spec = resolve_model(name, cache_dir=cache_dir)
     if spec is None:
         raise ValueError(f"model {name!r} cannot be resolved")
-    from batchmlx.engine.vision import is_vision_model
+    from batchmlx.engine.vision.load import is_vision_model
 
     if is_vision_model(spec.kind, spec.source):
         serving = _vision_engine(name, spec.name, spec.source, settings, governor)
@@ -80,15 +80,17 @@ def build_engine(
 def _vision_engine(
     name: str, model_name: str, source: str, settings: EngineSettings, governor: ThreadGovernor
 ) -> ServingModel:
-    """A vision-language model through mlx-vlm (engine/vision.py): prompts prefilled one at a
-    time, decodes batched (the engine logs which)."""
-    from batchmlx.engine.vision import VisionEngine, VisionPrompter, load_vision
+    """A vision-language model through mlx-vlm (engine/runners/vision.py): prompts
+    prefilled one at a time, decodes batched (the engine logs which)."""
+    from batchmlx.engine.runners.vision import vision_engine
+    from batchmlx.engine.vision.load import load_vision
+    from batchmlx.engine.vision.prompter import VisionPrompter
 
     model, processor, config = load_vision(source)
     text = config.get("text_config") or {}
     context = int(text.get("max_position_embeddings") or config.get("max_position_embeddings")
                   or 2048)  # fmt: skip
-    engine = VisionEngine(model, processor, context_length=context, config=settings)
+    engine = vision_engine(model, processor, context_length=context, config=settings)
     tok = engine.tokenizer
     eos = config.get("eos_token_id") or tok.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])

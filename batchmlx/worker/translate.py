@@ -84,7 +84,7 @@ class Translator:
         eos_ids,
         vocab_size: int | None = None,  # the embedding's rows; None: not checked
         grammar_check: Callable[[str], str | None] | None = None,
-        vision: Any = None,  # engine.vision.VisionPrompter of a vision-language model; None: text
+        vision: Any = None,  # a VisionPrompter (engine/vision/) of a vision-language model
         media: MediaReader | None = None,  # reads https and file images; None: from the env
     ) -> None:
         self.tok = tokenizer
@@ -130,7 +130,9 @@ class Translator:
             else:
                 tokens, text = self._prompt(parsed)
         except Exception as exc:  # a template that rejects these messages, an unreadable image
-            param = getattr(exc, "param", None)  # engine.vision.PromptRefused names the part
+            param = getattr(
+                exc, "param", None
+            )  # engine/vision/prompter.PromptRefused names the part
             code = getattr(exc, "code", ErrorCode.INVALID_VALUE)
             err = RequestError(400, code.value, f"Invalid prompt: {exc}", param)
             return None, [], error_result(err)

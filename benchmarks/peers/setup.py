@@ -44,7 +44,7 @@ VLLM_MLX = "vllm-mlx==0.6.0"
 # Installed --no-deps: vllm-mlx 0.6.0 declares its server, UI and multimodal stack as hard
 # dependencies (gradio, opencv-python, torchvision, mlx-vlm, mlx-embeddings, mcp, fastapi,
 # llguidance, ...: gigabytes, torch among them) though the text engine imports none of them.
-# This is what `vllm_mlx.engine.batched` needs: mlx-lm within its pin (>=0.31.3,<0.32) with
+# This is what `vllm_mlx.engine.runner.batched` needs: mlx-lm within its pin (>=0.31.3,<0.32) with
 # MLX's Linux CPU wheel (mlx-lm asks for mlx only on macOS; 0.32.4 is the newest its `cpu` extra,
 # mlx[cpu]>=0.31.2, allows, and batchmlx's own MLX), transformers/tokenizers, jsonschema
 # (vllm_mlx.api.tool_calling, imported by the engine), psutil (the memory-aware prefix cache
@@ -238,7 +238,7 @@ def _install_vllm_mlx() -> Installed:
     py = _venv(root)
     _run([str(py), "-m", "pip", "install", "-q", *VLLM_MLX_DEPS])
     _run([str(py), "-m", "pip", "install", "-q", "--no-deps", VLLM_MLX])
-    _run([str(py), "-c", "from vllm_mlx.engine.batched import BatchedEngine; "
+    _run([str(py), "-c", "from vllm_mlx.engine.runner.batched import BatchedEngine; "
           "from vllm_mlx.scheduler import SchedulerConfig; import mlx_lm, psutil"])  # fmt: skip
     version = ", ".join(f"{d} {_pip_version(py, d)}" for d in ("vllm-mlx", "mlx-lm", "mlx"))
     got = Installed("vllm-mlx", version, str(root), python=str(py),

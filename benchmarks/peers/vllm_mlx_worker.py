@@ -40,7 +40,7 @@ async def run(job: dict) -> dict:
     import mlx.core as mx
     import mlx_lm
     import vllm_mlx
-    from vllm_mlx.engine.batched import BatchedEngine
+    from vllm_mlx.engine.runner.batched import BatchedEngine
     from vllm_mlx.scheduler import SchedulerConfig
 
     t_import = time.perf_counter() - T0

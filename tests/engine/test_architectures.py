@@ -29,8 +29,8 @@ from mlx_lm.models import (
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import FinishReason, GenerationRequest, SamplingParams
 from batchmlx.engine.choose import EnginePath, make_engine, plan_architecture
-from batchmlx.engine.llm_engine import Engine
-from batchmlx.engine.unpaged import UnpagedEngine
+from batchmlx.engine.runners.mlx_lm import MlxLmRunner, mlx_lm_engine
+from batchmlx.engine.runners.paged import PagedRunner, paged_engine
 
 VOCAB = 256
 NEW_TOKENS = 10
@@ -306,9 +306,9 @@ def test_plan_names_the_path_and_why(family, caplog):
     assert plan.one_at_a_time == fam.one_at_a_time
     with caplog.at_level(logging.INFO, logger="batchmlx.engine"):
         eng = engine(model)
-    assert isinstance(eng, Engine if fam.path is EnginePath.PAGED else UnpagedEngine)
-    if isinstance(eng, UnpagedEngine):
-        assert eng.batched is not fam.one_at_a_time
+    assert isinstance(eng.runner, PagedRunner if fam.path is EnginePath.PAGED else MlxLmRunner)
+    if isinstance(eng.runner, MlxLmRunner):
+        assert eng.runner.batched is not fam.one_at_a_time
     (line,) = [r.getMessage() for r in caplog.records if "engine," in r.getMessage()]
     assert f"{fam.path.value} engine" in line and plan.reason in line
 
@@ -319,7 +319,7 @@ def test_greedy_tokens_equal_mlx_lm(family):
     ps = prompts()
     want = [reference(model, p, NEW_TOKENS) for p in ps]
     eng = engine(model)
-    assert isinstance(eng, Engine if fam.path is EnginePath.PAGED else UnpagedEngine)
+    assert isinstance(eng.runner, PagedRunner if fam.path is EnginePath.PAGED else MlxLmRunner)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     outs = eng.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(ps)])
     got = [o.token_ids for o in outs]
@@ -379,8 +379,8 @@ def both(model, batched=True, **cfg):
     settings = EngineSettings(**base)
     tok = CharTokenizer()
     return (
-        Engine(model, tok, context_length=256, config=settings, seed=7),
-        UnpagedEngine(model, tok, context_length=256, config=settings, seed=7, batched=batched),
+        paged_engine(model, tok, context_length=256, config=settings, seed=7),
+        mlx_lm_engine(model, tok, context_length=256, config=settings, seed=7, batched=batched),
     )
 
 
@@ -470,10 +470,12 @@ def test_worker_build_picks_the_engine(fam, tmp_path, caplog):
             block_size=4, cache_memory_mb=64, max_batch_size=4))  # fmt: skip
     assert any(f"{fam.path.value} engine" in r.getMessage() for r in caplog.records)
     eng = serving.engine
-    assert isinstance(eng, Engine if fam.path is EnginePath.PAGED else UnpagedEngine)
+    assert isinstance(eng.runner, PagedRunner if fam.path is EnginePath.PAGED else MlxLmRunner)
     assert serving.embedder is None  # rotating and hybrid caches: no embeddings here
     assert serving.translator.grammar_check('{"type": "object"}') is None
-    model = eng.runner.model if isinstance(eng, Engine) else eng.model
+    model = (
+        eng.runner.forward_pass.model if isinstance(eng.runner, PagedRunner) else eng.runner.model
+    )
     ps = prompts()
     want = [reference(model, p, 6) for p in ps]
     params = SamplingParams(max_tokens=6, temperature=0.0)
@@ -508,8 +510,8 @@ def test_unpaged_structured_outputs_match_the_paged_engine(tiny_model_dir, batch
             for i, (p, sp) in enumerate(zip(ps, params, strict=True))]  # fmt: skip
     reqs.append(GenerationRequest("free", ps[0], params[0], stop_token_ids=eos))
     settings = EngineSettings(block_size=4, cache_memory_mb=64, max_batch_size=4)
-    paged = Engine(loaded.model, loaded.tokenizer, context_length=256, config=settings)
-    unpaged = UnpagedEngine(loaded.model, loaded.tokenizer, context_length=256, config=settings,
+    paged = paged_engine(loaded.model, loaded.tokenizer, context_length=256, config=settings)
+    unpaged = mlx_lm_engine(loaded.model, loaded.tokenizer, context_length=256, config=settings,
                             batched=batched)  # fmt: skip
     want, got = paged.generate(reqs), unpaged.generate(reqs)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -530,7 +532,7 @@ def test_sliding_window_long_prompts_chunked_and_cached(fam):
     ps = [long, long + rng.integers(1, VOCAB, size=5).tolist(), long[:29] + [7, 8]]
     want = [reference(model, p, NEW_TOKENS) for p in ps]
     eng = engine(model, max_prefill_tokens=8, max_batch_size=1)  # one at a time: cache hits
-    assert isinstance(eng, Engine) and eng.sliding_window == fam.window
+    assert isinstance(eng.runner, PagedRunner) and eng.runner.sliding_window == fam.window
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     outs = eng.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(ps)])
     assert [o.token_ids for o in outs] == want
@@ -541,8 +543,8 @@ def test_kv_memory_is_the_gpus_on_cuda(monkeypatch):
     """On MLX's CUDA backend the KV cache's share is of the GPU's free memory, not the host's."""
     import os
 
-    from batchmlx.engine import llm_engine
-    from batchmlx.engine.llm_engine import available_memory_bytes
+    from batchmlx.engine.kv import budget as llm_engine
+    from batchmlx.engine.kv.budget import available_memory_bytes
 
     pages = {"SC_AVPHYS_PAGES": 1 << 20, "SC_PAGE_SIZE": 4096}  # a host with 4 GiB available
     monkeypatch.setattr(os, "sysconf", pages.__getitem__)

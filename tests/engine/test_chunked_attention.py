@@ -66,7 +66,7 @@ def test_causal_string_and_half_precision_inputs(kernel) -> None:
 def test_engine_tokens_and_logprobs_same_with_either_attention(tiny_model, monkeypatch) -> None:
     from batchmlx.core.engine_api import EngineSettings
     from batchmlx.core.request import GenerationRequest, SamplingParams
-    from batchmlx.engine.llm_engine import Engine
+    from batchmlx.engine.runners.paged import paged_engine
 
     class Tok:
         def decode(self, ids):
@@ -76,7 +76,7 @@ def test_engine_tokens_and_logprobs_same_with_either_attention(tiny_model, monke
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True)
 
     def run():
-        eng = Engine(tiny_model, Tok(), context_length=512,
+        eng = paged_engine(tiny_model, Tok(), context_length=512,
                      config=EngineSettings(max_batch_size=4, max_prefill_tokens=128))  # fmt: skip
         reqs = [GenerationRequest(request_id=f"r{i}", prompt_tokens=p, params=params)
                 for i, p in enumerate(prompts)]  # fmt: skip

@@ -36,15 +36,15 @@ def test_decodes_over_the_dense_copy_match_mlx_lm_and_the_gathered_keys(model): 
     work = churn()
     dense = engine(model, max_batch_size=8, max_prefill_tokens=24, block_size=8)
     outs = staggered(dense, work)
-    kv = dense.decode_kv
+    kv = dense.runner.decode_kv
     assert kv is not None
     # every way of keeping the copy was taken: rebuilds, joins into free slots
     assert kv.rebuilds >= 2 and kv.joins >= 2
-    assert dense.stats.peak_decode_kv_bytes > 0
+    assert dense.runner.stats.peak_decode_kv_bytes > 0
     gathered = engine(
         model, max_batch_size=8, max_prefill_tokens=24, block_size=8, dense_decode=False
     )
-    assert gathered.decode_kv is None
+    assert gathered.runner.decode_kv is None
     old = staggered(gathered, work)
     for _, r in work:
         ref = reference_greedy(model, r.prompt_tokens, r.params.max_tokens)
@@ -57,19 +57,19 @@ def test_preempted_sequences_come_back_into_the_copy_with_their_tokens(model):  
     simple = engine(model, simple=True).generate(reqs(ps))
     # ~14 usable blocks of 4 tokens cannot hold 6 sequences of up to 32 tokens at once
     e = engine(model, memory_aware=False, cache_max_blocks=14, max_batch_size=6)
-    e.decode_kv.budget_bytes = 1 << 30  # (half so small a pool holds no copy)
+    e.runner.decode_kv.budget_bytes = 1 << 30  # (half so small a pool holds no copy)
     outs = e.generate(reqs(ps))
-    assert e.scheduler.stats.preemptions > 0
+    assert e.runner.scheduler.stats.preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
-    assert e.decode_kv.rebuilds > 0
+    assert e.runner.decode_kv.rebuilds > 0
 
 
 def test_a_copy_past_its_budget_is_not_made_and_steps_gather(model):  # noqa: F811
     ps = prompts()
     e = engine(model, max_batch_size=6)
-    e.decode_kv.budget_bytes = 1  # nothing fits
+    e.runner.decode_kv.budget_bytes = 1  # nothing fits
     outs = e.generate(reqs(ps))
-    assert e.stats.peak_decode_kv_bytes == 0 and e.decode_kv.rebuilds == 0
+    assert e.runner.stats.peak_decode_kv_bytes == 0 and e.runner.decode_kv.rebuilds == 0
     simple = engine(model, simple=True).generate(reqs(ps))
     assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
 
@@ -127,7 +127,7 @@ def test_a_quarter_of_the_slots_free_compacts_the_copy(kv):
 
 def test_greedy_default_is_on_and_the_plan_is_for_decode_rows_only(model):  # noqa: F811
     e = engine(model, max_batch_size=4)
-    assert e.decode_kv is not None
+    assert e.runner.decode_kv is not None
     (out,) = e.generate([GenerationRequest("x", prompts()[0], GREEDY)])
     assert out.token_ids == reference_greedy(model, prompts()[0], GREEDY.max_tokens)
 
@@ -152,9 +152,9 @@ def test_decodes_behind_a_shared_prefix_keep_it_once_and_match_mlx_lm(model, mon
     work = [GenerationRequest(f"p{i}", p, params[i]) for i, p in enumerate(ps)]
     e = engine(model, max_batch_size=8)
     outs = e.generate(work)
-    kv = e.decode_kv
+    kv = e.runner.decode_kv
     # gathered once per run of steps sharing it (the copy is rebuilt as sequences finish)
-    assert 0 < kv.prefix_gathers < e.stats.decode_steps + e.stats.mixed_steps
+    assert 0 < kv.prefix_gathers < e.runner.stats.decode_steps + e.runner.stats.mixed_steps
     for r, o in zip(work, outs, strict=True):
         assert o.token_ids == reference_greedy(model, r.prompt_tokens, r.params.max_tokens)
 

@@ -7,7 +7,8 @@ import pytest
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import CacheOutcome, GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine
+from batchmlx.engine.core import EngineCore
+from batchmlx.engine.runners.paged import paged_engine
 
 pytestmark = pytest.mark.real_model
 
@@ -31,8 +32,8 @@ def chat_ids(tok, user: str, system: str | None = SYSTEM) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def make_engine(loaded, **cfg) -> Engine:
-    return Engine(
+def make_engine(loaded, **cfg) -> EngineCore:
+    return paged_engine(
         loaded.model,
         loaded.tokenizer,
         context_length=loaded.context_length,
@@ -73,8 +74,8 @@ def test_greedy_tokens_identical_under_preemption(default_model, prompts):
         default_model, max_batch_size=8, memory_aware=False, cache_max_blocks=18, block_size=8
     )
     outs = e.generate(greedy_reqs(prompts, eos))
-    assert e.scheduler.stats.preemptions > 0
-    assert e.stats.bound_violations == 0
+    assert e.runner.scheduler.stats.preemptions > 0
+    assert e.runner.stats.bound_violations == 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
 
 

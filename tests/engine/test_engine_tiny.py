@@ -11,7 +11,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import CacheOutcome, FinishReason, GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import FORECAST_TOKENS, Engine
+from batchmlx.engine.core import EngineCore
+from batchmlx.engine.runners.paged import FORECAST_TOKENS, paged_engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -32,10 +33,10 @@ def model():
     return m
 
 
-def engine(model, **cfg) -> Engine:
+def engine(model, **cfg) -> EngineCore:
     base = dict(block_size=4, cache_memory_mb=64, max_prefill_tokens=64)
     base.update(cfg)
-    return Engine(model, None, context_length=256, config=EngineSettings(**base), seed=0)
+    return paged_engine(model, None, context_length=256, config=EngineSettings(**base), seed=0)
 
 
 def prompts() -> list[list[int]]:
@@ -152,9 +153,9 @@ def test_preemption_under_a_tiny_cache_keeps_outputs(model):
     e = engine(model, memory_aware=False, cache_max_blocks=14, max_batch_size=6)
     outs = e.generate(reqs(ps))
     assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
-    assert e.scheduler.stats.preemptions > 0
-    assert e.stats.bound_violations == 0
-    assert e.storage.peak_nbytes <= e.stats.kv_bound_bytes
+    assert e.runner.scheduler.stats.preemptions > 0
+    assert e.runner.stats.bound_violations == 0
+    assert e.runner.storage.peak_nbytes <= e.runner.stats.kv_bound_bytes
 
 
 def test_sharing_lowers_allocated_kv_memory(model):
@@ -167,7 +168,7 @@ def test_sharing_lowers_allocated_kv_memory(model):
     a = on.generate(reqs(ps, params))
     b = off.generate(reqs(ps, params))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert on.stats.peak_kv_bytes < off.stats.peak_kv_bytes / 2
+    assert on.runner.stats.peak_kv_bytes < off.runner.stats.peak_kv_bytes / 2
 
 
 def test_the_kv_pool_grows_at_once_to_what_the_running_requests_may_need(model):
@@ -181,16 +182,16 @@ def test_the_kv_pool_grows_at_once_to_what_the_running_requests_may_need(model):
     rng = np.random.default_rng(4)
     ps = [rng.integers(1, 97, size=n).tolist() for n in (13, 17, 22, 15, 19, 26)]
     e = engine(model, max_batch_size=8, kv_grow_blocks=1, max_prefill_tokens=256)  # all at once
-    assert e.storage.growths == 1 and e.storage.capacity_blocks == 1
+    assert e.runner.storage.growths == 1 and e.runner.storage.capacity_blocks == 1
     out = e.generate(reqs(ps, params))
     assert [len(o.token_ids) for o in out] == [20] * len(ps)
-    assert e.storage.growths == 2
-    assert e.storage.capacity_blocks == 1 + sum(-(-(len(p) + 20) // 4) for p in ps)  # + null
+    assert e.runner.storage.growths == 2
+    assert e.runner.storage.capacity_blocks == 1 + sum(-(-(len(p) + 20) // 4) for p in ps)  # + null
 
     long = engine(model, kv_grow_blocks=1)
     long.add(GenerationRequest("long", ps[0], SamplingParams(max_tokens=200, temperature=0.0)))
     long.step()
-    assert long.storage.capacity_blocks == 1 + -(-(len(ps[0]) + FORECAST_TOKENS) // 4)
+    assert long.runner.storage.capacity_blocks == 1 + -(-(len(ps[0]) + FORECAST_TOKENS) // 4)
 
 
 def test_the_context_is_the_smaller_of_the_model_and_the_kv_pool(model):
@@ -243,15 +244,15 @@ def test_the_adaptive_width_grows_and_keeps_greedy_tokens(model):
     ps = many_prompts(48)
     simple = engine(model, simple=True).generate(reqs(ps))
     cfg = EngineSettings(block_size=4, cache_memory_mb=64, max_batch_size=32)
-    e = Engine(model, None, context_length=256, seed=0, clock=StepClock(), config=cfg)
-    e.width = WidthController(WidthPolicy(cap=32, initial=2, window_steps=2))
-    e.scheduler.running_limit = 2
+    e = paged_engine(model, None, context_length=256, seed=0, clock=StepClock(), config=cfg)
+    e.runner.width = WidthController(WidthPolicy(cap=32, initial=2, window_steps=2))
+    e.runner.scheduler.running_limit = 2
     outs = e.generate(reqs(ps))
     assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
-    grown = [c.new for c in e.width.changes if c.reason == "faster"]
+    grown = [c.new for c in e.runner.width.changes if c.reason == "faster"]
     assert grown[:2] == [4, 8]
-    assert e.scheduler.stats.peak_running > 2
-    assert e.scheduler.stats.preemptions == 0
+    assert e.runner.scheduler.stats.peak_running > 2
+    assert e.runner.scheduler.stats.preemptions == 0
 
 
 def test_queued_work_that_fits_is_admitted_at_once_and_keeps_greedy_tokens(model):
@@ -260,48 +261,48 @@ def test_queued_work_that_fits_is_admitted_at_once_and_keeps_greedy_tokens(model
     ps = many_prompts(24)
     simple = engine(model, simple=True).generate(reqs(ps))
 
-    def run(blocks: int) -> Engine:
+    def run(blocks: int) -> EngineCore:
         cfg = EngineSettings(block_size=4, memory_aware=False, cache_max_blocks=blocks,
                              max_batch_size=32)  # fmt: skip
-        e = Engine(model, None, context_length=256, seed=0, clock=StepClock(), config=cfg)
-        e.width = WidthController(WidthPolicy(cap=32, initial=4, window_steps=2))
-        e.scheduler.running_limit = 4
+        e = paged_engine(model, None, context_length=256, seed=0, clock=StepClock(), config=cfg)
+        e.runner.width = WidthController(WidthPolicy(cap=32, initial=4, window_steps=2))
+        e.runner.scheduler.running_limit = 4
         outs = e.generate(reqs(ps))
         assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
         return e
 
     e = run(blocks=1000)
-    first = e.width.changes[0]
+    first = e.runner.width.changes[0]
     assert (first.step, first.old, first.new, first.reason) == (1, 4, 24, "fits")
-    assert e.scheduler.stats.peak_running == 24
+    assert e.runner.scheduler.stats.peak_running == 24
     # a pool that cannot hold all 24 at their longest (3+ blocks each): measured, as before
     small = run(blocks=60)
-    assert "fits" not in {c.reason for c in small.width.changes}
+    assert "fits" not in {c.reason for c in small.runner.width.changes}
 
 
 def test_the_adaptive_width_shrinks_under_memory_pressure(model):
     ps = many_prompts(24)
     simple = engine(model, simple=True).generate(reqs(ps))
     # 14 usable blocks of 4 tokens: 12 sequences of up to 23 tokens cannot all stay
-    e = Engine(model, None, context_length=256, seed=0, clock=StepClock(),
+    e = paged_engine(model, None, context_length=256, seed=0, clock=StepClock(),
                config=EngineSettings(block_size=4, memory_aware=False, cache_max_blocks=14,
                                      max_batch_size=12))  # fmt: skip
-    fixed = Engine(model, None, context_length=256, seed=0,
+    fixed = paged_engine(model, None, context_length=256, seed=0,
                    config=EngineSettings(block_size=4, memory_aware=False, cache_max_blocks=14,
                                          max_batch_size=12, adaptive_width=False))  # fmt: skip
     outs = e.generate(reqs(ps))
     assert [o.token_ids for o in outs] == [o.token_ids for o in simple]
     assert [o.token_ids for o in fixed.generate(reqs(ps))] == [o.token_ids for o in simple]
-    shrinks = [c for c in e.width.changes if c.reason == "memory"]
+    shrinks = [c for c in e.runner.width.changes if c.reason == "memory"]
     assert shrinks and all(c.new < c.old for c in shrinks)
     # narrowing after the first preemptions spares the pool most of the fixed width's
-    assert 0 < e.scheduler.stats.preemptions < fixed.scheduler.stats.preemptions
+    assert 0 < e.runner.scheduler.stats.preemptions < fixed.runner.scheduler.stats.preemptions
 
 
 # -- mixed steps, packed: decodes never wait for a prefill ----------------------------------
 
 
-def staggered(e: Engine, arrivals: list[tuple[int, GenerationRequest]]) -> dict[str, object]:
+def staggered(e: EngineCore, arrivals: list[tuple[int, GenerationRequest]]) -> dict[str, object]:
     """Add each request at its step number, run to the end; outputs by id. Records every
     streamed token through on_token."""
     streamed: dict[str, list[int]] = {}
@@ -338,14 +339,14 @@ def mixed_workload(params=GREEDY) -> list[tuple[int, GenerationRequest]]:
 def test_mixed_packed_steps_match_mlx_lm_and_unmixed_steps(model):
     work = mixed_workload()
     mixed = engine(model, max_batch_size=8, max_prefill_tokens=24)
-    assert mixed.runner.packs  # llama has the attention seam: steps run packed
+    assert mixed.runner.forward_pass.packs  # llama has the attention seam: steps run packed
     outs = staggered(mixed, work)
     # the long prompts were chunked in steps that also decoded the running sequences
-    assert mixed.stats.mixed_steps >= 4
-    assert mixed.scheduler.stats.mixed_steps == mixed.stats.mixed_steps
+    assert mixed.runner.stats.mixed_steps >= 4
+    assert mixed.runner.scheduler.stats.mixed_steps == mixed.runner.stats.mixed_steps
     unmixed = engine(model, max_batch_size=8, max_prefill_tokens=24, mixed_steps=False)
     old = staggered(unmixed, work)
-    assert unmixed.stats.mixed_steps == 0
+    assert unmixed.runner.stats.mixed_steps == 0
     for _, r in work:
         ref = reference_greedy(model, r.prompt_tokens, 12)
         assert outs[r.request_id].token_ids == ref, r.request_id
@@ -371,7 +372,11 @@ def test_mixed_steps_keep_logprobs_and_seeded_sampling(model):
 
 
 def test_packed_layout_feeds_each_token_once_at_its_position():
-    from batchmlx.engine.kv.paged import BatchLayout, PackedLayout, SegmentKind
+    from batchmlx.engine.kv.paged import (
+        BatchLayout,
+        PackedLayout,
+        SegmentKind,
+    )
 
     kw = dict(
         block_size=4, n_kv_heads=2, token_chunks=[[5, 6, 7, 8, 9], [3], [4, 2], [1]],
@@ -422,7 +427,7 @@ def test_a_mixed_step_attends_by_segment(model):
         return segment_attention(queries, keys, values, scale, mask, causal_offset=causal_offset)
 
     e = engine(model, max_batch_size=8, max_prefill_tokens=24, use_paged_cache=False)
-    e.runner.attention = AttentionRoute(model, attend=attend)
+    e.runner.forward_pass.attention = AttentionRoute(model, attend=attend)
     e.add(GenerationRequest("a", prompts()[2], GREEDY))  # 7 tokens
     e.add(GenerationRequest("b", prompts()[5], GREEDY))  # 3 tokens
     e.step()  # both prompts: chunks of 7 and 3 tokens, close enough to share one segment
@@ -430,18 +435,18 @@ def test_a_mixed_step_attends_by_segment(model):
     shapes.clear()
     e.add(GenerationRequest("long", list(range(1, 41)), GREEDY))
     e.step()  # a mixed step: a and b decode beside the first 22 tokens of the long prompt
-    assert e.stats.mixed_steps == 1
+    assert e.runner.stats.mixed_steps == 1
     assert sorted(shapes) == [(1, 22, 24), (1, 22, 24), (2, 1, 8), (2, 1, 8)]
 
 
 def test_a_model_without_the_attention_seam_keeps_unmixed_padded_steps(model, monkeypatch):
-    from batchmlx.engine.runner import ModelRunner
+    from batchmlx.engine.runners.paged_forward import PagedForward
 
-    monkeypatch.setattr(ModelRunner, "packs", property(lambda self: False))
+    monkeypatch.setattr(PagedForward, "packs", property(lambda self: False))
     e = engine(model, max_batch_size=8, max_prefill_tokens=24)
-    assert not e.mixed_steps and not e.scheduler.config.mixed_steps
+    assert not e.runner.mixed_steps and not e.runner.scheduler.config.mixed_steps
     outs = staggered(e, mixed_workload())
-    assert e.stats.mixed_steps == 0
+    assert e.runner.stats.mixed_steps == 0
     for _, r in mixed_workload():
         assert outs[r.request_id].token_ids == reference_greedy(model, r.prompt_tokens, 12)
 
@@ -471,7 +476,7 @@ def test_prompt_chunks_behind_a_cached_prefix_run_as_one_cascade_segment(model, 
     system = rng.integers(1, 97, size=16).tolist()  # 4 full blocks
     tails = [rng.integers(1, 97, size=n).tolist() for n in (6, 5, 7)]
     e = engine(model, max_batch_size=8)
-    e.runner.attention = AttentionRoute(model, prefix_attention=counting)
+    e.runner.forward_pass.attention = AttentionRoute(model, prefix_attention=counting)
     e.generate([GenerationRequest("warm", system + [5], GREEDY)])  # caches the 4 blocks
     calls.clear()
     outs = e.generate(reqs([system + t for t in tails]))
@@ -501,7 +506,7 @@ def test_a_step_holds_no_layer_keys_past_the_layers_attention(model, monkeypatch
 
 
 def test_the_engine_raises_mlx_buffer_cache_on_the_cpu_only():
-    from batchmlx.engine import llm_engine
+    from batchmlx.engine.kv import budget as llm_engine
 
     before = mx.set_cache_limit(32 << 20)
     try:
@@ -516,7 +521,7 @@ def test_the_engine_raises_mlx_buffer_cache_on_the_cpu_only():
 
 
 def test_available_memory_counts_the_page_cache_the_kernel_can_drop(tmp_path):
-    from batchmlx.engine import llm_engine
+    from batchmlx.engine.kv import budget as llm_engine
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 24000000 kB\nMemFree: 231000 kB\nMemAvailable: 23000000 kB\n")

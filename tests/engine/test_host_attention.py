@@ -105,7 +105,7 @@ def test_engine_tokens_and_logprobs_same_on_the_host(tiny_model, monkeypatch) ->
     across several tiles, chunked prefill, decodes, a shared prefix, mixed steps."""
     from batchmlx.core.engine_api import EngineSettings
     from batchmlx.core.request import GenerationRequest, SamplingParams
-    from batchmlx.engine.llm_engine import Engine
+    from batchmlx.engine.runners.paged import paged_engine
 
     class Tok:
         def decode(self, ids):
@@ -117,7 +117,7 @@ def test_engine_tokens_and_logprobs_same_on_the_host(tiny_model, monkeypatch) ->
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True)
 
     def run():
-        eng = Engine(tiny_model, Tok(), context_length=512,
+        eng = paged_engine(tiny_model, Tok(), context_length=512,
                      config=EngineSettings(max_batch_size=8, max_prefill_tokens=128))  # fmt: skip
         reqs = [GenerationRequest(request_id=f"r{i}", prompt_tokens=p, params=params)
                 for i, p in enumerate(prompts)]  # fmt: skip

@@ -210,7 +210,7 @@ def test_embedding_lookup_and_tied_head(fmt) -> None:
 def test_tiny_model_in_host_format_close_to_float_and_engine_modes_agree(tiny_model, fmt) -> None:
     from batchmlx.core.engine_api import EngineSettings
     from batchmlx.core.request import GenerationRequest, SamplingParams
-    from batchmlx.engine.llm_engine import Engine
+    from batchmlx.engine.runners.paged import paged_engine
 
     model = tiny_model
     tokens = mx.array([[5, 17, 99, 3, 250, 8]])
@@ -222,7 +222,7 @@ def test_tiny_model_in_host_format_close_to_float_and_engine_modes_agree(tiny_mo
     params = SamplingParams(max_tokens=6, temperature=0.0)
     reqs = [GenerationRequest(f"r{i}", [3 + i, 40, 41 + i], params, frozenset()) for i in range(4)]
     runs = [
-        Engine(model, None, context_length=256, config=EngineSettings(**cfg), seed=0)
+        paged_engine(model, None, context_length=256, config=EngineSettings(**cfg), seed=0)
         .generate(reqs) for cfg in ({"simple": True}, {"max_batch_size": 4})
     ]  # fmt: skip
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]

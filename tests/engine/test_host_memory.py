@@ -12,8 +12,10 @@ import pytest
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
+from batchmlx.engine.core import EngineCore
 from batchmlx.engine.host.memory import HeapTrimmer
-from batchmlx.engine.llm_engine import CPU_BUFFER_CACHE, Engine
+from batchmlx.engine.kv.budget import CPU_BUFFER_CACHE
+from batchmlx.engine.runners.paged import paged_engine
 
 MB = 1 << 20
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
@@ -43,9 +45,9 @@ def _fragment() -> list[mx.array]:
     return small
 
 
-def _engine(model) -> Engine:
+def _engine(model) -> EngineCore:
     cfg = EngineSettings(block_size=4, cache_memory_mb=64, max_prefill_tokens=64)
-    return Engine(model, None, context_length=256, config=cfg, seed=0)
+    return paged_engine(model, None, context_length=256, config=cfg, seed=0)
 
 
 @glibc

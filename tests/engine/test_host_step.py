@@ -50,13 +50,13 @@ class Compare:
     """Runs every host step twice, the MLX path first, and keeps the logits' difference."""
 
     def __init__(self, eng) -> None:
-        self.runner = eng.runner
-        self.host = eng.runner.host
+        self.runner = eng.runner.forward_pass
+        self.host = eng.runner.forward_pass.host
         assert self.host is not None
-        self.forward = eng.runner.forward
+        self.forward = eng.runner.forward_pass.forward
         self.diffs: list[float] = []
         self.argmax_equal = True
-        eng.runner.forward = self
+        eng.runner.forward_pass.forward = self
 
     def __call__(self, layout, rows):
         if not self.host.runs(layout):
@@ -82,10 +82,10 @@ def test_host_steps_match_the_mlx_path_with_sequences_joining_and_leaving(fmt, d
     e = engine(model, max_batch_size=8, max_prefill_tokens=24, block_size=8, dense_decode=dense)
     cmp = Compare(e)
     outs = staggered(e, work)
-    assert len(cmp.diffs) == cmp.host.steps == e.stats.steps >= 20  # every step, on the host
-    assert e.stats.mixed_steps > 0  # prompt chunks beside decodes
+    assert len(cmp.diffs) == cmp.host.steps == e.runner.stats.steps >= 20  # every step, on the host
+    assert e.runner.stats.mixed_steps > 0  # prompt chunks beside decodes
     if dense:
-        assert e.decode_kv.rebuilds >= 2 and e.decode_kv.joins >= 2
+        assert e.runner.decode_kv.rebuilds >= 2 and e.runner.decode_kv.joins >= 2
     assert max(cmp.diffs) < TOLERANCE[fmt], max(cmp.diffs)
     assert cmp.argmax_equal
     # and the same tokens as an engine that never runs host steps
@@ -111,8 +111,8 @@ def test_steps_behind_a_shared_prefix_match_the_mlx_path(fmt, dense):
     cmp = Compare(e)
     got = staggered(e, work)
     if dense:
-        assert e.decode_kv.prefix_gathers >= 1  # the decodes read the prefix once, kept
-    assert e.scheduler.stats.prefix_hits + e.scheduler.stats.hits >= 4
+        assert e.runner.decode_kv.prefix_gathers >= 1  # the decodes read the prefix once, kept
+    assert e.runner.scheduler.stats.prefix_hits + e.runner.scheduler.stats.hits >= 4
     assert max(cmp.diffs) < TOLERANCE[fmt] and cmp.argmax_equal
     ref = engine(model, **cfg)
     ref.runner.host = None
@@ -150,7 +150,7 @@ def test_host_rope_is_the_pair_formula_and_mlx_rope(traditional, dims):
 def test_models_it_does_not_run_keep_the_mlx_path(monkeypatch):
     f32 = tiny(ANY)
     e = engine(f32)
-    assert e.runner.host is not None
+    assert e.runner.forward_pass.host is not None
     mx.random.seed(0)
     plain = llama.Model(llama.ModelArgs(
         model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
@@ -158,12 +158,12 @@ def test_models_it_does_not_run_keep_the_mlx_path(monkeypatch):
         rope_theta=10000.0, tie_word_embeddings=True))  # fmt: skip
     plain.set_dtype(mx.float32)
     e = engine(plain)
-    assert e.runner.host is None  # float32 weights: MLX's own GEMMs, exact to mlx-lm
-    assert unsupported(plain, e.storage) == "embedding not in a host format"
+    assert e.runner.forward_pass.host is None  # float32 weights: MLX's own GEMMs, exact to mlx-lm
+    assert unsupported(plain, e.runner.storage) == "embedding not in a host format"
     monkeypatch.setenv(host_step.ENV, "0")
     assert HostStep.of(f32, engine(f32).storage) is None
     e = engine(f32)
-    assert e.runner.host is None
+    assert e.runner.forward_pass.host is None
 
 
 @pytest.mark.slow
@@ -175,12 +175,12 @@ def test_real_model_text_equals_the_mlx_path(default_model):
 
     def run(host: bool):
         from batchmlx.core.engine_api import EngineSettings
-        from batchmlx.engine.llm_engine import Engine
+        from batchmlx.engine.runners.paged import paged_engine
 
-        e = Engine(lm.model, lm.tokenizer, context_length=lm.context_length,
+        e = paged_engine(lm.model, lm.tokenizer, context_length=lm.context_length,
                    config=EngineSettings(max_batch_size=8, adaptive_width=False))  # fmt: skip
         if not host:
-            e.runner.host = None
+            e.runner.forward_pass.host = None
         cmp = Compare(e) if host else None
         return e.generate(reqs), cmp
 

@@ -53,7 +53,7 @@ def test_long_prompts_arriving_mid_decode_keep_greedy_tokens(default_model):
     ]
     e = make_engine(default_model, max_batch_size=8, max_prefill_tokens=160)
     mixed = run_staggered(e, arrivals)
-    assert e.stats.mixed_steps >= 3  # the long prompts were chunked beside running decodes
+    assert e.runner.stats.mixed_steps >= 3  # the long prompts were chunked beside running decodes
     simple = make_engine(default_model, simple=True)
     for _, r in arrivals:
         (alone,) = simple.generate([r])

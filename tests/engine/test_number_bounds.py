@@ -141,10 +141,8 @@ def test_a_digit_loving_model_closes_its_json(digit_lover, tok, paged):
 
     from batchmlx.core.engine_api import EngineSettings
     from batchmlx.core.request import FinishReason, GenerationRequest, SamplingParams
-    from batchmlx.engine.llm_engine import Engine
-    from batchmlx.engine.unpaged import UnpagedEngine
 
-    kind = Engine if paged else UnpagedEngine
+    kind = paged_engine if paged else mlx_lm_engine
     engine = kind(digit_lover, tok, context_length=512,
                   config=EngineSettings(max_batch_size=4, cache_memory_mb=64), seed=0)  # fmt: skip
     schema = canonical_schema(POPULATION)

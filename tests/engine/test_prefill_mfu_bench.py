@@ -21,8 +21,8 @@ def test_flop_counts_of_the_tiny_llama(tiny_model) -> None:
 def test_timers_file_every_piece_and_undo_their_patches(tiny_model) -> None:
     import mlx.nn as nn
 
-    from batchmlx.engine import llm_engine
     from batchmlx.engine.kv import paged as kv_cache
+    from batchmlx.engine.runners import paged as llm_engine
 
     class Tok:
         def decode(self, ids):

@@ -10,7 +10,8 @@ import pytest
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.records import ClaimedRequest
 from batchmlx.core.request import FinishReason, GenerationRequest, SamplingParams
-from batchmlx.engine.llm_engine import Engine
+from batchmlx.engine.core import EngineCore
+from batchmlx.engine.runners.paged import paged_engine
 from batchmlx.formats.structured import canonical_schema
 from batchmlx.worker.translate import Translator
 from tests.engine.helpers import assert_greedy_texts_agree
@@ -50,8 +51,8 @@ def chat_ids(tok, user: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def make_engine(loaded, **cfg) -> Engine:
-    return Engine(
+def make_engine(loaded, **cfg) -> EngineCore:
+    return paged_engine(
         loaded.model,
         loaded.tokenizer,
         context_length=loaded.context_length,

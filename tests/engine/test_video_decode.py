@@ -15,7 +15,7 @@ from tests.tiny_vlm import encode_video, random_frames, video
 av = pytest.importorskip("av")
 
 from batchmlx.engine import video as video_module  # noqa: E402
-from batchmlx.engine.video import VideoUnreadable, decode_video, sample_indices  # noqa: E402
+from batchmlx.engine.vision.video import VideoUnreadable, decode_video, sample_indices  # noqa: E402
 
 
 def every_frame(data: bytes) -> list:
@@ -105,7 +105,7 @@ def test_a_cut_off_video_is_refused_not_half_read(cut):
 def test_decoding_imports_no_opencv():
     # batchmlx's video path needs only PyAV's wheel, not OpenCV (whose wheel links system libGL)
     code = (
-        "import sys; from tests.tiny_vlm import video; from batchmlx.engine.video import "
+        "import sys; from tests.tiny_vlm import video; from batchmlx.engine.vision.video import "
         "decode_video; decode_video(video(1), 4.0, 8); print('cv2' in sys.modules)"
     )
     root = Path(__file__).resolve().parents[2]

@@ -24,7 +24,8 @@ VIDEO_TOKENS = 16  # 8 frames at 56x56: 4 temporal patches of 2x2 merged patches
 
 @pytest.fixture(scope="module")
 def loaded(tiny_qwen2_vl_dir):
-    from batchmlx.engine.vision import VisionPrompter, load_vision
+    from batchmlx.engine.vision.load import load_vision
+    from batchmlx.engine.vision.prompter import VisionPrompter
 
     model, processor, config = load_vision(str(tiny_qwen2_vl_dir))
     return model, processor, VisionPrompter(processor, config, "tiny-qwen2-vl")
@@ -32,11 +33,11 @@ def loaded(tiny_qwen2_vl_dir):
 
 def engine(loaded, **settings):
     from batchmlx.core.engine_api import EngineSettings
-    from batchmlx.engine.vision import VisionEngine
+    from batchmlx.engine.runners.vision import vision_engine
 
     model, processor, _ = loaded
     cfg = EngineSettings(cache_max_blocks=256, **settings)
-    return VisionEngine(model, processor, context_length=2048, config=cfg)
+    return vision_engine(model, processor, context_length=2048, config=cfg)
 
 
 def video_part(clip: bytes, fps: float = 4.0, max_frames: int = 8) -> dict:
@@ -126,13 +127,17 @@ def test_greedy_tokens_equal_mlx_vlm_alone_and_batched_with_an_image_and_text(lo
     eng = engine(loaded)
     eng.add(reqs[0])
     eng.step()
-    assert eng._running[0].rope_delta == 4 - VIDEO_TOKENS
+    assert eng.runner._running[0].rope_delta == 4 - VIDEO_TOKENS
 
 
 def test_prefix_cache_same_video_another_question_another_video(loaded):
     eng = engine(loaded)
     first = eng.generate([request(loaded, video_part(video(1)), rid="a")])[0]
-    assert (first.cache_outcome, first.cached_tokens, eng.vision_runs) == (CacheOutcome.MISS, 0, 1)
+    assert (first.cache_outcome, first.cached_tokens, eng.runner.vision_runs) == (
+        CacheOutcome.MISS,
+        0,
+        1,
+    )
 
     same = request(loaded, video_part(video(1)), rid="b")
     again = eng.generate([same])[0]
@@ -140,7 +145,7 @@ def test_prefix_cache_same_video_another_question_another_video(loaded):
     assert again.cached_tokens == (len(same.prompt_tokens) - 1) // 16 * 16
     assert again.token_ids == first.token_ids
     assert_matches(again, reference(loaded, same))
-    assert eng.vision_runs == 1  # the whole video came from the cache: no vision tower
+    assert eng.runner.vision_runs == 1  # the whole video came from the cache: no vision tower
 
     question = request(loaded, video_part(video(1)), question="Which colour is most common in "
                        "this clip, and does it change?", rid="c")  # fmt: skip
@@ -149,7 +154,7 @@ def test_prefix_cache_same_video_another_question_another_video(loaded):
     assert reused.cache_outcome is CacheOutcome.PREFIX_HIT
     assert reused.cached_tokens >= span.end // 16 * 16 > span.start  # the video's blocks
     assert_matches(reused, reference(loaded, question))
-    assert eng.vision_runs == 1  # its last block missed; the video's features were kept
+    assert eng.runner.vision_runs == 1  # its last block missed; the video's features were kept
 
     other = request(loaded, video_part(video(2)), rid="d")
     assert other.prompt_tokens == same.prompt_tokens  # the same tokens, another video
@@ -157,15 +162,15 @@ def test_prefix_cache_same_video_another_question_another_video(loaded):
     assert moved.cached_tokens == span.start // 16 * 16 > 0  # only the blocks before it
     assert moved.cache_outcome is CacheOutcome.PREFIX_HIT
     assert_matches(moved, reference(loaded, other))
-    assert eng.vision_runs == 2
+    assert eng.runner.vision_runs == 2
 
     slower = request(loaded, video_part(video(1), fps=2.0), rid="e")  # another key
     assert eng.generate([slower])[0].cached_tokens == span.start // 16 * 16
-    assert eng.vision_runs == 3
+    assert eng.runner.vision_runs == 3
 
 
 def test_videos_the_model_cannot_take_are_refused_naming_the_part(loaded):
-    from batchmlx.engine.vision import PromptRefused
+    from batchmlx.engine.vision.prompter import PromptRefused
 
     where = "messages[1].content[0].video_url.url"
     for junk in (b"not a video", video(1)[:600]):

@@ -19,7 +19,8 @@ MAX = 6
 
 @pytest.fixture(scope="module")
 def loaded(tiny_vlm_dir):
-    from batchmlx.engine.vision import VisionPrompter, load_vision
+    from batchmlx.engine.vision.load import load_vision
+    from batchmlx.engine.vision.prompter import VisionPrompter
 
     model, processor, config = load_vision(str(tiny_vlm_dir))
     return model, processor, VisionPrompter(processor, config, "tiny-llava")
@@ -27,11 +28,11 @@ def loaded(tiny_vlm_dir):
 
 def engine(loaded, batched: bool = True, **settings):
     from batchmlx.core.engine_api import EngineSettings
-    from batchmlx.engine.vision import VisionEngine
+    from batchmlx.engine.runners.vision import vision_engine
 
     model, processor, _ = loaded
     cfg = EngineSettings(cache_max_blocks=256, **settings)
-    return VisionEngine(model, processor, context_length=2048, config=cfg, batched=batched)
+    return vision_engine(model, processor, context_length=2048, config=cfg, batched=batched)
 
 
 def request(loaded, image: bytes | None, question: str, rid: str) -> GenerationRequest:
@@ -119,21 +120,21 @@ def test_an_aborted_row_leaves_the_batch_and_the_rest_go_on(loaded):
     assert set(outs) == {"r0", "r2"}
     for r in (reqs[0], reqs[2]):
         assert outs[r.request_id].token_ids == reference(loaded, r)[:MAX]
-    assert eng.pool.num_used == 0  # every block released
+    assert eng.runner.pool.num_used == 0  # every block released
 
 
 def test_prefix_cache_same_image_other_image_other_question(loaded):
     eng = engine(loaded)
     first = eng.generate([request(loaded, png(1), "What is this?", "a")])[0]
     assert (first.cache_outcome, first.cached_tokens) == (CacheOutcome.MISS, 0)
-    assert eng.vision_runs == 1
+    assert eng.runner.vision_runs == 1
 
     same = request(loaded, png(1), "What is this?", "b")
     again = eng.generate([same])[0]
     assert again.cache_outcome is CacheOutcome.HIT
     assert again.cached_tokens == (len(same.prompt_tokens) - 1) // 16 * 16
     assert again.token_ids == first.token_ids == reference(loaded, same)[:MAX]
-    assert eng.vision_runs == 1  # the whole image came from the cache: no vision tower
+    assert eng.runner.vision_runs == 1  # the whole image came from the cache: no vision tower
 
     other = request(loaded, png(2), "What is this?", "c")
     assert other.prompt_tokens == same.prompt_tokens  # the same tokens, another image
@@ -142,20 +143,20 @@ def test_prefix_cache_same_image_other_image_other_question(loaded):
     # only the blocks wholly before the image are shared
     assert moved.cached_tokens == span.start // 16 * 16 < span.start + 1
     assert moved.token_ids == reference(loaded, other)[:MAX]
-    assert eng.vision_runs == 2
+    assert eng.runner.vision_runs == 2
 
     question = request(loaded, png(1), "Which colour is most common here?", "d")
     reused = eng.generate([question])[0]
     assert reused.cache_outcome is CacheOutcome.PREFIX_HIT
     assert reused.cached_tokens >= question.media_spans[0].end // 16 * 16 > span.start
     assert reused.token_ids == reference(loaded, question)[:MAX]
-    assert eng.vision_runs == 2  # the image's last block missed, its features were kept
+    assert eng.runner.vision_runs == 2  # the image's last block missed, its features were kept
     # KV is kept for cached blocks only (the partial last blocks were dropped with their request)
-    assert set(eng._blocks) == {b.block_id for b in eng.pool.blocks if b.is_cached}
+    assert set(eng.runner._blocks) == {b.block_id for b in eng.runner.pool.blocks if b.is_cached}
 
 
 def test_prompts_the_model_cannot_take_are_refused_naming_the_part(loaded):
-    from batchmlx.engine.vision import PromptRefused
+    from batchmlx.engine.vision.prompter import PromptRefused
 
     def parts(*content) -> tuple:
         p = parse_request("/v1/chat/completions", {"model": "m", "messages": [

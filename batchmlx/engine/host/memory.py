@@ -1,7 +1,7 @@
 """Freed memory the process keeps for reuse, bounded.
 
 MLX's CPU buffers come from the C allocator (glibc's malloc on Linux). Two pools keep freed
-buffers: MLX's own buffer cache, bounded by its limit (llm_engine.size_buffer_cache), and
+buffers: MLX's own buffer cache, bounded by its limit (kv/budget.size_buffer_cache), and
 glibc's heap, bounded by nothing. glibc mmaps an allocation above its mmap threshold and gives
 it back at free, but the threshold is dynamic: each free of an mmapped chunk raises it to that
 chunk's size (up to 32 MiB), after which buffers of that size live in the heap, and a heap only

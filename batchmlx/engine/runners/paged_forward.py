@@ -29,7 +29,7 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
     return len(layers), int(n_kv), int(head_dim)
 
 
-class ModelRunner:
+class PagedForward:
     """Runs the model body on a BatchLayout and turns chosen hidden rows into logits.
 
     The body and the head are split so a 500-token prefill pays for the vocabulary projection

@@ -1,21 +1,20 @@
-"""The unpaged engine: mlx-lm's own continuous batching (`BatchGenerator`) behind EngineProtocol.
+"""mlx-lm's own batching (`BatchGenerator`), or its one-at-a-time loop, as a Runner.
 
-For models the paged engine cannot run (engine/choose.py decides): hybrid and state-space caches,
-rotations that keep a prefix, attention the paged seam does not fit. mlx-lm batches these with
-its own per-architecture caches. What stays the same as the paged engine: each sampled token's
-post-processing step (core/postprocess.py: end of sequence, max tokens, grammar, stop strings,
-log-probs, streaming callbacks), per-request sampling keyed by (seed, token index) through the
-same sampler (engine/sampler.py), log-probs of the raw logits. What it has not: prefix caching,
-KV blocks, embeddings. Structured outputs go through an mlx-lm logits processor per constrained
-request: it feeds the matcher the token the step consumes (the one sampled last) and masks the
-logits the same way the paged engine does.
+For models the paged runner cannot run (engine/choose.py decides): hybrid and state-space
+caches, rotations that keep a prefix, attention the paged seam does not fit. mlx-lm batches
+these with its own per-architecture caches; its scheduling policy here is a queue by priority
+(online before batch work), then arrival. What the engine core gives it as to every runner:
+each sampled token's post-processing step (core/postprocess.py), per-request sampling keyed by
+(seed, token index) through the same sampler (engine/sampler.py; mlx-lm calls it per row),
+log-probs of the raw logits. What it has not: prefix caching, KV blocks, embeddings. Structured
+outputs go through an mlx-lm logits processor per constrained request: it feeds the matcher the
+token the step consumes (the one sampled last) and masks the logits as the core does.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -25,30 +24,28 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.core.engine_api import EngineSettings, StepError, TokenCallback, run_to_completion
-from batchmlx.core.finish import FinishRules
-from batchmlx.core.postprocess import Generation, Postprocessor
-from batchmlx.core.request import GenerationOutput, GenerationRequest, TokenLogprob
+from batchmlx.core.engine_api import EngineSettings
+from batchmlx.core.request import GenerationRequest, TokenLogprob
 from batchmlx.core.telemetry import EngineCounters
 from batchmlx.core.width import initial_width
+from batchmlx.engine.core import Ended, EngineCore, Live, Ran
 from batchmlx.engine.grammar import Grammars
-from batchmlx.engine.host.memory import HeapTrimmer, release_free_memory
 from batchmlx.engine.sampler import SampleRow, sample
-from batchmlx.faults import crash_point
 
 PREFILL_BATCH = 8  # prompts mlx-lm prefills together (its default)
 
 
 @dataclass(slots=True)
-class _Live:
-    gen: Generation  # what the post-processing step keeps (core/postprocess.py)
+class _Slot:
     sampler: Any  # mlx-lm sampler (None: greedy)
     processors: list  # mlx-lm logits processors (the grammar's)
     uid: int | None = None  # mlx-lm's id once admitted into its batch
 
 
-class UnpagedEngine:
-    """EngineProtocol and EngineTelemetry over mlx_lm.generate.BatchGenerator."""
+class MlxLmRunner:
+    """The Runner (engine/core.py) over mlx_lm.generate.BatchGenerator (or OneAtATime)."""
+
+    samples_itself = True
 
     def __init__(
         self,
@@ -56,34 +53,25 @@ class UnpagedEngine:
         tokenizer: Any,
         *,
         context_length: int,
-        config: EngineSettings | None = None,
-        clock=time.perf_counter,
-        seed: int | None = None,
+        config: EngineSettings,
+        grammars: Grammars,
         batched: bool = True,
     ) -> None:
         """batched False: one request at a time through mlx-lm's single-request loop, for a
-        model whose batched caches or attention mlx-lm cannot run correctly (engine/choose.py)."""
-        self.cfg = config or EngineSettings()
+        model whose batched caches or attention mlx-lm cannot run correctly (choose.py)."""
+        self.cfg = config
         self.batched = batched
         self.model = model
         self.tokenizer = tokenizer
         self.context_length = context_length
-        self.clock = clock
-        self._rand = random.Random(seed)
-        vocab = getattr(getattr(model, "args", None), "vocab_size", None)
-        self.grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
-        self.heap = HeapTrimmer()  # freed heap pages back to the OS (engine/host/memory.py)
-        self._live: dict[str, _Live] = {}  # waiting and running
-        self._by_uid: dict[int, str] = {}  # running: in mlx-lm's batch
+        self.grammars = grammars
+        self._by_uid: dict[int, Live] = {}  # running: in mlx-lm's batch
         self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, request id)
+        self._queued: dict[str, Live] = {}  # waiting, by request id (aborted ones leave it)
         self._order = itertools.count()
         self.width = self.cfg.running_bound if batched else 1
-        self._steps = 0  # its own counts (no scheduler); sampled tokens: the post's
-        self._step_s = 0.0
         self._added = 0
         self._gen = self._generator()
-        self.post = Postprocessor(self)  # each sampled token's one step (core/postprocess.py)
-        self.on_token: TokenCallback | None = None
 
     def _generator(self):
         from mlx_lm.generate import BatchGenerator
@@ -98,82 +86,76 @@ class UnpagedEngine:
             prefill_step_size=self.cfg.max_prefill_tokens,
         )
 
-    # -- EngineProtocol ------------------------------------------------------------------------
+    # -- Runner --------------------------------------------------------------------------------
     @property
     def max_context_tokens(self) -> int:
         return self.context_length
 
-    def add(self, req: GenerationRequest) -> None:
-        """Raises ValueError for a prompt that leaves no room (core/finish.py's one rule)."""
-        rules = FinishRules.for_request(req, self.max_context_tokens)
-        entropy = self._rand.getrandbits(63)
-        sampler = None if req.params.greedy else _row_sampler(req, entropy)
-        matcher = self.grammars.matcher(req.grammar) if req.grammar else None
+    @property
+    def running_limit(self) -> int:
+        """The width the worker claims by: this runner does not adapt its width, so the one a
+        fresh engine starts at (EngineProtocol)."""
+        return initial_width(self.cfg)
+
+    def admit(self, live: Live) -> None:
+        req = live.gen.request
+        sampler = None if req.params.greedy else _row_sampler(req, live.entropy)
+        matcher = live.matcher
         processors = [_grammar_processor(self.grammars, matcher)] if matcher is not None else []
-        # mlx-lm's processor feeds the matcher: the step only asks whether it is complete
-        done = None if matcher is None else (lambda _: Grammars.complete(matcher))
-        gen = Generation(req, rules, self.clock(), done)
-        self._live[req.request_id] = _Live(gen, sampler, processors)
+        live.slot = _Slot(sampler, processors)
+        self._queued[req.request_id] = live
         # admitted by priority (online before batch work), then arrival, as the batch has room
         heapq.heappush(self._waiting, (req.priority, next(self._order), req.request_id))
         self._added += 1
 
-    def abort(self, request_id: str) -> bool:
-        live = self._live.pop(request_id, None)
-        if live is None:
-            return False
-        if live.uid is not None:  # a waiting one is skipped when its turn comes
-            del self._by_uid[live.uid]
-            self._gen.remove([live.uid])
-        return True
+    def drop(self, live: Live) -> None:
+        self._queued.pop(live.request_id, None)  # a waiting one is skipped when its turn comes
+        uid = live.slot.uid
+        if uid is not None and uid in self._by_uid:
+            del self._by_uid[uid]
+            self._gen.remove([uid])
 
-    def has_unfinished(self) -> bool:
-        return bool(self._live)
+    def execute(self) -> Ran | None:
+        self._admit()
+        _, responses = self._gen.next()
+        lives, tokens, lps, ends = [], [], [], []
+        for r in responses:
+            live = self._by_uid.get(r.uid)
+            if live is None:  # aborted meanwhile
+                continue
+            tok, p = int(r.token), live.gen.request.params
+            lives.append(live)
+            tokens.append(tok)
+            lps.append(_logprob(r.logprobs, tok, p.top_logprobs) if p.logprobs else None)
+            ends.append(r.finish_reason is not None)
+        return Ran(lives, tokens=tokens, logprobs=lps, state=ends)
 
-    def step(self) -> list[GenerationOutput]:
-        if not self._live:
-            return []
-        t0 = time.perf_counter()
-        try:
-            crash_point("engine_step")
-            self._admit()
-            _, responses = self._gen.next()
-        except Exception as exc:
-            ids = list(self._by_uid.values())
-            for rid in ids:
-                del self._live[rid]
-            self._by_uid.clear()
-            self._gen = self._generator()  # its batches are in an unknown state
-            raise StepError(ids, exc) from exc
-        self._steps += 1
-        now = self.clock()
-        done = [o for r in responses if (o := self._on_response(r, now)) is not None]
-        self._step_s += time.perf_counter() - t0
-        self.heap.tick()
-        return done
+    def commit(self, ran: Ran, sampled: list[int], finished: set[str]) -> list[Ended]:
+        ended = []
+        for live, library_ended in zip(ran.lives, ran.state, strict=True):
+            if live.request_id not in finished and not library_ended:
+                continue
+            if not library_ended:  # ended here, not by mlx-lm: take it out of its batch
+                self._gen.remove([live.slot.uid])
+            del self._by_uid[live.slot.uid]
+            ended.append(Ended(live))
+        return ended
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
-        """Run requests to completion (tests, benchmarks, scripts)."""
-        return run_to_completion(self, requests)
+    def fail(self) -> tuple[list[str], bool]:
+        ids = [live.request_id for live in self._by_uid.values()]
+        self._by_uid.clear()
+        self._gen = self._generator()  # its batches are in an unknown state
+        return ids, True
 
-    # -- EngineTelemetry -----------------------------------------------------------------------
-    def counters(self) -> EngineCounters:
+    def counters(self, steps: int, step_s: float, generated: int) -> EngineCounters:
         return EngineCounters(
-            steps=self._steps, step_s=self._step_s, generated_tokens=self.post.generated_tokens,
-            misses=self._added, running=len(self._by_uid),
+            steps=steps, step_s=step_s, generated_tokens=generated, misses=self._added,
+            running=len(self._by_uid),
         )  # fmt: skip
-
-    def release_memory(self) -> int:
-        """As the paged engine's: freed memory back to the OS."""
-        return release_free_memory()
-
-    def generated_so_far(self, request_id: str) -> int:
-        live = self._live.get(request_id)
-        return 0 if live is None else len(live.gen.tokens)
 
     @property
     def embedder(self) -> Any:
-        """Always refused: the architectures this engine serves are the ones the embedder's
+        """Always refused: the architectures this runner serves are the ones the embedder's
         batched, block-cached passes do not fit (hybrid caches, batch-unsafe attention)."""
         raise ValueError("embeddings are not computed for models on the unpaged engine")
 
@@ -181,35 +163,35 @@ class UnpagedEngine:
     def _admit(self) -> None:
         while self._waiting and len(self._by_uid) < self.width:
             _, _, rid = heapq.heappop(self._waiting)
-            live = self._live.get(rid)
+            live = self._queued.pop(rid, None)
             if live is None:  # aborted while waiting
                 continue
-            (live.uid,) = self._gen.insert(
+            (live.slot.uid,) = self._gen.insert(
                 [list(live.gen.request.prompt_tokens)], max_tokens=[live.gen.rules.max_tokens],
-                samplers=[live.sampler], logits_processors=[live.processors],
+                samplers=[live.slot.sampler], logits_processors=[live.slot.processors],
             )  # fmt: skip
-            self._by_uid[live.uid] = rid
+            self._by_uid[live.slot.uid] = live
 
-    def _on_response(self, r: Any, now: float) -> GenerationOutput | None:
-        rid = self._by_uid.get(r.uid)
-        if rid is None:  # aborted meanwhile
-            return None
-        live = self._live[rid]
-        tok, p = int(r.token), live.gen.request.params
-        lp = _logprob(r.logprobs, tok, p.top_logprobs) if p.logprobs else None
-        if self.post(live.gen, tok, lp, now) is None and r.finish_reason is None:
-            return None
-        if r.finish_reason is None:  # ended here, not by mlx-lm: take it out of its batch
-            self._gen.remove([live.uid])
-        del self._live[rid]
-        del self._by_uid[live.uid]
-        return live.gen.output()
 
-    @property
-    def running_limit(self) -> int:
-        """The width the worker claims by: this engine does not adapt its width, so the one a
-        fresh engine starts at (EngineProtocol)."""
-        return initial_width(self.cfg)
+def mlx_lm_engine(
+    model: Any,
+    tokenizer: Any,
+    *,
+    context_length: int,
+    config: EngineSettings | None = None,
+    clock=time.perf_counter,
+    seed: int | None = None,
+    batched: bool = True,
+) -> EngineCore:
+    """The engine core over mlx-lm's own batching (batched False: its one-at-a-time loop)."""
+    cfg = config or EngineSettings()
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    grammars = Grammars(tokenizer, vocab)  # structured outputs, compiled on first use
+    runner = MlxLmRunner(
+        model, tokenizer, context_length=context_length, config=cfg, grammars=grammars,
+        batched=batched,
+    )  # fmt: skip
+    return EngineCore(runner, config=cfg, grammars=grammars, clock=clock, seed=seed)
 
 
 @dataclass(slots=True)

@@ -361,16 +361,24 @@ def section(loaded: Any, s: Settings, found: dict[str, Any] | None = None) -> li
     DEFAULT.use()
 
     log("profiles")
-    pf_timers, pf_ph = profile_engine(loaded, prompt, 1, 1)
+    pf = profile_engine(loaded, prompt, 1, 1)
     prompts = random_prompts(s.profile_width, s.decode_prompt_tokens, 7)
-    dc_timers, dc_ph = profile_engine(loaded, prompts, s.decode_tokens, s.profile_width)
+    dc = profile_engine(loaded, prompts, s.decode_tokens, s.profile_width)
     peaks.append(sgemm_gflops())
     peak = max(peaks) * 1e9
-
-    floor_s = pf_flops / peak
     if found is not None:
-        found["prefill_vs_floor"] = prefill[DEFAULT] / floor_s
+        found["prefill_vs_floor"] = prefill[DEFAULT] / (pf_flops / peak)
         found["mfu"] = {w: f / t / peak for (w, fast), (f, t, _) in decode.items() if fast}
+    return _markdown(s, mf, peaks, prefill, tokens, decode, pf, dc)
+
+
+def _markdown(s: Settings, mf: ModelFlops, peaks: list[float], prefill: dict, tokens: dict,
+              decode: dict, pf: tuple, dc: tuple) -> list[str]:  # fmt: skip
+    """The section's lines from what `section` measured."""
+    n, peak = s.prompt_tokens, max(peaks) * 1e9
+    pf_flops = mf.tokens(n, 1) + mf.attention(n * (n + 1) // 2)
+    floor_s = pf_flops / peak
+    (pf_timers, pf_ph), (dc_timers, dc_ph) = pf, dc
     lines = [
         "## Prefill against its compute floor, decode MFU, where the time goes",
         "",

@@ -123,3 +123,20 @@ def sections_of(lines: list[str], run: str) -> list[Section]:
         assert m is not None
         out.append(Section(int(m.group(1)), m.group(2), run, _strip(lines[a + 1 : b])))
     return out
+
+
+def write(out: Path, new: list[Section], run: str, env: list[str], date: str) -> None:
+    """Rewrite the page `out` with `new` (all from `run`) in place of the sections of the same
+    numbers. For benchmarks/RESULTS.md the replaced sections go to history/<date>.md beside it,
+    and a page in another layout, which cannot be merged, is kept there whole first."""
+    text = out.read_text() if out.exists() else ""
+    old = parse(text)
+    merged, replaced = merge(old, new, run, env)
+    if out.name == "RESULTS.md":
+        history = out.parent / "history"
+        if text.strip() and not old.sections:
+            history.mkdir(parents=True, exist_ok=True)
+            (history / f"{date}-{out.stem}-before.md").write_text(text)
+        retire(replaced, old.runs, history, date)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(merged))

@@ -144,19 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     run = f"`{cmd}`, {now:%Y-%m-%d %H:%M} UTC, commit {_commit()}"
     took = f"- Run time: {total:.0f}s in all ({timing}; a section reuses earlier measurements)"
     env = [*environment(s, loaded), took]
-    write_page(args.out, page.sections_of(body, run), run, env, f"{now:%Y-%m-%d}")
+    page.write(args.out, page.sections_of(body, run), run, env, f"{now:%Y-%m-%d}")
     log(f"wrote {args.out} in {total:.0f}s")
     return 0
-
-
-def write_page(out: Path, new: list[page.Section], run: str, env: list[str], date: str) -> None:
-    """`out` with `new` in place of the sections of the same numbers; the replaced ones go to
-    history/<date>.md beside it."""
-    old = page.parse(out.read_text()) if out.exists() else page.Page()
-    merged, replaced = page.merge(old, new, run, env)
-    page.retire(replaced, old.runs, out.parent / "history", date)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page.render(merged))
 
 
 if __name__ == "__main__":

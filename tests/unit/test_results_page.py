@@ -38,3 +38,13 @@ def test_a_partial_run_replaces_its_sections_and_retires_the_old_ones(tmp_path) 
     # a run whose sections were all replaced drops out of the runs list
     again, _ = page.merge(merged, page.sections_of(["## 1. Throughput", "", "z"], RUN_B), RUN_B, [])
     assert f"### {RUN_A}" not in page.render(again)
+
+
+def test_write_keeps_what_it_replaces(tmp_path) -> None:
+    out = tmp_path / "RESULTS.md"
+    out.write_text("# an appended-runs page\n\n## 1. x\n\nold text\n")  # another layout
+    page.write(out, page.sections_of(["## 1. Throughput", "", "a"], RUN_A), RUN_A, [], "2026-12-06")
+    assert "old text" in (tmp_path / "history" / "2026-12-06-RESULTS-before.md").read_text()
+    page.write(out, page.sections_of(["## 1. Throughput", "", "b"], RUN_B), RUN_B, [], "2026-12-07")
+    assert page.parse(out.read_text()).sections[0].body == ("b",)
+    assert "\na\n" in (tmp_path / "history" / "2026-12-07.md").read_text()

@@ -32,17 +32,15 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import orjson
 
@@ -51,94 +49,22 @@ try:  # the openai SDK's HTTP client (a test dependency): httpx, published as ht
 except ImportError:  # pragma: no cover - an older environment
     import httpx  # type: ignore[no-redef]
 
-HOST = "127.0.0.1"  # loopback only, always
-P99_TARGET_S = 0.250
-MAX_TARGET_S = 1.0
-SLOW_S = 0.25  # a control request slower than this is listed in the report, with when it was sent
-RSS_FLAT_PCT = 10.0  # memory flat: last third's median RSS within this % above the middle's
-CONTROL_TIMEOUT_S = 30.0  # default: a control request slower than this is an error (a timeout)
-MAX_INFLIGHT = 64  # per poller: beyond it a slot is skipped (and counted), the load stays bounded
-CANCEL_TIMEOUT_S = 180.0  # a batch cancelled at its timeout, to settle
-TERMINAL = ("completed", "failed", "expired", "cancelled")
-MAX_RSS_GB = 12.0  # the machine is shared: a server above this is killed (and the run fails)
-
-
-@dataclass(frozen=True)
-class Plan:
-    batch: int = 2000  # requests in the batch
-    batch_max_tokens: int = 4  # short answers: the batch ends in bounded time
-    streams: int = 32  # concurrent online streamed chats
-    rounds: int = 6  # each stream's requests, one after another
-    stream_max_tokens: int = 16
-    stream_gap_s: float = 3.0  # pause between a stream's rounds
-    stream_timeout_s: float = 300.0
-    embed_inputs: int = 2048  # one online embeddings request of this many inputs
-    embed_after_s: float = 5.0  # sent this long after the load starts
-    embed_timeout_s: float = 600.0
-    batch_timeout_s: float = 1500.0  # from create to a terminal status; then it is cancelled
-    start_timeout_s: float = 300.0  # server start, model loaded
-    hard_timeout_s: float = 2100.0  # the whole run; then the server is killed
-    rss_every_s: float = 1.0
-    control_timeout_s: float = CONTROL_TIMEOUT_S  # a polled request slower: a timeout error
-
-
-QUICK = Plan(batch=200, streams=8, rounds=2, stream_gap_s=1.0, embed_inputs=256,
-             embed_after_s=2.0, batch_timeout_s=240.0, hard_timeout_s=420.0)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Poller:
-    name: str
-    path: str  # {batch} is the batch's id
-    hz: float
-
-
-POLLERS = (
-    Poller("GET /v1/batches/ID", "/v1/batches/{batch}", 2.0),
-    Poller("GET /v1/models", "/v1/models", 2.0),
-    Poller("GET /dashboard/api/summary", "/dashboard/api/summary", 1.0),  # as the page polls
-    Poller("GET /metrics", "/metrics", 1.0),
+from benchmarks.load_plan import (
+    CANCEL_TIMEOUT_S,
+    CONTROL_TIMEOUT_S,
+    HOST,
+    MAX_INFLIGHT,
+    MAX_RSS_GB,
+    POLLERS,
+    QUICK,
+    SLOW_S,
+    TERMINAL,
+    Outcome,
+    Plan,
+    Poller,
+    Record,
 )
-
-
-@dataclass
-class Failure:
-    what: str  # the request (route) or part
-    kind: str  # "status 503", "timeout", an exception's class
-    detail: str
-    at_s: float  # since the load started
-
-
-@dataclass
-class Record:
-    t0: float = field(default_factory=time.perf_counter)
-    latency: dict[str, list[float]] = field(default_factory=dict)
-    slow: list[tuple[float, str, float]] = field(default_factory=list)  # (sent at, what, s)
-    skipped: Counter = field(default_factory=Counter)
-    failures: list[Failure] = field(default_factory=list)
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
-    stream_requests: int = 0
-    stream_tokens: int = 0
-    embed_s: float | None = None
-    rss: list[tuple[float, int]] = field(default_factory=list)  # (s since t0, bytes)
-    # MLX's memory as /metrics reports it: (s since t0, {"active": bytes, "cache": bytes, ...})
-    mlx: list[tuple[float, dict[str, float]]] = field(default_factory=list)
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def fail(self, what: str, kind: str, detail: str = "") -> None:
-        self.failures.append(Failure(what, kind, detail[:300], self.now()))
-
-
-def _pct(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); nan for no samples."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))]
-
+from benchmarks.load_report import _database_name, _machine, report, targets
 
 # ---------------------------------------------------------------- the server
 
@@ -441,23 +367,6 @@ async def count_rows(c: httpx.AsyncClient, obj: dict[str, Any]) -> tuple[Counter
 # ---------------------------------------------------------------- one run
 
 
-@dataclass
-class Outcome:
-    plan: Plan
-    rec: Record
-    batch: dict[str, Any]
-    batch_wall_s: float
-    load_s: float
-    ids: Counter
-    output_rows: int
-    error_rows: int
-    ready_s: float
-    stop_code: int | None = None
-    stop_s: float = 0.0
-    tracebacks: list[str] = field(default_factory=list)
-    graceful: bool = False  # the log says uvicorn's shutdown completed
-
-
 async def warm_up(c: httpx.AsyncClient, plan: Plan, rec: Record) -> None:
     """One stream and one small embeddings request, so first-call costs are not measured."""
     await one_stream(c, replace(plan, stream_max_tokens=4), -1, 0, rec)
@@ -515,191 +424,6 @@ async def drive(server: Server, plan: Plan, max_rss_gb: float) -> Outcome:
         if batch.get("status") != "completed":
             rec.fail("batch", "not completed", f"status {batch.get('status')!r}")
     return Outcome(plan, rec, batch, batch_wall_s, load_s, ids, out_rows, err_rows, ready_s)
-
-
-# ---------------------------------------------------------------- the report
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    measured: str
-    met: bool
-    hard: bool  # enforced by --quick
-
-
-def _ms(s: float) -> str:
-    return "n/a" if s != s else f"{s * 1000:.0f} ms" if s >= 0.01 else f"{s * 1000:.1f} ms"
-
-
-def rss_flat(rss: list[tuple[float, int]]) -> tuple[float, float, float] | None:
-    """(middle third's median MB, last third's median MB, % change): the first third is warm-up."""
-    if len(rss) < 6:
-        return None
-    end = rss[-1][0]
-    mid = [b for t, b in rss if end / 3 <= t < 2 * end / 3]
-    last = [b for t, b in rss if t >= 2 * end / 3]
-    if not mid or not last:
-        return None
-    m, la = statistics.median(mid) / 2**20, statistics.median(last) / 2**20
-    return m, la, (la - m) / m * 100
-
-
-def targets(o: Outcome) -> list[Target]:
-    rec, n = o.rec, o.plan.batch
-    out = []
-    for p in POLLERS:
-        xs = rec.latency.get(p.name, [])
-        out.append(Target(f"{p.name} p99 < {_ms(P99_TARGET_S)}", _ms(_pct(xs, 99)),
-                          bool(xs) and _pct(xs, 99) < P99_TARGET_S, False))  # fmt: skip
-        top = max(xs, default=float("nan"))
-        out.append(Target(f"{p.name} max < {MAX_TARGET_S:.0f} s", _ms(top),
-                          bool(xs) and max(xs) < MAX_TARGET_S, False))  # fmt: skip
-    kinds = Counter(f"{f.what}: {f.kind}" for f in rec.failures)
-    failed = (o.batch.get("request_counts") or {}).get("failed", 0)
-    err = ", ".join(f"{k} x{v}" for k, v in kinds.most_common(4)) or "none"
-    out.append(Target("zero errors (non-2xx, exceptions, timeouts; failed batch rows)",
-                      f"{len(rec.failures)} ({err}); failed rows {failed}",
-                      not rec.failures and not failed, True))  # fmt: skip
-    expected = {f"req-{i}" for i in range(n)}
-    lost, dup = expected - set(o.ids), [k for k, v in o.ids.items() if v > 1]
-    extra = set(o.ids) - expected
-    out.append(Target(f"nothing lost or duplicated ({n} custom_ids, each once)",
-                      f"{len(set(o.ids) & expected)} distinct; lost {len(lost)}, duplicated "
-                      f"{len(dup)}, unknown {len(extra)}",
-                      not lost and not dup and not extra, True))  # fmt: skip
-    out.append(Target("no traceback in the server log", f"{len(o.tracebacks)}",
-                      not o.tracebacks, True))  # fmt: skip
-    flat = rss_flat(rec.rss)
-    out.append(Target(f"memory flat after warm-up (last third's median RSS within "
-                      f"{RSS_FLAT_PCT:.0f}% of the middle third's)",
-                      "n/a" if flat is None
-                      else f"{flat[0]:.0f} → {flat[1]:.0f} MB ({flat[2]:+.1f}%)",
-                      flat is not None and flat[2] <= RSS_FLAT_PCT, False))  # fmt: skip
-    return out
-
-
-def _machine() -> str:
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{os.cpu_count()} CPUs, load average (1/5/15 min) {load}"
-
-
-def _commit() -> str:
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "batchmlx"],
-                               capture_output=True, text=True, timeout=10,
-                               cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return rev + (" (batchmlx/ modified)" if dirty else "")
-
-
-def report(o: Outcome, *, quick: bool, database: str, machine_start: str, wall_s: float) -> str:
-    rec, plan = o.rec, o.plan
-    tg = targets(o)
-    lines = [
-        f"# Load test of `batchmlx serve` (`python -m benchmarks.load_serve{' --quick' * quick}`)",
-        "",
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {_commit()}, database "
-        f"{database}, model `default`. Machine: at start {machine_start}; at end {_machine()} "
-        "(shared with other processes, as it was).",
-        "",
-        f"Load: a {plan.batch}-request chat batch (max_tokens {plan.batch_max_tokens}) through "
-        f"the Files and Batches APIs; {plan.streams} concurrent streamed chats (max_tokens "
-        f"{plan.stream_max_tokens}, up to {plan.rounds} rounds each, {plan.stream_gap_s:g} s "
-        f"apart, while the batch runs); one embeddings request of {plan.embed_inputs} inputs "
-        f"{plan.embed_after_s:g} s in; pollers at a fixed rate, open-loop (a polled request "
-        f"unanswered after {plan.control_timeout_s:g} s is a timeout error). Server ready in "
-        f"{o.ready_s:.1f} s; batch created → {o.batch.get('status')} in {o.batch_wall_s:.1f} s; "
-        f"the whole run {wall_s:.0f} s.",
-        "",
-        "| target | measured | met |",
-        "|---|---|---|",
-        *(f"| {t.name} | {t.measured} | {'met' if t.met else '**not met**'} |" for t in tg),
-        "",
-        "| control endpoint | rate | answered | p50 | p99 | max | skipped slots |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for p in POLLERS:
-        xs = rec.latency.get(p.name, [])
-        lines.append(f"| {p.name} | {p.hz:g}/s | {len(xs)} | {_ms(_pct(xs, 50))} | "
-                     f"{_ms(_pct(xs, 99))} | {_ms(max(xs, default=float('nan')))} | "
-                     f"{rec.skipped[p.name]} |")  # fmt: skip
-    lines += [
-        "",
-        "| streams | requests done | tokens | TTFT p50 | TTFT p99 | TTFT max | inter-token p50 "
-        "| inter-token p99 | inter-token max |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| {plan.streams} | {rec.stream_requests} | {rec.stream_tokens} | "
-        f"{_ms(_pct(rec.ttft, 50))} | {_ms(_pct(rec.ttft, 99))} | "
-        f"{_ms(max(rec.ttft, default=float('nan')))} | {_ms(_pct(rec.itl, 50))} | "
-        f"{_ms(_pct(rec.itl, 99))} | {_ms(max(rec.itl, default=float('nan')))} |",
-        "",
-        f"Embeddings request ({plan.embed_inputs} inputs): "
-        + ("no answer" if rec.embed_s is None else f"answered in {rec.embed_s:.1f} s")
-        + ".",
-        f"Batch rows: {o.output_rows} in the output file, {o.error_rows} in the error file; "
-        f"request_counts {json.dumps(o.batch.get('request_counts'))}.",
-        f"Server stop (SIGTERM): exited after {o.stop_s:.1f} s, code {o.stop_code} "
-        f"({'graceful: the log says the shutdown completed' if o.graceful else 'NOT graceful'}"
-        "; uvicorn re-raises the SIGTERM it caught, hence -15).",
-        "",
-        *_rss_lines(rec.rss, rec.mlx),
-    ]
-    if rec.slow:
-        rec.slow.sort()
-        lines += [
-            "",
-            f"Control requests slower than {SLOW_S * 1000:.0f} ms (sent at, since "
-            "the load started; the first 20): "
-            + "; ".join(f"{at:.1f} s {what} {_ms(dt)}" for at, what, dt in rec.slow[:20])
-            + ".",
-        ]
-    if rec.failures:
-        lines += ["", "Errors (the first 20):", ""]
-        lines += [f"- {f.at_s:.1f} s, {f.what}: {f.kind}: {f.detail}" for f in rec.failures[:20]]
-    if o.tracebacks:
-        lines += ["", "Tracebacks in the server log (the line after each):", ""]
-        lines += [f"- `{t.strip()}`" for t in o.tracebacks[:10]]
-    return "\n".join(lines) + "\n"
-
-
-def _rss_lines(rss: list[tuple[float, int]],
-               mlx: list[tuple[float, dict[str, float]]] = ()) -> list[str]:  # fmt: skip
-    if not rss:
-        return ["RSS: no samples."]
-    step = max(1, len(rss) // 12)
-    pts = rss[::step] + ([rss[-1]] if (len(rss) - 1) % step else [])
-    peak = max(b for _, b in rss) / 2**20
-    lines = [
-        f"RSS of the serve process (MB; {len(rss)} samples, peak {peak:.0f}), and MLX's "
-        "active and cached memory from the nearest /metrics scrape (MB):",
-        "",
-        "| s | " + " | ".join(f"{t:.0f}" for t, _ in pts) + " |",
-        "|---|" + "---|" * len(pts),
-        "| RSS | " + " | ".join(f"{b / 2**20:.0f}" for _, b in pts) + " |",
-    ]
-    for kind in ("active", "cache") if mlx else ():
-        near = [min(mlx, key=lambda m, t=t: abs(m[0] - t))[1].get(kind) for t, _ in pts]
-        lines.append(
-            f"| MLX {kind} | "
-            + " | ".join("?" if v is None else f"{v / 2**20:.0f}" for v in near)
-            + " |"
-        )
-    return lines
-
-
-def _database_name(url: str | None) -> str:
-    if not url:
-        return "SQLite (fresh $BATCHMLX_HOME)"
-    return urlsplit(url).scheme.split("+")[0] or "?"  # never the URL itself: it may hold a password
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -186,8 +186,8 @@ def instrumented(engine: Any, timers: Timers) -> Iterator[None]:
     """Eval barriers and timers around each piece of the engine's step, undone afterwards."""
     import mlx.nn as nn
 
+    from batchmlx.engine import core as engine_core
     from batchmlx.engine.kv import paged as kv_cache
-    from batchmlx.engine.runners import paged as llm_engine
 
     patches: list[tuple[Any, str, Any]] = []
 
@@ -204,7 +204,7 @@ def instrumented(engine: Any, timers: Timers) -> Iterator[None]:
     patch(kv_cache.PagedLayerCache, "update_and_fetch", "KV writes and gathers")
     patch(kv_cache.BatchLayout, "build", "layout")
     patch(kv_cache.PackedLayout, "build", "layout")  # mixed steps run packed
-    patch(llm_engine, "sample", "sampling")
+    patch(engine_core, "sample", "sampling")
     patch(engine.grammars, "mask", "sampling")
     try:
         yield
@@ -230,9 +230,9 @@ def run_engine(loaded: Any, prompts: list[list[int]], max_tokens: int, width: in
 
     from batchmlx.core.engine_api import EngineSettings
     from batchmlx.core.request import GenerationRequest, SamplingParams
-    from batchmlx.engine.runners.paged import paged_engine
+    from batchmlx.engine.runners import paged
 
-    eng = paged_engine(
+    eng = paged.paged_engine(
         loaded.model, loaded.tokenizer, context_length=loaded.context_length,
         config=EngineSettings(max_batch_size=width, max_prefill_tokens=max(2048, width * 64)),
     )  # fmt: skip
@@ -263,20 +263,20 @@ def profile_engine(
     import batchmlx.engine.runners.paged as le
 
     timers = Timers()
-    real_engine = le.Engine
+    real_engine = le.paged_engine
     holder: dict[str, Any] = {}
 
-    class paged_engine(real_engine):  # instrument the engine run_engine builds
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            holder["cm"] = instrumented(self, timers)
-            holder["cm"].__enter__()
+    def instrumented_engine(*a, **kw):  # instrument the engine run_engine builds
+        eng = real_engine(*a, **kw)
+        holder["cm"] = instrumented(eng, timers)
+        holder["cm"].__enter__()
+        return eng
 
-    le.Engine = Engine
+    le.paged_engine = instrumented_engine
     try:
         ph = run_engine(loaded, prompts, max_tokens, width)
     finally:
-        le.Engine = real_engine
+        le.paged_engine = real_engine
         if "cm" in holder:
             holder["cm"].__exit__(None, None, None)
     return timers, ph
@@ -361,16 +361,24 @@ def section(loaded: Any, s: Settings, found: dict[str, Any] | None = None) -> li
     DEFAULT.use()
 
     log("profiles")
-    pf_timers, pf_ph = profile_engine(loaded, prompt, 1, 1)
+    pf = profile_engine(loaded, prompt, 1, 1)
     prompts = random_prompts(s.profile_width, s.decode_prompt_tokens, 7)
-    dc_timers, dc_ph = profile_engine(loaded, prompts, s.decode_tokens, s.profile_width)
+    dc = profile_engine(loaded, prompts, s.decode_tokens, s.profile_width)
     peaks.append(sgemm_gflops())
     peak = max(peaks) * 1e9
-
-    floor_s = pf_flops / peak
     if found is not None:
-        found["prefill_vs_floor"] = prefill[DEFAULT] / floor_s
+        found["prefill_vs_floor"] = prefill[DEFAULT] / (pf_flops / peak)
         found["mfu"] = {w: f / t / peak for (w, fast), (f, t, _) in decode.items() if fast}
+    return _markdown(s, mf, peaks, prefill, tokens, decode, pf, dc)
+
+
+def _markdown(s: Settings, mf: ModelFlops, peaks: list[float], prefill: dict, tokens: dict,
+              decode: dict, pf: tuple, dc: tuple) -> list[str]:  # fmt: skip
+    """The section's lines from what `section` measured."""
+    n, peak = s.prompt_tokens, max(peaks) * 1e9
+    pf_flops = mf.tokens(n, 1) + mf.attention(n * (n + 1) // 2)
+    floor_s = pf_flops / peak
+    (pf_timers, pf_ph), (dc_timers, dc_ph) = pf, dc
     lines = [
         "## Prefill against its compute floor, decode MFU, where the time goes",
         "",

@@ -205,6 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     before = spawn_child("unique", n, args.max_tokens, "stored", fast=False)
     after = spawn_child("unique", n, args.max_tokens, "auto", fast=True)
 
+    lines = report(args, rows, peak, active_blas().note, default_peer, before, after)
+    Path(args.out).write_text("\n".join(lines))
+    log(f"wrote {args.out}")
+    print("\n".join(lines[:12]))
+    return 0
+
+
+def report(args: argparse.Namespace, rows: dict[str, dict[str, Any]], peak: float, blas: str,
+           default_peer: dict[str, Any], before: dict[str, Any],
+           after: dict[str, Any]) -> list[str]:  # fmt: skip
+    """The page's markdown lines from `main`'s measurements."""
+    n = args.before_requests
     params = rows["unique/peer32"]["params"]  # float32: one element per weight
     w = rows["unique/worker"]
     decode_tps = w["output_tokens"] / w["model_s"] if w["model_s"] else 0.0
@@ -214,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "# Worker end-to-end benchmark (issue: fast on the Linux CPU)",
         "",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
-        f"BLAS: {active_blas().note}; float32 1024² matmul peak measured: {peak:.1f} GFLOP/s. "
+        f"BLAS: {blas}; float32 1024² matmul peak measured: {peak:.1f} GFLOP/s. "
         f"Model: SmolLM2-135M-Instruct ({params / 1e6:.0f}M parameters as loaded). "
         f"{args.requests} chat requests per batch, max_tokens {args.max_tokens}, greedy, "
         "stopping at eos (the same for both sides); worker max batch 32; model load excluded.",
@@ -254,10 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         + "`",
         "",
     ]
-    Path(args.out).write_text("\n".join(lines))
-    log(f"wrote {args.out}")
-    print("\n".join(lines[:12]))
-    return 0
+    return lines
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The seam between the worker and an engine: what the worker calls, and the engine's settings.
 
 The MLX engine (engine/core.py: one loop over a model runner) is one implementation; tests
-hand the worker a pure-Python fake. Each default is written here once: the CLI's options and the scheduler read them.
+hand the worker a pure-Python fake. Each default is written here once: the CLI's options and
+the scheduler read them.
 """
 
 from __future__ import annotations

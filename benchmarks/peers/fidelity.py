@@ -22,6 +22,7 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -66,12 +67,9 @@ def score(model, tok, prompts: dict[str, list[int]], texts: dict[str, str],
     return hits, total, nll
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", help="run_peer --json files; the first is float32")
-    p.add_argument("--workload", default="unique")
-    args = p.parse_args(argv)
-
+def scores(runs: list[dict[str, Any]], workload_name: str = "unique") -> list[Fidelity]:
+    """Each run (a `PeerRun` as a dict: system, precision, texts) scored under float32; the
+    first run is the reference for equal texts."""
     import mlx.core as mx
     from mlx_lm import load
 
@@ -79,11 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.peers.models import default_mlx_folder
     from benchmarks.peers.run_peer import _tokenizer, requests_of, workload
 
-    runs = [r for f in args.runs for r in json.loads(Path(f).read_text())]
     tok = _tokenizer("default")
     prompts = {cid: tok.encode(tok.apply_chat_template(m, add_generation_prompt=True,
                                                        tokenize=False), add_special_tokens=False)
-               for cid, m in requests_of(workload(args.workload), tok)}  # fmt: skip
+               for cid, m in requests_of(workload(workload_name), tok)}  # fmt: skip
     model, _ = load(str(default_mlx_folder()))
     dequantize_model(model, mx.float32)  # the folder is 4-bit: score under its float32 weights
     ref = runs[0]["texts"]
@@ -93,6 +90,68 @@ def main(argv: list[str] | None = None) -> int:
         equal = sum(r["texts"].get(c) == t for c, t in ref.items())
         rows.append(Fidelity(r["system"], r["precision"], equal, len(ref), hits / max(total, 1),
                              nll / max(total, 1)))  # fmt: skip
+    return rows
+
+
+# Section 14 of `benchmarks.run`: the default model's unique workload on every system and
+# precision, whole process as in section 12, then every system's texts scored under float32.
+_NO_DQ = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+SYSTEMS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("batchmlx", {"dtype": "float32"}), ("batchmlx", {}), ("batchmlx", {"dtype": "int8"}),
+    ("llama", {}), ("openvino", {}),
+    ("openvino", {"props": {**_NO_DQ, "KV_CACHE_PRECISION": "bf16"}}),
+    ("openvino", {"props": {"INFERENCE_PRECISION_HINT": "f32", **_NO_DQ,
+                            "KV_CACHE_PRECISION": "f32"}}),
+)  # fmt: skip
+
+
+def table(runs: list[Any], found: list[Fidelity]) -> list[str]:
+    """Section 14's table: section 12's columns for each run, then its fidelity."""
+    lines = [
+        "| system | computes in | whole process s | tok/s | load s | steady tok/s | peak RSS MB "
+        "| texts equal to float32's | answer tokens that are float32's greedy choice | mean NLL "
+        "under float32, nats/token |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, f in zip(runs, found, strict=True):
+        lines.append(
+            f"| {r.system} | {r.precision} | {r.wall_s:.1f} | {r.tok_s:.1f} | {r.load_s:.1f} | "
+            f"{r.steady_tok_s:.1f} | {r.peak_rss_mb:,.0f} | {f.equal_texts}/{f.texts} | "
+            f"{f.greedy_share:.3f} | {f.mean_nll:.3f} |"
+        )
+    return lines
+
+
+def section(quick: bool = False) -> list[str]:
+    """Section 14's lines (no heading): every system of SYSTEMS once, in turn, then scored."""
+    from dataclasses import asdict
+
+    from benchmarks.peers.run_peer import PeerRun, workload
+    from benchmarks.peers.section import Case, System, measure
+
+    wl = workload("unique", quick=quick)
+    case = Case("default", wl, tuple(System(p, o) for p, o in SYSTEMS))
+    out = measure(case)
+    runs = [r for r in out if isinstance(r, PeerRun)]
+    lines = [f"The default model's unique workload ({wl.requests} requests x up to "
+             f"{wl.max_tokens} new tokens) on each system, a whole process as in section 12, "
+             "in turn; then every system's texts scored teacher-forced under float32 (the Q4_1 "
+             "GGUF's weights, which every system reads, dequantized): texts equal to float32's "
+             "own, the share of answer tokens that are float32's greedy choice, and their mean "
+             "negative log-likelihood.", ""]  # fmt: skip
+    if not runs or runs[0].precision != "float32":
+        return [*lines, "The float32 run failed: nothing to score against.", ""]
+    lines += table(runs, scores([asdict(r) for r in runs], wl.name))
+    return [*lines, *(f"- {r}" for r in out if isinstance(r, str)), ""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", help="run_peer --json files; the first is float32")
+    p.add_argument("--workload", default="unique")
+    args = p.parse_args(argv)
+    runs = [r for f in args.runs for r in json.loads(Path(f).read_text())]
+    rows = scores(runs, args.workload)
     print(f"| system | computes in | texts equal to {runs[0]['system']}'s | answer tokens that are "
           "float32's greedy choice | mean NLL under float32, nats/token |")  # fmt: skip
     print("|---|---|---|---|---|")

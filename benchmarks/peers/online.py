@@ -38,15 +38,10 @@ from typing import Any
 
 import orjson
 
+from benchmarks.load_plan import HOST, Plan, Record, _pct
+from benchmarks.load_report import _commit, _machine, _ms
 from benchmarks.load_serve import (
-    HOST,
-    Plan,
-    Record,
     Server,
-    _commit,
-    _machine,
-    _ms,
-    _pct,
     batch_lines,
     create_batch,
     httpx,

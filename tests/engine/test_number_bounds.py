@@ -141,6 +141,8 @@ def test_a_digit_loving_model_closes_its_json(digit_lover, tok, paged):
 
     from batchmlx.core.engine_api import EngineSettings
     from batchmlx.core.request import FinishReason, GenerationRequest, SamplingParams
+    from batchmlx.engine.runners.mlx_lm import mlx_lm_engine
+    from batchmlx.engine.runners.paged import paged_engine
 
     kind = paged_engine if paged else mlx_lm_engine
     engine = kind(digit_lover, tok, context_length=512,

@@ -21,17 +21,17 @@ def test_flop_counts_of_the_tiny_llama(tiny_model) -> None:
 def test_timers_file_every_piece_and_undo_their_patches(tiny_model) -> None:
     import mlx.nn as nn
 
+    from batchmlx.engine import core as engine_core
     from batchmlx.engine.kv import paged as kv_cache
-    from batchmlx.engine.runners import paged as llm_engine
 
     class Tok:
         def decode(self, ids):
             return ""
 
     loaded = SimpleNamespace(model=tiny_model, tokenizer=Tok(), context_length=256)
-    before = (nn.Linear.__call__, kv_cache.BatchLayout.__dict__["build"], llm_engine.sample)
+    before = (nn.Linear.__call__, kv_cache.BatchLayout.__dict__["build"], engine_core.sample)
     timers, phases = pm.profile_engine(loaded, pm.random_prompts(3, 20, 0, high=256), 4, 3)
-    after = (nn.Linear.__call__, kv_cache.BatchLayout.__dict__["build"], llm_engine.sample)
+    after = (nn.Linear.__call__, kv_cache.BatchLayout.__dict__["build"], engine_core.sample)
     assert before == after
     for bucket in ("model matmuls", "attention", "KV writes and gathers", "layout", "sampling"):
         assert timers.seconds[bucket] > 0, bucket

@@ -14,7 +14,7 @@ from tests.tiny_vlm import encode_video, random_frames, video
 
 av = pytest.importorskip("av")
 
-from batchmlx.engine import video as video_module  # noqa: E402
+from batchmlx.engine.vision import video as video_module  # noqa: E402
 from batchmlx.engine.vision.video import VideoUnreadable, decode_video, sample_indices  # noqa: E402
 
 

@@ -52,7 +52,8 @@ VIDEO_MODELS = frozenset({"qwen2_vl", "qwen2_5_vl"})
 class VisionPrompter:
     """Messages and resolved media parts → (prompt tokens, spans, inputs), through the model's
     own processor (mlx-vlm loads it with the model). Videos are decoded into frames here
-    (engine/video.py) and go to the processor as `videos=`, on the families that take them."""
+    (engine/vision/video.py) and go to the processor as `videos=`, on the families that take
+    them."""
 
     def __init__(self, processor: Any, config: dict[str, Any], model_name: str) -> None:
         self.processor = processor

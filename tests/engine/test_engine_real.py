@@ -126,7 +126,7 @@ def test_prefix_cache_table_of_the_seed(default_model):
     assert a.token_ids == b.token_ids == d.token_ids
 
 
-def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts, monkeypatch):
+def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model_f32, prompts, monkeypatch):
     """chunked_attention (query tiles past 64 tokens, skipped key tiles), fast_swiglu and the
     host swiglu give the tokens mlx-lm's attention and activation give, alone and in a batch,
     with a shared prefix (cascade) and without."""
@@ -138,6 +138,7 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts
     # the MLX path's kernels (host steps, engine/host/step.py, replace them where they run)
     monkeypatch.setenv("BATCHMLX_HOST_STEPS", "0")
 
+    default_model = default_model_f32  # float32: the kernels' own sums, no bf16 near-ties
     tok = default_model.tokenizer
     story = " ".join(f"Line {i}: the library opens at nine and closes at five." for i in range(30))
     long = [chat_ids(tok, story + " When does the library open?")]
@@ -145,7 +146,7 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts
     eos = [tok.eos_token_id]
 
     def run(**cfg):
-        out = make_engine(default_model, **cfg).generate(greedy_reqs(long + prompts, eos, n=8))
+        out = make_engine(default_model, **cfg).generate(greedy_reqs(long + prompts[:5], eos, n=8))
         return [o.token_ids for o in out]
 
     host_swiglus = []
@@ -160,4 +161,5 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts
     all_host = run(max_batch_size=8)
     monkeypatch.setattr(attention, "FAST_ATTENTION", False)
     monkeypatch.setattr(attention, "FAST_SWIGLU", False)
-    assert fast == all_host == run(max_batch_size=8) == fast_simple
+    plain = run(max_batch_size=8)
+    assert fast == all_host == plain == fast_simple

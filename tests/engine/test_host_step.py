@@ -161,7 +161,7 @@ def test_models_it_does_not_run_keep_the_mlx_path(monkeypatch):
     assert e.runner.forward_pass.host is None  # float32 weights: MLX's own GEMMs, exact to mlx-lm
     assert unsupported(plain, e.runner.storage) == "embedding not in a host format"
     monkeypatch.setenv(host_step.ENV, "0")
-    assert HostStep.of(f32, engine(f32).storage) is None
+    assert HostStep.of(f32, engine(f32).runner.storage) is None
     e = engine(f32)
     assert e.runner.forward_pass.host is None
 

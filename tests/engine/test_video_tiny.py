@@ -127,7 +127,7 @@ def test_greedy_tokens_equal_mlx_vlm_alone_and_batched_with_an_image_and_text(lo
     eng = engine(loaded)
     eng.add(reqs[0])
     eng.step()
-    assert eng.runner._running[0].rope_delta == 4 - VIDEO_TOKENS
+    assert eng.runner._running[0].slot.rope_delta == 4 - VIDEO_TOKENS
 
 
 def test_prefix_cache_same_video_another_question_another_video(loaded):

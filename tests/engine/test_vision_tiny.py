@@ -92,7 +92,7 @@ def test_greedy_tokens_equal_mlx_vlm_alone_and_batched(loaded):
     eng.add(reqs[0])
     eng.add(reqs[1])
     outs = {}
-    for _ in range(2):
+    for _ in range(3):  # a prefill step, its decode step, the second prompt's prefill step
         outs |= {o.request_id: o for o in eng.step()}
     assert eng.counters().running == 2
     eng.add(reqs[2])
@@ -110,7 +110,7 @@ def test_an_aborted_row_leaves_the_batch_and_the_rest_go_on(loaded):
     eng = engine(loaded)
     for r in reqs:
         eng.add(r)
-    for _ in range(3):
+    for _ in range(5):  # prefill steps, each but the last followed by a decode step
         eng.step()
     assert eng.counters().running == 3
     assert eng.abort("r1") and not eng.abort("r1")
@@ -200,8 +200,8 @@ def test_blocks_filled_while_decoding_in_the_batch_are_reused_exactly(loaded):
     outs, pads = {}, []
     while eng.has_unfinished():
         outs |= {o.request_id: o for o in eng.step()}
-        if "short" not in outs and eng._batch is not None:
-            pads.append(eng._batch[0].left_padding.tolist()[0])  # the short row's padding
+        if "short" not in outs and eng.runner._batch is not None:
+            pads.append(eng.runner._batch[0].left_padding.tolist()[0])  # the short row's padding
     first = outs["short"]
     assert max(pads) > 0  # it decoded left-padded
     prompt_blocks = (len(short.prompt_tokens)) // 16

@@ -129,7 +129,7 @@ class Pieces:
 def measure(widths: tuple[int, ...], repeats: int, max_tokens: int) -> dict[str, Any]:
     import os
 
-    from batchmlx.engine.host.threads import ENV
+    from batchmlx.config import THREADS_ENV as ENV
     from benchmarks.peers.models import default_gguf
     from benchmarks.width import load
 

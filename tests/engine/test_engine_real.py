@@ -129,13 +129,17 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model, prompts
     """chunked_attention (query tiles past 64 tokens, skipped key tiles), fast_swiglu and the
     host swiglu give the tokens mlx-lm's attention and activation give, alone and in a batch,
     with a shared prefix (cascade) and without."""
+    from batchmlx.config import HostSettings
     from batchmlx.engine.host import attention as host_attention
+    from batchmlx.engine.host.step import backend_of
     from batchmlx.engine.kernels import attention
     from batchmlx.engine.kv import paged as kv_cache
 
     monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 1)  # the template's 2-block prefix too
-    # the MLX path's kernels (host steps, engine/host/step.py, replace them where they run)
-    monkeypatch.setenv("BATCHMLX_HOST_STEPS", "0")
+    # the MLX path's kernels (host steps, engine/host/step.py, replace them where they run):
+    # BATCHMLX_HOST_STEPS=0 for the backend the model's host layers were built with
+    backend = backend_of(default_model.model)
+    monkeypatch.setattr(backend, "settings", HostSettings(host_steps=False))
 
     tok = default_model.tokenizer
     story = " ".join(f"Line {i}: the library opens at nine and closes at five." for i in range(30))

@@ -26,6 +26,22 @@ DATABASE_URL_ENV = "BATCHMLX_DATABASE_URL"  # the queue, for users; the CLI's --
 PASSWORD_FILE_ENV = "BATCHMLX_DATABASE_PASSWORD_FILE"
 # days a finished batch is kept (then purged: rows and files); unset: kept until deleted
 RETENTION_DAYS_ENV = "BATCHMLX_RETENTION_DAYS"
+# the CPU backend's (engine/host/; docs/engine.md)
+THREADS_ENV = "BATCHMLX_THREADS"  # the --threads flag's variable (typer reads it for the flag)
+HOST_STEPS_ENV = "BATCHMLX_HOST_STEPS"  # 0: packed steps of a host format stay in MLX
+HOST_CACHE_ENV = "BATCHMLX_HOST_CACHE"  # 0: no packed-weights file between starts
+ONEDNN_LIB_ENV = "BATCHMLX_ONEDNN_LIB"  # an explicit path to libdnnl.so.3*
+
+
+@dataclass(frozen=True, slots=True)
+class HostSettings:
+    """The CPU backend's switches, read here once and handed to the HostBackend the worker
+    builds (engine/host/backend.py); nothing under engine/host/ reads the environment."""
+
+    threads: int | None = None  # $BATCHMLX_THREADS (--threads wins); None: chosen from the load
+    host_steps: bool = True  # $BATCHMLX_HOST_STEPS (0/false/no/off: off; engine/host/step.py)
+    weights_cache: bool = True  # $BATCHMLX_HOST_CACHE (0: off; engine/host/weights_cache.py)
+    onednn_library: str | None = None  # $BATCHMLX_ONEDNN_LIB, tried before the Python prefixes
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +66,7 @@ class Settings:
     # ($BATCHMLX_MODEL_ALIASES, --model-alias NAME=MODEL)
     strict_models: bool = False
     model_aliases: tuple[tuple[str, str], ...] = ()
+    cpu: HostSettings = HostSettings()  # the CPU backend's switches (load_host_settings)
 
     @property
     def db_path(self) -> Path:
@@ -113,6 +130,27 @@ def load_settings(
                 split_aliases(env.get(MODEL_ALIASES_ENV) or ""), what=f"${MODEL_ALIASES_ENV}"
             ).items()
         ),  # fmt: skip
+        cpu=load_host_settings(env),
+    )
+
+
+def load_host_settings(env: Mapping[str, str] | None = None) -> HostSettings:
+    """The CPU backend's switches from the environment (default: this process's). A thread
+    count that is no whole number raises ValueError naming its variable."""
+    env = os.environ if env is None else env
+    threads = None
+    if env.get(THREADS_ENV, "").strip():
+        try:
+            threads = int(env[THREADS_ENV])
+        except ValueError:
+            msg = f"{THREADS_ENV} must be a whole number of threads, not {env[THREADS_ENV]!r}"
+            raise ValueError(msg) from None
+    off = ("0", "false", "no", "off")
+    return HostSettings(
+        threads=threads,
+        host_steps=env.get(HOST_STEPS_ENV, "1").strip().lower() not in off,
+        weights_cache=env.get(HOST_CACHE_ENV, "1").strip() != "0",
+        onednn_library=env.get(ONEDNN_LIB_ENV) or None,
     )
 
 

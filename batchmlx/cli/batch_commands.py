@@ -114,7 +114,7 @@ def submit(
         show(rec, settings, as_json)
         raise typer.Exit(1)
     if wait:
-        warn_if_slow_blas(engine.dtype)
+        warn_if_slow_blas(engine.dtype, settings.cpu)
         rec = _wait(settings, rec.id, engine, as_json)
     show(rec, settings, as_json)
     if not wait and not as_json and not rec.status.terminal:

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import typer
 
-from batchmlx.config import Settings
+from batchmlx.config import HostSettings, Settings
 from batchmlx.database_url import DatabaseUrlError, redact
 
 # set to 1: an unexpected error shows its traceback too (for a bug report), not one line alone
@@ -86,15 +86,15 @@ def check_port_free(host: str, port: int, option: str) -> None:
 HOST_DTYPES = ("auto", "bfloat16", "int8")
 
 
-def warn_if_slow_blas(dtype: str = "float32") -> None:
+def warn_if_slow_blas(dtype: str = "float32", host: HostSettings | None = None) -> None:
     """One loud line on stderr when MLX would run on the reference BLAS (engine/host/fast_blas.py)
-    and the weights `dtype` gives would compute there."""
+    and the weights `dtype` gives would compute there. `host`: where oneDNN is (HostSettings)."""
     from batchmlx.engine.host.fast_blas import slow_blas_warning
 
     if dtype in HOST_DTYPES:
-        from batchmlx.engine.host import onednn
+        from batchmlx.engine.host.backend import HostBackend
 
-        if onednn.available():
+        if HostBackend(host).onednn_available():
             return
     line = slow_blas_warning()
     if line:

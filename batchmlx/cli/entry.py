@@ -125,7 +125,7 @@ def _working_threads() -> list[threading.Thread]:
     exit does not wait for those either) and not the engine's host-kernel pool, which is idle
     between steps (a step waits for its jobs). Measured: that pool kept every `submit --wait`
     on the slow exit, about 0.5 s."""
-    host = sys.modules.get("batchmlx.engine.host.attention")
+    host = sys.modules.get("batchmlx.engine.host.backend")
     pool = host.THREAD_NAME if host is not None else None
     return [
         t

@@ -92,7 +92,7 @@ def worker(
         _serve_metrics(metrics_port, metrics_host)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     logging.getLogger("batchmlx.worker").info("BLAS: %s", active_blas().note)
-    warn_if_slow_blas(engine.dtype)
+    warn_if_slow_blas(engine.dtype, settings.cpu)
     opts = WorkerOptions(
         until_idle=until_idle, model=model, dtype=engine.dtype, engine=engine.settings,
         max_attempts=max_attempts, only_models=tuple(only_model or ()),
@@ -167,12 +167,13 @@ def watch(
 
 
 def doctor(
+    ctx: typer.Context,
     measure: Annotated[bool, typer.Option(help="Time a 1024x1024 float32 matmul")] = True,
 ) -> None:
     """Say which BLAS and device MLX runs with here, and how fast a matmul runs."""
     from batchmlx.engine.host.fast_blas import doctor_report
 
-    print_json(doctor_report(measure=measure))
+    print_json(doctor_report(measure=measure, threads=settings_of(ctx).cpu.threads))
 
 
 @engine_options
@@ -227,7 +228,7 @@ def serve(
     """
     from batchmlx.server.auth import RemoteBindError, check_bind
 
-    warn_if_slow_blas(engine.dtype)
+    warn_if_slow_blas(engine.dtype, settings_of(ctx).cpu)
     try:
         check_bind(host, api_key, allow_remote)
     except RemoteBindError as exc:

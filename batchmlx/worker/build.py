@@ -6,11 +6,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from batchmlx.config import HostSettings
 from batchmlx.core.engine_api import EmbedderProtocol, EngineProtocol, EngineSettings
 from batchmlx.engine.host.threads import ThreadGovernor
 from batchmlx.worker.translate import Translator
+
+if TYPE_CHECKING:
+    from batchmlx.engine.host.backend import HostBackend
 
 log = logging.getLogger("batchmlx.worker")
 
@@ -29,26 +33,50 @@ class ServingModel:
 EngineFactory = Callable[[str], ServingModel]  # model name → a fresh engine for it
 
 
-def mlx_engine_factory(*, cache_dir: Path, dtype: str, engine: EngineSettings) -> EngineFactory:
-    """The MLX engine, loaded on first use of each model (MLX is imported then, not here)."""
-    return lambda name: build_engine(name, cache_dir=cache_dir, dtype=dtype, settings=engine)
+def mlx_engine_factory(
+    *, cache_dir: Path, dtype: str, engine: EngineSettings, host: HostSettings | None = None
+) -> EngineFactory:
+    """The MLX engine, loaded on first use of each model (MLX is imported then, not here).
+    `host`: the CPU backend's switches (config.py); one HostBackend serves every model."""
+    backends: list[HostBackend] = []
+
+    def build(name: str) -> ServingModel:
+        if not backends:
+            from batchmlx.engine.host.backend import HostBackend, install
+
+            backends.append(install(HostBackend(host)))
+        return build_engine(name, cache_dir=cache_dir, dtype=dtype, settings=engine,
+                            backend=backends[0])  # fmt: skip
+
+    return build
 
 
 def build_engine(
-    name: str, *, cache_dir: Path, dtype: str = "auto", settings: EngineSettings
+    name: str,
+    *,
+    cache_dir: Path,
+    dtype: str = "auto",
+    settings: EngineSettings,
+    backend: HostBackend | None = None,
 ) -> ServingModel:
     """Load the model `name` and wrap it in an Engine and the Translator that feeds it. The
-    engine's thread count is set first (engine/host/threads.py), before anything computes."""
+    engine's thread count is set first (engine/host/threads.py), before anything computes.
+    `backend`: the CPU backend the model computes with (default: the process's); its thread
+    count is the one chosen here, which the governor then moves."""
     from batchmlx.core.models import resolve_model
     from batchmlx.engine.choose import make_engine
+    from batchmlx.engine.host.backend import current
     from batchmlx.engine.host.threads import apply_threads, choose_threads
     from batchmlx.engine.models.loader import load_model
 
+    backend = backend or current()
     # the first look at the neighbours spans the model load (no wait of its own): all the
-    # budget's CPUs until then, refitted as soon as the model is in
-    threads = choose_threads(settings.threads, measure=False)
-    how = apply_threads(threads)
-    governor = ThreadGovernor(threads)
+    # budget's CPUs until then, refitted as soon as the model is in. --threads wins over
+    # BATCHMLX_THREADS (the CLI's flag reads it too; this is for callers without the CLI)
+    requested = settings.threads if settings.threads is not None else backend.settings.threads
+    threads = choose_threads(requested, measure=False)
+    how = apply_threads(threads, backend.threads)
+    governor = ThreadGovernor(threads, backend.threads)
 
     spec = resolve_model(name, cache_dir=cache_dir)
     if spec is None:
@@ -59,7 +87,7 @@ def build_engine(
         serving = _vision_engine(name, spec.name, spec.source, settings, governor)
         governor.review(now=True)
         return serving
-    loaded = load_model(spec, cache_dir=cache_dir, dtype=dtype)
+    loaded = load_model(spec, cache_dir=cache_dir, dtype=dtype, backend=backend)
     engine = make_engine(
         loaded.model, loaded.tokenizer, name=loaded.spec.name,
         context_length=loaded.context_length, config=settings,

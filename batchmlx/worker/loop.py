@@ -93,7 +93,10 @@ class Worker:
         self.on_progress = on_progress
         self.worker_id = f"w-{settings.hostname}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         build = engine_factory or mlx_engine_factory(
-            cache_dir=settings.cache_dir, dtype=options.dtype, engine=options.engine
+            cache_dir=settings.cache_dir,
+            dtype=options.dtype,
+            engine=options.engine,
+            host=settings.cpu,
         )
         self.engine = EngineThread()  # every call into the engine runs there
         self.inflight = InFlight(build, initial_width=initial_width(options.engine),

@@ -135,10 +135,9 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model_f32, pro
     from batchmlx.engine.kv import paged as kv_cache
 
     monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 1)  # the template's 2-block prefix too
-    # the MLX path's kernels (host steps, engine/host/step.py, replace them where they run)
-    monkeypatch.setenv("BATCHMLX_HOST_STEPS", "0")
-
-    default_model = default_model_f32  # float32: the kernels' own sums, no bf16 near-ties
+    # float32 weights: the MLX path's kernels (no host steps, which need a host weight format),
+    # their own sums, and no bf16 near-ties
+    default_model = default_model_f32
     tok = default_model.tokenizer
     story = " ".join(f"Line {i}: the library opens at nine and closes at five." for i in range(30))
     long = [chat_ids(tok, story + " When does the library open?")]

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from batchmlx.engine.host import attention as host_attention
-from batchmlx.engine.host import onednn
 from batchmlx.engine.host.attention import host_attention as host
 from batchmlx.engine.host.attention import host_cascade_attention
+from batchmlx.engine.host.backend import current
 from batchmlx.engine.kernels import attention
 from batchmlx.engine.kv import paged as kv_cache
 from batchmlx.engine.kv.paged import BatchLayout
@@ -144,7 +144,7 @@ def test_engine_tokens_and_logprobs_same_on_the_host(tiny_model, monkeypatch) ->
 @pytest.mark.parametrize(
     "path",
     ["numpy", "numpy-split", pytest.param("onednn", marks=pytest.mark.skipif(
-        not onednn.available(), reason="no oneDNN here"))],
+        not current().onednn_available(), reason="no oneDNN here"))],
 )  # fmt: skip
 @pytest.mark.parametrize(
     "with_prefix", [False, True, "in-blocks"], ids=["own-keys", "prefix", "prefix-in-blocks"]
@@ -158,9 +158,10 @@ def test_decode_attention_equals_naive_over_own_keys_and_a_shared_prefix(
     over two threads) or as oneDNN batched matmuls."""
     split = path == "numpy-split"
     monkeypatch.setattr(host_attention, "MIN_SPLIT_DECODE_SCORES", 1 if split else 1 << 40)
-    monkeypatch.setattr(host_attention, "THREADS", 2)
-    lib = onednn.load_library() if path == "onednn" else None
-    monkeypatch.setattr(host_attention, "_library", lib)
+    backend = current()  # the process's, as MLX's attention path finds it
+    monkeypatch.setattr(backend, "pool_threads", 2)
+    lib = backend.onednn() if path == "onednn" else None
+    monkeypatch.setattr(backend, "_attention_onednn", lib)
     rng = np.random.default_rng(7)
     s, h, rep, d, kl, p = 5, 2, 3, 16, 12, 9
     if with_prefix == "in-blocks":  # 15 rows a head: blocks of 4, 4, 4, 3

@@ -10,9 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from batchmlx.config import HostSettings
 from batchmlx.core.models import resolve_model
 from batchmlx.engine.host import onednn
 from batchmlx.engine.host import weights_cache as host_cache
+from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.linear import HostFormat, PackedCache, runs_here, to_host_format
 from batchmlx.engine.models.loader import load_model
 from tests.engine.helpers import host_formats
@@ -123,7 +125,7 @@ def test_the_packed_bytes_are_used_from_the_mapped_file_where_they_lie(tiny_mode
 
 
 def test_packed_bytes_of_another_size_are_not_adopted():
-    lib = onednn.load_library()
+    lib = current().onednn()
     dt, scaled = PACKED.data_type, PACKED.scaled
     w = np.zeros((64, 32), np.uint16 if PACKED is HostFormat.BF16 else np.int8)
     packed = lib.pack(w, dt, scaled=scaled)
@@ -132,14 +134,15 @@ def test_packed_bytes_of_another_size_are_not_adopted():
 
 
 def test_the_signature_follows_the_source_files_and_the_format(tiny_model_dir):
-    sig = host_cache.signature(tiny_model_dir, PACKED)
-    assert sig == host_cache.signature(tiny_model_dir, PACKED)
-    assert sig != host_cache.signature(tiny_model_dir, HostFormat.INT8)
+    lib = current().onednn()
+    sig = host_cache.signature(tiny_model_dir, PACKED, lib)
+    assert sig == host_cache.signature(tiny_model_dir, PACKED, lib)
+    assert sig != host_cache.signature(tiny_model_dir, HostFormat.INT8, lib)
     weights = sorted(tiny_model_dir.glob("*.safetensors"))[0]
     st = weights.stat()
     try:
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-        assert sig != host_cache.signature(tiny_model_dir, PACKED)
+        assert sig != host_cache.signature(tiny_model_dir, PACKED, lib)
     finally:
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
 
@@ -158,8 +161,8 @@ def test_load_model_writes_the_cache_once_then_reads_it(tiny_model_dir, tmp_path
     second = load_model(spec, cache_dir=tmp_path, dtype=PACKED.value)
     assert calls == [] and files[0].stat().st_mtime_ns == stamp  # read back, not packed
     np.testing.assert_array_equal(np.array(second.model(TOKENS)), np.array(first.model(TOKENS)))
-    monkeypatch.setenv(host_cache.SWITCH, "0")
-    load_model(spec, cache_dir=tmp_path, dtype=PACKED.value)
+    off = HostBackend(HostSettings(weights_cache=False))  # BATCHMLX_HOST_CACHE=0
+    load_model(spec, cache_dir=tmp_path, dtype=PACKED.value, backend=off)
     assert calls  # off: packed at the start, as without a cache
 
 

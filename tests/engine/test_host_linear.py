@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from batchmlx.engine.host import onednn
+from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.linear import (
     HostEmbedding,
     HostFormat,
@@ -21,7 +22,9 @@ from batchmlx.engine.host.linear import (
 from batchmlx.engine.host.onednn import OneDNNUnavailable
 from tests.engine.helpers import bf16_bits, host_formats, where_it_runs
 
-needs_onednn = pytest.mark.skipif(not onednn.available(), reason="oneDNN (onednn-cpu-gomp)")
+needs_onednn = pytest.mark.skipif(
+    not current().onednn_available(), reason="oneDNN (onednn-cpu-gomp)"
+)
 
 
 FORMATS = host_formats()
@@ -118,7 +121,7 @@ def test_bf16_rounding_is_mlx_astype_ties_and_strided_rows_included() -> None:
     u[:, :6] = (u[:, :6] & 0xFFFF0000) | 0x8000  # exact ties, odd and even high halves
     u[0, 6], u[1, 6] = 0x7F800000, 0xFF800000  # +inf, -inf
     x = wide[:, :32]  # strided rows
-    got = onednn.load_library().to_bf16(x)
+    got = current().onednn().to_bf16(x)
     want = np.array(mx.array(np.ascontiguousarray(x)).astype(mx.bfloat16).view(mx.uint16))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got, bf16_bits(x))
@@ -130,7 +133,7 @@ def test_int8_rounding_in_onednn_is_the_numpy_passes_bit_for_bit() -> None:
     take) against its numpy passes: exact halves both ways (ties to even), each row's extreme
     at +-127, an all-zero row (scale 1), strided rows of a wider array, and one row alone."""
     rng = np.random.default_rng(6)
-    lib = onednn.load_library()
+    lib = current().onednn()
     wide = (rng.standard_normal((7, 300)) * 4).astype(np.float32)
     wide[0, :8] = [127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]  # scale 1: the halves are ties
     wide[0, 8:] = np.clip(wide[0, 8:], -127, 127)
@@ -153,7 +156,7 @@ def test_batched_matmul_takes_strided_views_and_equals_numpy() -> None:
     """OneDNN.bmm (decode attention's probabilities x values): [B, M, K] @ [B, K, N] over a
     transposed view (keys as [B, L, D] read as [B, D, L]) and a strided output, as numpy's
     matmul computes it; a second call of the same shape reuses the primitive with other buffers."""
-    lib = onednn.load_library()
+    lib = current().onednn()
     b, m, k, n = 6, 3, 16, 10
     for seed in (1, 2):
         q = _rand((b, m, k), seed)
@@ -234,21 +237,21 @@ def test_without_onednn_int8_says_what_to_install_and_auto_falls_back(
     from batchmlx.core.models import ModelSpec
     from batchmlx.engine.models.loader import host_format, load_model
 
-    monkeypatch.setattr(onednn, "_library", None)
-    monkeypatch.setattr(onednn, "library_candidates", lambda: [])
+    monkeypatch.setattr(onednn, "library_candidates", lambda explicit=None: [])
+    none = HostBackend()  # a backend whose oneDNN is not found
     spec = ModelSpec(name="x", kind="mlx_dir", source=str(tmp_path))
     with pytest.raises(OneDNNUnavailable, match=r"onednn-cpu-gomp"):
-        load_model(spec, cache_dir=tmp_path, dtype="int8")
-    assert host_format("auto", on_cpu=True) is None  # float32, with a warning
+        load_model(spec, cache_dir=tmp_path, dtype="int8", backend=none)
+    assert host_format("auto", on_cpu=True, backend=none) is None  # float32, with a warning
     assert "weights as float32" in caplog.text
-    assert host_format("auto", on_cpu=False) is None
+    assert host_format("auto", on_cpu=False, backend=none) is None
 
 
 @needs_onednn
 def test_supports_answers_by_the_cpus_instructions() -> None:
     from batchmlx.engine.host.fast_blas import cpu_flags
 
-    flags, lib = cpu_flags(), onednn.load_library()
+    flags, lib = cpu_flags(), current().onednn()
     assert lib.supports(onednn.DataType.F32)
     if "avx512f" not in flags:  # oneDNN 3.2's bf16 matmul needs AVX-512
         assert not lib.supports(onednn.DataType.BF16)
@@ -263,7 +266,7 @@ def test_supports_answers_by_the_cpus_instructions() -> None:
 def test_a_cpu_without_bf16_matmul_gets_float32_host_weights(monkeypatch, caplog) -> None:
     from batchmlx.engine.models.loader import host_format
 
-    lib = onednn.load_library()
+    lib = current().onednn()
     monkeypatch.setattr(type(lib), "supports", lambda self, dt, scaled=False: False)
     assert host_format("auto", on_cpu=True) is HostFormat.F32
     assert host_format("bfloat16", on_cpu=True) is None  # MLX's own bf16, with a warning

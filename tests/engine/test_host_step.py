@@ -12,16 +12,16 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.models import llama
 
+from batchmlx.config import HostSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.host import onednn
-from batchmlx.engine.host import step as host_step
+from batchmlx.engine.host.backend import current
 from batchmlx.engine.host.linear import HostFormat, runs_here, to_host_format
-from batchmlx.engine.host.step import HostRope, HostStep, unsupported
+from batchmlx.engine.host.step import HostRope, HostStep, backend_of, unsupported
 from tests.engine.helpers import assert_greedy_texts_agree, host_formats
 from tests.engine.test_decode_kv import churn
 from tests.engine.test_engine_tiny import engine, staggered
 
-pytestmark = pytest.mark.skipif(not onednn.available(), reason="oneDNN (onednn-cpu-gomp)")
+pytestmark = pytest.mark.skipif(not current().onednn_available(), reason="oneDNN (onednn-cpu-gomp)")
 FORMATS = host_formats()
 # the format every CPU runs (bf16 in oneDNN 3.2 needs AVX-512)
 ANY = HostFormat.BF16 if runs_here(HostFormat.BF16) else HostFormat.F32
@@ -160,7 +160,8 @@ def test_models_it_does_not_run_keep_the_mlx_path(monkeypatch):
     e = engine(plain)
     assert e.runner.forward_pass.host is None  # float32 weights: MLX's own GEMMs, exact to mlx-lm
     assert unsupported(plain, e.runner.storage) == "embedding not in a host format"
-    monkeypatch.setenv(host_step.ENV, "0")
+    # BATCHMLX_HOST_STEPS=0: the switch of the backend the model's host layers were built with
+    monkeypatch.setattr(backend_of(f32), "settings", HostSettings(host_steps=False))
     assert HostStep.of(f32, engine(f32).runner.storage) is None
     e = engine(f32)
     assert e.runner.forward_pass.host is None

@@ -146,10 +146,10 @@ def test_a_fast_exit_waits_only_for_threads_that_may_be_working() -> None:
     import threading
 
     from batchmlx.cli.entry import _working_threads
-    from batchmlx.engine.host import attention as host_attention
+    from batchmlx.engine.host import backend
 
-    host_attention.workers().submit(lambda: None).result()  # the pool's threads are alive
-    pool = [t for t in threading.enumerate() if t.name.startswith(host_attention.THREAD_NAME)]
+    backend.current().pool().submit(lambda: None).result()  # the pool's threads are alive
+    pool = [t for t in threading.enumerate() if t.name.startswith(backend.THREAD_NAME)]
     assert pool and not set(pool) & set(_working_threads())
     release = threading.Event()
     daemon = threading.Thread(target=release.wait, daemon=True)

@@ -346,10 +346,10 @@ def test_no_reexec_on_the_cuda_backend(recorded_exec, monkeypatch) -> None:
 
 def test_the_slow_blas_line_is_left_out_for_weights_computed_off_mlx(monkeypatch, capsys) -> None:
     from batchmlx.cli import common
-    from batchmlx.engine.host import onednn
+    from batchmlx.engine.host.backend import HostBackend
 
     monkeypatch.setattr(accel, "slow_blas_warning", lambda environ=None: "WARNING: slow BLAS")
-    monkeypatch.setattr(onednn, "available", lambda: True)
+    monkeypatch.setattr(HostBackend, "onednn_available", lambda self: True)
     common.warn_if_slow_blas("auto")  # host weights: their GEMMs are oneDNN's or numpy's
     assert "slow BLAS" not in capsys.readouterr().err
     common.warn_if_slow_blas("float32")  # MLX's own matmuls

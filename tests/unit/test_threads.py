@@ -9,8 +9,10 @@ import os
 
 import pytest
 
+from batchmlx.config import THREADS_ENV as ENV
+from batchmlx.config import load_host_settings
 from batchmlx.engine.host.threads import (
-    ENV,
+    ComputeThreads,
     CpuBudget,
     CpuSample,
     ThreadChoice,
@@ -49,7 +51,7 @@ def test_the_budget_is_the_fewer_of_affinity_and_quota() -> None:
 def test_the_default_takes_the_cpus_other_processes_leave_free(
     cpus: int, others: float, threads: int
 ) -> None:
-    choice = choose_threads(None, CpuBudget(cpus, None), environ={}, others=others)
+    choice = choose_threads(None, CpuBudget(cpus, None), others=others)
     assert choice.threads == threads == free_cpus(CpuBudget(cpus, None), others)
     assert choice.auto
     assert f"{cpus} CPUs in this process's affinity" in choice.why
@@ -115,14 +117,16 @@ def test_a_count_asked_for_is_never_changed() -> None:
 
 def test_the_flag_then_the_variable_override_the_default() -> None:
     budget = CpuBudget(2, 1.5)
-    flag = choose_threads(2, budget, environ={ENV: "3"})
+    flag = choose_threads(2, budget)
     assert flag.threads == 2 and flag.why.startswith("--threads 2") and "quota of 1.5" in flag.why
-    env = choose_threads(None, budget, environ={ENV: "3"})
-    assert env.threads == 3 and env.why.startswith(f"{ENV}=3")
+    assert not flag.auto
+    # the variable reaches the engine as a setting (config.py reads it; the flag wins over it)
+    assert load_host_settings({ENV: "3"}).threads == 3
+    assert load_host_settings({ENV: " "}).threads is None
     with pytest.raises(ValueError, match=f"{ENV} must be a whole number"):
-        choose_threads(None, budget, environ={ENV: "many"})
+        load_host_settings({ENV: "many"})
     with pytest.raises(ValueError, match="at least 1"):
-        choose_threads(0, budget, environ={})
+        choose_threads(0, budget)
 
 
 def test_apply_sets_the_loaded_blas_and_the_variables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,9 +134,12 @@ def test_apply_sets_the_loaded_blas_and_the_variables(monkeypatch: pytest.Monkey
         monkeypatch.setenv(key, "0")  # restored after the test, whatever apply sets
     get = getattr(ctypes.CDLL(None), "openblas_get_num_threads", None)
     before = get() if get is not None else None
+    live = ComputeThreads()
     try:
-        done = apply_threads(ThreadChoice(1, "test", CpuBudget(2, None)))
-        assert os.environ[ENV] == os.environ["OPENBLAS_NUM_THREADS"] == "1"
+        done = apply_threads(ThreadChoice(1, "test", CpuBudget(2, None)), live)
+        assert live.n == 1  # the host kernels' count: passed, not read back from the environment
+        assert os.environ["OPENBLAS_NUM_THREADS"] == os.environ["OMP_NUM_THREADS"] == "1"
+        assert os.environ[ENV] == "0"  # the user's variable is not written
         if get is not None:  # pytest runs on the preloaded OpenBLAS where one is installed
             assert "openblas_set_num_threads(1)" in done and get() == 1
     finally:
@@ -143,7 +150,6 @@ def test_apply_sets_the_loaded_blas_and_the_variables(monkeypatch: pytest.Monkey
 def test_doctor_says_the_threads_chosen_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
     from batchmlx.engine.host.fast_blas import doctor_report
 
-    monkeypatch.delenv(ENV, raising=False)
     report = doctor_report(measure=False)["engine_threads"]
     budget = cpu_budget()
     assert 1 <= report["threads"] <= budget.cpus
@@ -154,11 +160,13 @@ def test_doctor_says_the_threads_chosen_and_why(monkeypatch: pytest.MonkeyPatch)
 def test_the_first_look_spans_the_model_load() -> None:
     """build_engine starts on all the budget's CPUs (no wait of its own) and looks again as soon
     as the model is in, whatever the review period."""
-    choice = choose_threads(None, CpuBudget(2, None), environ={}, measure=False)
+    choice = choose_threads(None, CpuBudget(2, None), measure=False)
     assert choice.threads == 2 and choice.auto
     samples = iter([CpuSample(0, 0, 0, 2), CpuSample(190, 200, 90, 2)])  # others busy on 1.0
     applied: list[int] = []
-    gov = ThreadGovernor(choice, review_s=1e9, clock=lambda: 0.0, sample=lambda: next(samples),
-                         apply=applied.append)  # fmt: skip
+    live = ComputeThreads(2)  # what the host kernels read (oneDNN, numpy's BLAS, attention)
+    gov = ThreadGovernor(choice, live, review_s=1e9, clock=lambda: 0.0,
+                         sample=lambda: next(samples), apply=applied.append)  # fmt: skip
     assert gov.review() is None  # the period has not passed
     assert gov.review(now=True) == 1 and applied == [1]
+    assert live.n == 1  # the kernels' next call uses the new count

@@ -17,14 +17,12 @@ evaluation barrier would cost far more than the kernels it replaces.
 
 from __future__ import annotations
 
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.host import numpy_blas, onednn
+from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.onednn import OneDNN
 from batchmlx.engine.kv.paged import additive_bias
 
@@ -37,16 +35,6 @@ TILE_QUERIES = 64
 # 170 -> 140 ms; width 256 over ~100 keys the same either side).
 MIN_HOST_SCORES = 1 << 17
 MIN_HOST_DECODE_SCORES = 1 << 16
-# Threads the tiles (or a decode step's sequences) are split over: numpy releases the GIL in
-# its kernels, and the softmax passes are single-threaded otherwise. At most 2 (measured on 2
-# cores) and at most the engine's thread count (BATCHMLX_THREADS, which host/threads.py
-# sizes from the CPUs this process may use), read when the pool starts.
-THREADS = max(1, min(2, os.cpu_count() or 1))
-
-# The pool's thread names: idle between steps (a step waits for its jobs), so the CLI may end
-# the process with them alive (cli.entry._exit)
-THREAD_NAME = "host-attention"
-_pool: ThreadPoolExecutor | None = None
 
 
 def pays(queries: mx.array, keys_per_query: int) -> bool:
@@ -55,32 +43,6 @@ def pays(queries: mx.array, keys_per_query: int) -> bool:
     b, hq, ql, _ = queries.shape
     least = MIN_HOST_SCORES if ql > 1 else MIN_HOST_DECODE_SCORES
     return b * hq * ql * keys_per_query >= least
-
-
-def workers() -> ThreadPoolExecutor:
-    """The tile threads; numpy's own BLAS goes single-threaded first, so two tiles' matmuls
-    do not each start a BLAS thread team on the same two cores."""
-    global _pool, THREADS
-    if _pool is None:
-        _single_threaded_numpy_blas()
-        THREADS = _pool_size()
-        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix=THREAD_NAME)
-    return _pool
-
-
-def _pool_size() -> int:
-    try:
-        engine_threads = int(os.environ.get("BATCHMLX_THREADS") or THREADS)
-    except ValueError:
-        engine_threads = THREADS
-    return max(1, min(THREADS, engine_threads))
-
-
-def _single_threaded_numpy_blas() -> None:
-    """numpy's vendored OpenBLAS (a separate library from the one MLX's matmuls preload) to
-    one thread. Without this its thread team and MLX's spin against each other on the same
-    cores (measured: a 1,000-token prefill 1.2 s -> 2.3 s)."""
-    numpy_blas.set_threads(1)
 
 
 def _host(x: mx.array) -> np.ndarray:
@@ -116,13 +78,15 @@ def _attend(
     tile: int,
     prefix: tuple[np.ndarray, np.ndarray] | None = None,
     valid: np.ndarray | None = None,
+    backend: HostBackend | None = None,
 ) -> np.ndarray:
     """`_attend_tiles` split over the worker threads: a prompt's query tiles (the later,
     larger ones first), or a single tile's sequences in two halves. valid [B, Q]: which
     queries are real (padded chunks); None: all."""
     b, h, rep, ql, d = q.shape
     out = np.empty_like(q)
-    pool = workers()
+    backend = backend or current()
+    pool = backend.pool()
     if ql > tile:
         starts = list(range(0, ql, tile))[::-1]
         jobs = [
@@ -144,7 +108,7 @@ def _attend(
     else:
         # the sequences in two halves: one on a worker, one here (a decode step's attention is
         # ~1 ms a layer; a second hand-off each way was a fifth of it)
-        half = (b + 1) // 2 if THREADS > 1 and b > 1 else b
+        half = (b + 1) // 2 if backend.pool_threads > 1 and b > 1 else b
 
         def rows(r0: int, r1: int) -> tuple:
             return (q[r0:r1], k[r0:r1], v[r0:r1],
@@ -229,6 +193,7 @@ def host_attention(
     *,
     causal_offset: int | None = None,
     chunk: int | None = None,
+    backend: HostBackend | None = None,
 ) -> mx.array:
     """`attention.chunked_attention` in numpy: queries [B, Hq, Q, D]; keys, values
     [B, H, K, D] (query head h*rep + r reads kv head h); mask [B or 1, 1, Q, K] bool or additive,
@@ -240,7 +205,8 @@ def host_attention(
     if causal and causal_offset is None:
         causal_offset = kl - ql
     q = (_host(queries) * np.float32(scale)).reshape(b, h, hq // h, ql, d)
-    out = _attend(q, _host(keys), _host(values), bias, causal_offset, chunk or TILE_QUERIES)
+    out = _attend(q, _host(keys), _host(values), bias, causal_offset, chunk or TILE_QUERIES,
+                  backend=backend)  # fmt: skip
     return mx.array(out.reshape(b, hq, ql, d)).astype(queries.dtype)
 
 
@@ -254,6 +220,7 @@ def host_cascade_attention(
     *,
     causal_offset: int | None = None,
     real_rows: mx.array | None = None,
+    backend: HostBackend | None = None,
 ) -> mx.array:
     """`attention.cascade_attention` in numpy: attention over a prefix every sequence shares
     (prefix keys, values [H, P, D], read once for the whole batch) + each sequence's own keys
@@ -271,7 +238,7 @@ def host_cascade_attention(
         valid[np.asarray(real_rows)] = True
         valid = valid.reshape(b, ql)
     out = _attend(q, _host(keys), _host(values), bias, causal_offset, TILE_QUERIES, shared,
-                  valid)  # fmt: skip
+                  valid, backend)  # fmt: skip
     return mx.array(out.reshape(b, hq, ql, d)).astype(queries.dtype)
 
 
@@ -288,20 +255,22 @@ def decode_attention(
     v: np.ndarray,
     bias: np.ndarray,
     prefix: tuple[np.ndarray, np.ndarray] | None = None,
+    backend: HostBackend | None = None,
 ) -> np.ndarray:
     """One query per sequence (decode rows) in numpy: q [S, H, rep, D] already scaled; k, v
     [S, H, L, D]; bias [S, 1, 1, L] additive; prefix (keys, values) [H, P, D] every sequence
     also sees. Returns [S, H, rep, D]. The lean form of `_attend_tiles` for a single query:
     a width-8 decode layer costs half as much."""
     s, h, rep, _ = q.shape
-    lib = _onednn()
+    backend = backend or current()
+    lib = backend.attention_onednn()
     if lib is not None:
-        workers()  # (numpy's BLAS single-threaded first: the scores' calls are numpy's)
+        backend.pool()  # (numpy's BLAS single-threaded first: the scores' calls are numpy's)
         return _decode_rows(q, k, v, bias, prefix, lib)
-    if s > 1 and THREADS > 1 and s * h * rep * k.shape[2] >= MIN_SPLIT_DECODE_SCORES:
+    if s > 1 and backend.pool_threads > 1 and s * h * rep * k.shape[2] >= MIN_SPLIT_DECODE_SCORES:
         out = np.empty(q.shape, np.float32)
         half = (s + 1) // 2
-        pool = workers()
+        pool = backend.pool()
 
         def part(a: int, b: int) -> None:
             out[a:b] = _decode_rows(q[a:b], k[a:b], v[a:b], bias[a:b] if bias.shape[0] > 1
@@ -312,17 +281,6 @@ def decode_attention(
         job.result()
         return out
     return _decode_rows(q, k, v, bias, prefix)
-
-
-_library: OneDNN | None | bool = False  # False: not looked for yet
-
-
-def _onednn() -> OneDNN | None:
-    """oneDNN for the decode rows' two products, when it loads here (else numpy's matmul)."""
-    global _library
-    if _library is False:
-        _library = onednn.load_library() if onednn.available() else None
-    return _library  # type: ignore[return-value]
 
 
 def _decode_rows(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.host.attention import THREADS, workers
+from batchmlx.engine.host.backend import ATTENTION_THREADS, HostBackend, current
 
 # Elements from which a SwiGLU runs on the host (see the module note).
 MIN_HOST_ELEMENTS = 1 << 19
@@ -49,7 +49,7 @@ def _swiglu_range(g: np.ndarray, u: np.ndarray, out: np.ndarray, lo: int, hi: in
             _swiglu_tile(g[a:b], u[a:b], out[a:b], scratch[: b - a])
 
 
-def host_swiglu(gate: mx.array, x: mx.array) -> mx.array:
+def host_swiglu(gate: mx.array, x: mx.array, backend: HostBackend | None = None) -> mx.array:
     """silu(gate) * x (mlx-lm's `swiglu`) for float32 operands of one shape, in numpy."""
     out = mx.zeros(gate.shape, mx.float32)  # a fresh contiguous buffer the result goes into
     mx.eval(gate, x, out)
@@ -57,10 +57,11 @@ def host_swiglu(gate: mx.array, x: mx.array) -> mx.array:
     u = np.asarray(x).reshape(-1)
     o = np.asarray(out).reshape(-1)  # writable view of MLX's buffer
     n = g.size
-    if THREADS > 1 and n >= 2 * TILE:
+    if ATTENTION_THREADS > 1 and n >= 2 * TILE:
         half = (n // 2 // TILE) * TILE
         halves = ((0, half), (half, n))
-        jobs = [workers().submit(_swiglu_range, g, u, o, lo, hi) for lo, hi in halves]
+        pool = (backend or current()).pool()
+        jobs = [pool.submit(_swiglu_range, g, u, o, lo, hi) for lo, hi in halves]
         for job in jobs:
             job.result()
     else:
@@ -68,7 +69,9 @@ def host_swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return out
 
 
-def swiglu_halves(gu: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def swiglu_halves(
+    gu: np.ndarray, out: np.ndarray | None = None, backend: HostBackend | None = None
+) -> np.ndarray:
     """silu(gate) * up of a fused gate-up GEMM's output gu [M, 2I] (gate the first half of each
     row, up the second), as [M, I] float32: rows tile by tile (each tile's passes in L2), the
     halves of a large one on two threads. The host steps' MLP (engine/host/step.py)."""
@@ -77,9 +80,9 @@ def swiglu_halves(gu: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     if out is None:
         out = np.empty((m, i), np.float32)
     rows = max(1, TILE // i)  # rows per tile
-    if THREADS > 1 and m * i >= MIN_HOST_ELEMENTS:
+    if ATTENTION_THREADS > 1 and m * i >= MIN_HOST_ELEMENTS:
         mid = m // 2
-        job = workers().submit(_swiglu_rows, gu, out, i, mid, m, rows)
+        job = (backend or current()).pool().submit(_swiglu_rows, gu, out, i, mid, m, rows)
         _swiglu_rows(gu, out, i, 0, mid, rows)
         job.result()
     else:

@@ -449,8 +449,9 @@ def measure_matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
     return 2.0 * n**3 / best / 1e9
 
 
-def doctor_report(*, measure: bool = True) -> dict[str, object]:
-    """Platform, MLX version and device, the active BLAS and its measured matmul speed."""
+def doctor_report(*, measure: bool = True, threads: int | None = None) -> dict[str, object]:
+    """Platform, MLX version and device, the active BLAS and its measured matmul speed, and the
+    engine threads `threads` (--threads / BATCHMLX_THREADS; None: chosen) would give."""
     import mlx.core as mx
 
     from batchmlx.engine.host.threads import threads_report
@@ -469,7 +470,7 @@ def doctor_report(*, measure: bool = True) -> dict[str, object]:
         "active_blas": asdict(blas),
         "note": blas.note,
         "fast_blas_available": asdict(available) if available else None,
-        "engine_threads": threads_report(),
+        "engine_threads": threads_report(threads),
         "matmul_gflops_1024_f32": round(measure_matmul_gflops(), 1) if measure else None,
     }
 
@@ -482,7 +483,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if "--no-reexec" not in args:
         ensure_fast_blas()  # so the report shows what the CLI would run with
-    print(json.dumps(doctor_report(measure="--no-measure" not in args), indent=2))
+    from batchmlx.config import load_host_settings
+
+    threads = load_host_settings().threads
+    print(json.dumps(doctor_report(measure="--no-measure" not in args, threads=threads), indent=2))
     return 0
 
 

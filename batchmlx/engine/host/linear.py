@@ -35,7 +35,8 @@ import mlx.nn as nn
 import numpy as np
 
 from batchmlx.engine.host import numpy_blas
-from batchmlx.engine.host.onednn import DataType, OneDNN, Packed, load_library
+from batchmlx.engine.host.backend import HostBackend, current
+from batchmlx.engine.host.onednn import DataType, OneDNN, Packed
 
 
 class HostFormat(enum.Enum):
@@ -57,14 +58,15 @@ class HostFormat(enum.Enum):
         return self is HostFormat.INT8
 
 
-def runs_here(fmt: HostFormat) -> bool:
+def runs_here(fmt: HostFormat, backend: HostBackend | None = None) -> bool:
     """Whether `fmt`'s GEMMs run on this machine: float32 always (numpy's BLAS); bf16 and int8
     where oneDNN loads and has their matmul for this CPU (bf16 needs AVX-512 in oneDNN 3.2)."""
     if fmt is HostFormat.F32:
         return True
-    from batchmlx.engine.host import onednn
-
-    return onednn.available() and load_library().supports(fmt.data_type, scaled=fmt.scaled)
+    backend = backend or current()
+    return backend.onednn_available() and backend.onednn().supports(
+        fmt.data_type, scaled=fmt.scaled
+    )
 
 
 # Sibling layers that read the same input, fused into one GEMM (llama, qwen, mistral, ...)
@@ -147,8 +149,10 @@ class SharedGemm:
     def __init__(self, weights: list[mx.array], fmt: HostFormat,
                  biases: list[mx.array | None] | None = None, *,
                  keep_plain: bool = False, cache: PackedCache | None = None,
-                 key: str = "") -> None:  # fmt: skip
+                 key: str = "", backend: HostBackend | None = None) -> None:  # fmt: skip
         self.fmt = fmt
+        # oneDNN and the engine's live thread count (backend.py); the host steps take it too
+        self.backend = backend or current()
         self.splits: list[tuple[int, int]] = []
         at = 0
         for w in weights:
@@ -180,7 +184,7 @@ class SharedGemm:
             self._w = Packed(None, np.asarray(self.packed), *full.shape, fmt.data_type, False)
         else:
             rows = np.asarray(plain.data.view(mx.uint16) if fmt is HostFormat.BF16 else plain.data)
-            packed = load_library().pack(rows, fmt.data_type, scaled=fmt.scaled)
+            packed = self.backend.onednn().pack(rows, fmt.data_type, scaled=fmt.scaled)
             self.packed = mx.array(packed.buffer)  # MLX owns the bytes from here on
             self._w = replace(packed, buffer=np.asarray(self.packed))
         self.scales = plain.scales
@@ -197,7 +201,7 @@ class SharedGemm:
             return False
         packed = hit["packed"]  # the mapped file's bytes, used where they lie
         buffer = np.asarray(packed)
-        w = load_library().adopt(buffer, n, k, fmt.data_type, scaled=fmt.scaled)
+        w = self.backend.onednn().adopt(buffer, n, k, fmt.data_type, scaled=fmt.scaled)
         if w is None:
             return False
         self.packed, self._w = packed, w
@@ -238,14 +242,14 @@ class SharedGemm:
         if out is None:
             out = np.empty((x.shape[0], self._w.n), np.float32)
         if self.fmt is HostFormat.BF16:
-            lib = load_library()
+            lib = self.backend.onednn()
             bits = x if x.dtype == np.uint16 else lib.to_bf16(as_rows(x))
             lib.matmul(np.ascontiguousarray(bits), self._w, out)
         elif self.fmt is HostFormat.F32:
-            with numpy_blas.threads(numpy_blas.engine_threads()):
+            with numpy_blas.threads(self.backend.threads.or_cpus()):
                 np.matmul(np.ascontiguousarray(x, dtype=np.float32), self._w.buffer.T, out=out)
         else:
-            lib = load_library()
+            lib = self.backend.onednn()
             q, t = quantize_rows(as_rows(x), lib)
             lib.matmul(q, self._w, out, self._s)
             out *= t[:, None]
@@ -284,9 +288,10 @@ class HostEmbedding(nn.Module):
     tied lm_head) is a host GEMM."""
 
     def __init__(self, weight: mx.array, fmt: HostFormat, *, cache: PackedCache | None = None,
-                 key: str = "") -> None:  # fmt: skip
+                 key: str = "", backend: HostBackend | None = None) -> None:  # fmt: skip
         super().__init__()
-        self._gemm = SharedGemm([weight], fmt, keep_plain=True, cache=cache, key=key)
+        self._gemm = SharedGemm([weight], fmt, keep_plain=True, cache=cache, key=key,
+                                backend=backend)  # fmt: skip
         assert self._gemm.plain is not None
         self.weight = self._gemm.plain.data  # row-major, for the lookup
         if self._gemm.packed is not self.weight:  # (float32: the very same rows)
@@ -320,7 +325,7 @@ def _linears(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def _host_layers(module: nn.Module, fmt: HostFormat, cache: PackedCache | None,
-                 where: str) -> dict[str, nn.Module]:  # fmt: skip
+                 where: str, backend: HostBackend) -> dict[str, nn.Module]:  # fmt: skip
     """The host layers replacing `module` (at `where` in the model)'s linear children,
     shared-input siblings fused."""
     linears = _linears(module)
@@ -331,35 +336,37 @@ def _host_layers(module: nn.Module, fmt: HostFormat, cache: PackedCache | None,
             if len({_float_weight(m).shape[1] for m in members}) == 1:
                 gemm = SharedGemm([_float_weight(m) for m in members], fmt,
                                   [m.get("bias") for m in members], cache=cache,
-                                  key=f"{where}.{'+'.join(names)}")  # fmt: skip
+                                  key=f"{where}.{'+'.join(names)}", backend=backend)  # fmt: skip
                 for i, n in enumerate(names):
                     out[n] = HostLinear(gemm, i, owner=i == 0)
     for n, m in linears.items():
         if n not in out:
             gemm = SharedGemm([_float_weight(m)], fmt, [m.get("bias")], cache=cache,
-                              key=f"{where}.{n}")  # fmt: skip
+                              key=f"{where}.{n}", backend=backend)  # fmt: skip
             out[n] = HostLinear(gemm, 0, owner=True)
     return out
 
 
-def to_host_format(model: nn.Module, fmt: HostFormat,
-                   cache: PackedCache | None = None) -> nn.Module:  # fmt: skip
+def to_host_format(model: nn.Module, fmt: HostFormat, cache: PackedCache | None = None,
+                   backend: HostBackend | None = None) -> nn.Module:  # fmt: skip
     """Replace every linear layer and embedding of `model` by its host form in `fmt`, one parent
     module at a time (so only one layer's float weights exist at once beside the rest), and
     make the remaining floating parameters (norms) float32. With a `cache`, layers it holds
     are taken from it (their float weights never read) and the others packed into it. Checks
-    the library first (OneDNNUnavailable names what to install). Mutates and returns."""
-    load_library()
+    the library first (OneDNNUnavailable names what to install). `backend`: the HostBackend
+    every layer computes with (default: the process's). Mutates and returns."""
+    backend = backend or current()
+    backend.onednn()
     # parents only: a list holding the linear layers themselves would keep every float
     # weight alive until the end
     parents = [(where, m) for where, m in model.named_modules() if any(
         isinstance(c, _CONVERTED) for c in m.children().values())]  # fmt: skip
     for where, parent in parents:
-        layers = _host_layers(parent, fmt, cache, where)
+        layers = _host_layers(parent, fmt, cache, where, backend)
         for name, child in parent.children().items():
             if isinstance(child, (nn.Embedding, nn.QuantizedEmbedding)):
                 layers[name] = HostEmbedding(_float_weight(child), fmt, cache=cache,
-                                             key=f"{where}.{name}")  # fmt: skip
+                                             key=f"{where}.{name}", backend=backend)  # fmt: skip
         for name, layer in layers.items():
             setattr(parent, name, layer)
     _norms_to_float32(model)

@@ -13,7 +13,6 @@ back. Without the entry point (another numpy build) calls do nothing.
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,15 +50,6 @@ def set_threads(n: int) -> None:
     fn = _find()
     if fn is not None:
         fn(max(1, int(n)))
-
-
-def engine_threads() -> int:
-    """The engine's thread count (BATCHMLX_THREADS, which host/threads.py sizes from the
-    CPUs this process may use and the governor moves), else the CPUs here."""
-    try:
-        return max(1, int(os.environ.get("BATCHMLX_THREADS") or 0) or (os.cpu_count() or 1))
-    except ValueError:
-        return os.cpu_count() or 1
 
 
 @contextmanager

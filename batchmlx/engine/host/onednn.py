@@ -7,9 +7,11 @@ kernels at run time by CPU features (AVX-512 BF16 and VNNI, AVX2; not by vendor,
 get them too): bf16 x bf16 and s8 x s8 products accumulate in float32 / int32 and write float32.
 
 The library comes from the `onednn-cpu-gomp` wheel (oneDNN 3.2, GNU OpenMP; a dependency on Linux
-x86-64). `load_library` finds it under the Python prefixes (or `BATCHMLX_ONEDNN_LIB`) and says
-what to install when it is missing. Its OpenMP team follows the engine's thread count
-(BATCHMLX_THREADS, which the thread governor moves with the load), set on the calling thread.
+x86-64). `open_library` finds it under the Python prefixes (or at the path BATCHMLX_ONEDNN_LIB
+gives, through HostSettings) and says what to install when it is missing; the HostBackend
+(backend.py) opens it once and keeps it. Its OpenMP team follows the engine's thread count (the
+backend's ComputeThreads, which the thread governor moves with the load), set on the calling
+thread.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import enum
 import glob
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,9 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchmlx.engine.host.fast_blas import python_prefixes
+from batchmlx.engine.host.threads import ComputeThreads, set_openmp_defaults
 
-LIBRARY_ENV = "BATCHMLX_ONEDNN_LIB"  # an explicit path to libdnnl.so.3*
-THREADS_ENV = "BATCHMLX_THREADS"  # threads.py's; read per call so the governor's changes apply
 INSTALL_HINT = (
     "the host weight formats need oneDNN: pip install onednn-cpu-gomp (Linux x86-64; a "
     "dependency of batchmlx there; it needs the GNU OpenMP runtime libgomp.so.1)"
@@ -84,8 +84,10 @@ class OneDNN:
     A primitive per (M, N, K, types) is made on first use and kept (layer shapes, decode widths
     and prompt chunk sizes recur); its memory objects are re-pointed at each call's buffers."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, threads: ComputeThreads | None = None) -> None:
         self.path = path
+        # the engine's thread count, read per call so the governor's changes apply
+        self.threads = ComputeThreads() if threads is None else threads
         lib = self.lib = ctypes.CDLL(path)
         lib.dnnl_primitive_execute.argtypes = [_p, _p, ctypes.c_int, _p]
         lib.dnnl_memory_set_data_handle.argtypes = [_p, _p]
@@ -263,7 +265,7 @@ class OneDNN:
         self._prims.clear()
 
     def _fit_threads(self) -> None:
-        want = int(os.environ.get(THREADS_ENV) or 0)
+        want = self.threads.n or 0
         if want > 0 and want != self._local.threads and self._omp_set is not None:
             self._omp_set(want)  # this thread's team size (OpenMP keeps it per thread)
             self._local.threads = want
@@ -394,55 +396,30 @@ def _omp_setter():
     return fn
 
 
-_library: OneDNN | None = None
-
-
-def library_candidates() -> list[str]:
-    """Paths of libdnnl to try, best first: BATCHMLX_ONEDNN_LIB, then <prefix>/lib of this
-    Python (where the onednn wheels put it)."""
-    found = [os.environ[LIBRARY_ENV]] if os.environ.get(LIBRARY_ENV) else []
+def library_candidates(explicit: str | None = None) -> list[str]:
+    """Paths of libdnnl to try, best first: `explicit` (BATCHMLX_ONEDNN_LIB), then <prefix>/lib
+    of this Python (where the onednn wheels put it)."""
+    found = [explicit] if explicit else []
     for prefix in python_prefixes():
         for name in _LIB_NAMES:
             found += sorted(glob.glob(str(prefix / "lib" / name)))
     return list(dict.fromkeys(found))
 
 
-def load_library() -> OneDNN:
-    """oneDNN, loaded once; OneDNNUnavailable (with what to install) when it cannot be."""
-    global _library
-    if _library is not None:
-        return _library
+def open_library(explicit: str | None = None, threads: ComputeThreads | None = None) -> OneDNN:
+    """oneDNN, loaded (the HostBackend keeps it: backend.py); OneDNNUnavailable (with what to
+    install) when it cannot be. `threads`: the engine's count its OpenMP team follows."""
     import mlx.core as mx
 
     if mx.default_device().type != mx.DeviceType.cpu:
         raise OneDNNUnavailable("the host weight formats run on MLX's CPU backend only; on a "
                                 "GPU use --dtype auto (quantized MLX kernels)")  # fmt: skip
-    # between two GEMMs MLX evaluates the layer's other ops (~0.1-0.3 ms): OpenMP's threads
-    # spin through such a gap and then sleep, where sleeping at once cost a wake-up per GEMM
-    # (decode tok/s at width 8: 88 -> 124, measured, 3 runs each). The spin is short (20,000
-    # rounds: ~0.2 ms of CPU after a GEMM here; 2,000,000 spun ~50 ms), as a spinning team
-    # holds both cores while host attention splits its tiles over two threads of its own: at
-    # 2,000,000 a 944-token prompt's attention took 0.65-0.69 s against 0.36-0.46, and 63
-    # chunks behind a shared prefix 2.0-2.1 s against 1.3-1.4 (three pairs, 2-core Zen 4,
-    # 2026-12-03), decode steps and width-8 runs level. A value the user set is kept; libgomp
-    # reads it when it starts
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+    set_openmp_defaults()  # threads.OPENMP_DEFAULTS: libgomp reads them when it starts
     errors = []
-    for path in library_candidates():
+    for path in library_candidates(explicit):
         try:
-            _library = OneDNN(path)
-            return _library
+            return OneDNN(path, threads)
         except (OSError, AttributeError, RuntimeError) as exc:
             errors.append(f"{path}: {exc}")
     detail = f" (tried: {'; '.join(errors)})" if errors else ""
     raise OneDNNUnavailable(INSTALL_HINT + detail)
-
-
-def available() -> bool:
-    """oneDNN can be loaded here (and MLX runs on its CPU backend)."""
-    try:
-        load_library()
-    except OneDNNUnavailable:
-        return False
-    return True

@@ -13,14 +13,14 @@ The arithmetic is the MLX path's: float32 activations, GEMM inputs rounded to bf
 quantized per token for int8, or as they are for float32) exactly as host_linear does,
 float32 norms, RoPE and softmax; only the order of float32 sums differs (logits within ~1e-5
 of the MLX path's, greedy tokens equal: tests/engine/test_host_step.py).
-BATCHMLX_HOST_STEPS=0 turns it off.
+BATCHMLX_HOST_STEPS=0 turns it off (HostSettings.host_steps, of the HostBackend the model's host
+layers were built with: engine/host/backend.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -28,6 +28,7 @@ import mlx.nn as nn
 import numpy as np
 
 from batchmlx.engine.host import attention as host_attention
+from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.elementwise import swiglu_halves
 from batchmlx.engine.host.linear import HostEmbedding, HostFormat, HostLinear, SharedGemm
 from batchmlx.engine.kv.decode import DecodePlan
@@ -35,14 +36,15 @@ from batchmlx.engine.kv.paged import PackedLayout, PagedKVStorage, Segment, Segm
 
 log = logging.getLogger("batchmlx.engine")
 
-ENV = "BATCHMLX_HOST_STEPS"
 # mlx-lm architectures whose blocks are exactly llama's: x + attn(norm(x)), then + mlp(norm(.)),
 # q/k/v/o projections (biases allowed), plain RoPE, SwiGLU MLP
 ARCHITECTURES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.mistral")
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+def backend_of(model: nn.Module) -> HostBackend:
+    """The HostBackend `model`'s host layers were built with (else the process's)."""
+    gemm = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "_gemm", None)
+    return gemm.backend if isinstance(gemm, SharedGemm) else current()
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +163,11 @@ def unsupported(model: nn.Module, storage: PagedKVStorage) -> str | None:
 class HostStep:
     """Runs the packed steps of a supported model on the host (see the module doc)."""
 
-    def __init__(self, model: nn.Module, storage: PagedKVStorage) -> None:
+    def __init__(
+        self, model: nn.Module, storage: PagedKVStorage, backend: HostBackend | None = None
+    ) -> None:
         inner = model.model
+        self.backend = backend_of(model) if backend is None else backend
         attn = inner.layers[0].self_attn
         self.storage = storage
         self.n_heads = int(attn.n_heads)
@@ -199,7 +204,8 @@ class HostStep:
     @classmethod
     def of(cls, model: nn.Module, storage: PagedKVStorage) -> HostStep | None:
         """Host steps for `model`, or None when they are off or the model is not one they run."""
-        if not enabled():
+        backend = backend_of(model)
+        if not backend.settings.host_steps:
             return None
         why = unsupported(model, storage)
         if why is not None:
@@ -207,7 +213,7 @@ class HostStep:
             if host_layers:  # a host format whose steps stay in MLX: say why, once a load
                 log.info("steps run in MLX, not on the host alone: %s", why)
             return None
-        return cls(model, storage)
+        return cls(model, storage, backend)
 
     @staticmethod
     def runs(layout: object) -> bool:
@@ -224,7 +230,7 @@ class HostStep:
         t = tokens.shape[0]
         x = self._embedding(tokens)  # [T, hidden] float32
         rope = self.rope.tables(np.asarray(layout.offsets))
-        kv = _StepKV(storage, layout)
+        kv = _StepKV(storage, layout, self.backend)
         hq, h, d = self.n_heads, self.n_kv, self.head_dim
         k_end = (hq + h) * d
         for i, blk in enumerate(self.blocks):
@@ -238,7 +244,7 @@ class HostStep:
             o = kv.attend(i, q, k, np.ascontiguousarray(v))
             x += blk.o.host(o.reshape(t, hq * d))
             hn = _rms_norm(x, blk.ln2, self.eps)
-            x += blk.down.host(swiglu_halves(blk.gate_up.host(hn)))
+            x += blk.down.host(swiglu_halves(blk.gate_up.host(hn), backend=self.backend))
         last = np.asarray(layout.last_index)
         if rows is not None:
             last = last[np.asarray(rows, dtype=np.int64)]
@@ -282,11 +288,11 @@ class _StepKV:
     are MLX's, evaluated; they are written through numpy views of their buffers, as the MLX
     path's in-place scatters write them."""
 
-    def __init__(self, storage: PagedKVStorage, layout: PackedLayout) -> None:
+    def __init__(self, storage: PagedKVStorage, layout: PackedLayout, backend: HostBackend) -> None:
         self.storage = storage
         self.run = storage.block_size * storage.head_dim
         self.write_rows = np.asarray(layout.write_rows)  # token-major, then head
-        self.segments = [_SegmentPlan.of(seg) for seg in layout.segments]
+        self.segments = [_SegmentPlan.of(seg, backend) for seg in layout.segments]
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """q [T, Hq, D] (scaled, rotated), k, v [T, H, D] (k rotated): writes k, v and returns
@@ -316,14 +322,17 @@ class _SegmentPlan:
     pad_rows: np.ndarray | None = None  # CHUNKS
     real_rows: np.ndarray | None = None
     valid: np.ndarray | None = None  # CHUNKS behind a prefix: [B, Q] the real queries
+    backend: HostBackend | None = None  # its attention's thread pool and oneDNN
 
     @classmethod
-    def of(cls, seg: Segment) -> _SegmentPlan:
+    def of(cls, seg: Segment, backend: HostBackend | None = None) -> _SegmentPlan:
         plan = seg.dense
         if plan is not None:
-            return cls(seg, np.asarray(plan.bias), None, None, _DensePlan.of(plan))
+            return cls(seg, np.asarray(plan.bias), None, None, _DensePlan.of(plan),
+                       backend=backend)  # fmt: skip
         p = cls(seg, np.asarray(seg.bias), np.asarray(seg.gather_runs),
-                None if seg.prefix_runs is None else np.asarray(seg.prefix_runs))  # fmt: skip
+                None if seg.prefix_runs is None else np.asarray(seg.prefix_runs),
+                backend=backend)  # fmt: skip
         if seg.kind is SegmentKind.CHUNKS:
             p.pad_rows, p.real_rows = np.asarray(seg.pad_rows), np.asarray(seg.real_rows)
             if p.prefix_runs is not None and seg.queries <= host_attention.TILE_QUERIES:
@@ -345,7 +354,8 @@ class _SegmentPlan:
             dp = self.dense
             qs = q if dp.slot_rows is None else q[dp.slot_rows]
             o = host_attention.decode_attention(qs.reshape(-1, h, rep, d), keys, values,
-                                                self.bias, prefix).reshape(-1, hq, d)  # fmt: skip
+                                                self.bias, prefix, self.backend)  # fmt: skip
+            o = o.reshape(-1, hq, d)
             return o if dp.row_slots is None else o[dp.row_slots]
         b = seg.batch
         keys = kr[self.gather].reshape(b, h, -1, d)
@@ -356,7 +366,7 @@ class _SegmentPlan:
                       vr[self.prefix_runs].reshape(h, -1, d))  # fmt: skip
         if seg.kind is SegmentKind.ROWS:
             o = host_attention.decode_attention(q.reshape(n, h, rep, d), keys, values,
-                                                self.bias, prefix)  # fmt: skip
+                                                self.bias, prefix, self.backend)  # fmt: skip
             return o.reshape(n, hq, d)
         if seg.kind is SegmentKind.CHUNK:  # one sequence: [1, H, rep, L, D]
             q5 = q.transpose(1, 0, 2).reshape(1, h, rep, n, d)
@@ -364,7 +374,7 @@ class _SegmentPlan:
             q5 = q[self.pad_rows].reshape(b, seg.queries, h, rep, d).transpose(0, 2, 3, 1, 4)
         o = host_attention._attend(np.ascontiguousarray(q5), keys, values, self.bias,
                                    seg.causal_offset, host_attention.TILE_QUERIES, prefix,
-                                   self.valid)  # fmt: skip
+                                   self.valid, self.backend)  # fmt: skip
         if seg.kind is SegmentKind.CHUNK:
             return o.reshape(hq, n, d).transpose(1, 0, 2)
         o = o.reshape(b, hq, seg.queries, d).transpose(0, 2, 1, 3).reshape(-1, hq, d)

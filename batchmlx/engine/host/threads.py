@@ -15,10 +15,12 @@ process's own (/proc/self/stat), over a short window at start and then again eve
 while the engine runs (`ThreadGovernor`), so a neighbour that starts or stops later moves the
 count. Where /proc cannot be read (macOS) the budget's CPUs are used.
 
-`--threads N` (or BATCHMLX_THREADS) overrides the choice; `batchmlx doctor` shows it. The count
-goes to the BLAS MLX's CPU backend calls (OpenBLAS or MKL, set at run time through the preloaded
-library), to the variables a library loaded later reads, and to the host-attention pool
-(engine/host/attention.py reads BATCHMLX_THREADS). Pure apart from reading /proc-like
+`--threads N` (or BATCHMLX_THREADS, read by batchmlx/config.py) overrides the choice; `batchmlx
+doctor` shows it. The count goes to the BLAS MLX's CPU backend calls (OpenBLAS or MKL, set at run
+time through the preloaded library), to the variables a C library loaded later reads (written
+here, the one place the CPU backend writes the environment), and to the host kernels through
+the `ComputeThreads` their HostBackend holds (oneDNN's OpenMP team, numpy's BLAS in float32
+GEMMs, the host-attention pool), which the governor moves. Pure apart from reading /proc-like
 files and the loaded BLAS; imports no MLX.
 """
 
@@ -29,13 +31,12 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("batchmlx.engine.host.threads")
 
-ENV = "BATCHMLX_THREADS"  # the --threads flag's variable; host_attention reads it too
 CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
 PROC_STAT = Path("/proc/stat")  # the host's CPU time, summed over its CPUs, in clock ticks
 SELF_STAT = Path("/proc/self/stat")  # this process's (every thread's) utime and stime
@@ -44,6 +45,29 @@ REVIEW_S = 5.0  # the governor looks again at most this often, over the time sin
 SPARE = 0.3  # a CPU counts as free while others keep it busy less than 30% of the time
 # variables of the BLAS and OpenMP runtimes, for libraries loaded after the choice is made
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+# between two GEMMs MLX evaluates the layer's other ops (~0.1-0.3 ms): OpenMP's threads spin
+# through such a gap and then sleep, where sleeping at once cost a wake-up per GEMM (decode tok/s
+# at width 8: 88 -> 124, measured, 3 runs each). The spin is short (20,000 rounds: ~0.2 ms of
+# CPU after a GEMM here; 2,000,000 spun ~50 ms), as a spinning team holds both cores while host
+# attention splits its tiles over two threads of its own: at 2,000,000 a 944-token prompt's
+# attention took 0.65-0.69 s against 0.36-0.46, and 63 chunks behind a shared prefix 2.0-2.1 s
+# against 1.3-1.4 (three pairs, 2-core Zen 4, 2026-12-03), decode steps and width-8 runs level.
+# Written before oneDNN loads (libgomp reads them when it starts); a value the user set is kept
+OPENMP_DEFAULTS = (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "20000"))
+
+
+@dataclass(slots=True)
+class ComputeThreads:
+    """The engine's compute thread count now: made with the HostBackend, set by the worker's
+    choice and moved by the ThreadGovernor between steps; the host kernels read `n` per call
+    (oneDNN's OpenMP team, numpy's BLAS in float32 GEMMs) or when their pool starts (host
+    attention). None: no count chosen (no engine built here): each keeps its default."""
+
+    n: int | None = None
+
+    def or_cpus(self) -> int:
+        """The count, else the CPUs here."""
+        return max(1, self.n or os.cpu_count() or 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,25 +164,16 @@ def cpu_budget(affinity: int | None = None, cpu_max: str | None = None) -> CpuBu
 def choose_threads(
     requested: int | None = None,
     budget: CpuBudget | None = None,
-    environ: Mapping[str, str] | None = None,
     others: float | None = None,
     *,
     measure: bool = True,
 ) -> ThreadChoice:
-    """`requested` (the flag), else BATCHMLX_THREADS, else the budget's CPUs that other
-    processes leave free (`others`: the CPUs they keep busy; measured over SAMPLE_S when not
-    given and `measure`, else all the budget's CPUs until a ThreadGovernor first looks)."""
+    """`requested` (--threads or BATCHMLX_THREADS, through the settings), else the budget's
+    CPUs that other processes leave free (`others`: the CPUs they keep busy; measured over
+    SAMPLE_S when not given and `measure`, else all the budget's CPUs until a ThreadGovernor
+    first looks)."""
     budget = budget or cpu_budget()
-    environ = os.environ if environ is None else environ
-    if requested is None and environ.get(ENV, "").strip():
-        try:
-            requested = int(environ[ENV])
-        except ValueError:
-            msg = f"{ENV} must be a whole number of threads, not {environ[ENV]!r}"
-            raise ValueError(msg) from None
-        how = f"{ENV}={requested}"
-    else:
-        how = f"--threads {requested}"
+    how = f"--threads {requested}"
     quota = f", a cgroup quota of {budget.quota:g}" if budget.quota is not None else ""
     seen = f"{budget.affinity} CPUs in this process's affinity{quota}"
     if requested is not None:
@@ -184,14 +199,20 @@ def measure_others(window_s: float) -> float | None:
     return None if after is None else others_busy(before, after)
 
 
-def apply_threads(choice: ThreadChoice) -> list[str]:
+def apply_threads(choice: ThreadChoice, live: ComputeThreads) -> list[str]:
     """Size the BLAS of this process to `choice` now (its run-time setter, found among the
-    preloaded library's symbols) and for what loads later (the variables); returns what was
-    set, for the log."""
-    n = choice.threads
-    for key in (ENV, *THREAD_VARIABLES):
-        os.environ[key] = str(n)
-    return [f"{ENV}={n}", *set_blas_threads(n)]
+    preloaded library's symbols), the host kernels (`live`) and what loads later (the
+    variables); returns what was set, for the log."""
+    n = live.n = choice.threads
+    for key in THREAD_VARIABLES:
+        os.environ[key] = str(n)  # written for C libraries; never read back here
+    return [f"{'/'.join(THREAD_VARIABLES)}={n}", *set_blas_threads(n)]
+
+
+def set_openmp_defaults() -> None:
+    """OPENMP_DEFAULTS into the environment where the user set none (before oneDNN loads)."""
+    for key, value in OPENMP_DEFAULTS:
+        os.environ.setdefault(key, value)
 
 
 def set_blas_threads(n: int) -> list[str]:
@@ -212,17 +233,20 @@ def set_blas_threads(n: int) -> list[str]:
 class ThreadGovernor:
     """Keeps an automatic choice fitted to the load: at most every REVIEW_S (called between
     engine steps, on the engine thread), the CPUs others kept busy since the last look decide
-    the BLAS's thread count again. A count that was asked for is left alone."""
+    the thread count again: the BLAS's (`apply`) and the host kernels' (`live`). A count that
+    was asked for is left alone."""
 
     def __init__(
         self,
         choice: ThreadChoice,
+        live: ComputeThreads | None = None,
         *,
         review_s: float = REVIEW_S,
         clock: Callable[[], float] = time.monotonic,
         sample: Callable[[], CpuSample | None] = read_cpu_sample,
         apply: Callable[[int], object] = set_blas_threads,
     ) -> None:
+        self.live = ComputeThreads(choice.threads) if live is None else live
         self.threads = choice.threads
         self.budget = choice.budget
         self.active = choice.auto
@@ -247,8 +271,7 @@ class ThreadGovernor:
             return None
         log.info("engine threads: %d -> %d (other processes busy on %.1f CPUs)",
                  self.threads, n, others)  # fmt: skip
-        self.threads = n
-        os.environ[ENV] = str(n)
+        self.threads = self.live.n = n  # the host kernels read it from their next call
         self._apply(n)
         return n
 

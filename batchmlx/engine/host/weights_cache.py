@@ -11,7 +11,7 @@ library: its metadata holds a signature of the source folder's weight files (nam
 modification times), the format, oneDNN's version and the CPU ISA it runs (which decide the
 packed layout); anything else makes the start pack again and rewrite the file. A file that
 cannot be written (a full disk, a read-only cache) only costs the next start the packing.
-`BATCHMLX_HOST_CACHE=0` turns it off.
+`BATCHMLX_HOST_CACHE=0` turns it off (HostSettings.weights_cache; the loader asks it).
 
 The packed bytes are used where they lie: the file is memory-mapped read-only and oneDNN reads
 each layer's weights from the mapping (the page cache), as llama.cpp maps its GGUF. Copying
@@ -36,10 +36,9 @@ import mlx.core as mx
 import numpy as np
 
 from batchmlx.engine.host.linear import HostFormat, PackedCache
-from batchmlx.engine.host.onednn import load_library
+from batchmlx.engine.host.onednn import OneDNN
 from batchmlx.engine.models import first_run as notes
 
-SWITCH = "BATCHMLX_HOST_CACHE"
 # bump when the keys, parts or file layout change: older files are then rewritten
 # (2: tensors 64-byte aligned, memory-mapped)
 HOST_CACHE_VERSION = 2
@@ -47,18 +46,14 @@ _SIGNATURE_KEY = "batchmlx_host_signature"
 log = logging.getLogger("batchmlx.engine")
 
 
-def enabled() -> bool:
-    return os.environ.get(SWITCH, "1").strip() != "0"
-
-
 def cache_path(cache_dir: Path, source: Path, fmt: HostFormat) -> Path:
     digest = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:10]
     return Path(cache_dir) / "host" / f"{source.name}-{digest}.{fmt.value}.safetensors"
 
 
-def signature(source: Path, fmt: HostFormat) -> str:
-    """What the cached bytes were made from and for (see the module docstring)."""
-    parts = [f"v{HOST_CACHE_VERSION}", fmt.value, load_library().fingerprint()]
+def signature(source: Path, fmt: HostFormat, lib: OneDNN) -> str:
+    """What the cached bytes were made from and for, by `lib` (see the module docstring)."""
+    parts = [f"v{HOST_CACHE_VERSION}", fmt.value, lib.fingerprint()]
     for f in sorted(source.glob("*.safetensors")) + [source / "config.json"]:
         if f.is_file():
             st = f.stat()

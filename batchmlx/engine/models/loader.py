@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec
+from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.linear import HostFormat
 from batchmlx.engine.models import first_run as notes
 from batchmlx.engine.models.default_model import ensure_default_gguf
@@ -55,19 +56,25 @@ def model_folder(spec: ModelSpec, *, cache_dir: Path) -> Path | str:
     raise ValueError(f"unknown model kind {spec.kind!r}")
 
 
-def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> LoadedModel:
+def load_model(
+    spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto", backend: HostBackend | None = None
+) -> LoadedModel:
     """Load `spec` with mlx-lm. dtype "auto" on MLX's CPU backend gives bf16 weights computed
     by oneDNN (engine/host/linear.py; float32 where oneDNN cannot load), elsewhere it keeps
     weights as stored (quantized stays quantized); "stored" keeps them as stored anywhere;
     "float32"/"float16" dequantize every layer to that dtype; "bfloat16" is the host bf16
     format on the CPU (MLX's own bf16 elsewhere); "int8" gives int8 weights computed by oneDNN
     (CPU only). A folder batchmlx converted is dequantized once: later loads read the saved
-    float32 copy (dense.py)."""
+    float32 copy (dense.py). `backend`: the CPU backend the host formats compute with (oneDNN,
+    threads, the weights cache's switch; default: the process's, engine/host/backend.py)."""
+    backend = backend or current()
     if dtype not in ("auto", "stored", "int8") and dtype not in _DTYPES:
         raise ValueError(
             f"dtype must be 'auto', 'stored', 'int8' or one of {sorted(_DTYPES)}, got {dtype!r}"
         )
-    host = host_format(dtype)  # before the load: without oneDNN, say what to install at once
+    host = host_format(
+        dtype, backend=backend
+    )  # before the load: without oneDNN, say what to install at once
     written = notes.writes()
     with _collector_paused():
         import mlx_lm  # heavy import (transformers); keep it off module import
@@ -92,7 +99,8 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
         config = {k: v for k, v in config.items() if k not in _QUANTIZATION_KEYS}
     path = Path(dense or folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
     if host:  # keyed on the folder converted, not on its float32 copy (absent at first start)
-        _to_host(model, host, Path(folder) if spec.kind != "hub" else path, Path(cache_dir))
+        _to_host(model, host, Path(folder) if spec.kind != "hub" else path, Path(cache_dir),
+                 backend)  # fmt: skip
     log.info("model %s: weights as %s on %s, from %s", spec.name,
              f"{host.value} (oneDNN)" if host else source, mx.default_device(),
              Path(dense or folder).name)  # fmt: skip
@@ -111,24 +119,29 @@ def load_model(spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto") -> Load
     )
 
 
-def _to_host(model: nn.Module, fmt: HostFormat, source: Path, cache_dir: Path) -> None:
+def _to_host(
+    model: nn.Module, fmt: HostFormat, source: Path, cache_dir: Path, backend: HostBackend
+) -> None:
     """The model's layers in `fmt`, read from the host weights cache where it holds them
     (host_cache.py), packed (and the cache written) where not."""
     from batchmlx.engine.host import weights_cache as host_cache
     from batchmlx.engine.host.linear import to_host_format
 
     # float32 is not packed: its rows load as fast from the float32 copy as from a cache
-    if fmt is HostFormat.F32 or not host_cache.enabled() or not source.is_dir():
-        to_host_format(model, fmt)
+    if fmt is HostFormat.F32 or not backend.settings.weights_cache or not source.is_dir():
+        to_host_format(model, fmt, backend=backend)
         return
-    where, sig = host_cache.cache_path(cache_dir, source, fmt), host_cache.signature(source, fmt)
+    where = host_cache.cache_path(cache_dir, source, fmt)
+    sig = host_cache.signature(source, fmt, backend.onednn())
     cache = host_cache.open_cache(where, sig)
-    to_host_format(model, fmt, cache)
+    to_host_format(model, fmt, cache, backend)
     if cache.packed:
         host_cache.save_cache(where, cache, sig, fmt)
 
 
-def host_format(dtype: str, *, on_cpu: bool | None = None) -> HostFormat | None:
+def host_format(
+    dtype: str, *, on_cpu: bool | None = None, backend: HostBackend | None = None
+) -> HostFormat | None:
     """The host weight format `dtype` asks for, or None for MLX's own kernels. On MLX's CPU
     backend "auto" and "bfloat16" mean bf16 weights through oneDNN (MLX's own bf16 CPU matmul
     runs at a few GFLOP/s). Where this CPU's oneDNN has no bf16 matmul (3.2's needs AVX-512:
@@ -138,6 +151,7 @@ def host_format(dtype: str, *, on_cpu: bool | None = None) -> HostFormat | None:
     matmul (OneDNNUnavailable says what is missing)."""
     from batchmlx.engine.host import onednn
 
+    backend = backend or current()
     if on_cpu is None:
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
     if dtype == "int8":
@@ -145,14 +159,14 @@ def host_format(dtype: str, *, on_cpu: bool | None = None) -> HostFormat | None:
             raise onednn.OneDNNUnavailable(
                 "--dtype int8 runs on MLX's CPU backend only; on a GPU use --dtype auto"
             )
-        if not onednn.load_library().supports(onednn.DataType.S8, scaled=True):
+        if not backend.onednn().supports(onednn.DataType.S8, scaled=True):
             raise onednn.OneDNNUnavailable("this CPU's oneDNN has no int8 matmul: use --dtype "
                                            "auto")  # fmt: skip
         return HostFormat.INT8
     if not on_cpu or dtype not in ("auto", "bfloat16"):
         return None
     try:
-        lib = onednn.load_library()
+        lib = backend.onednn()
     except onednn.OneDNNUnavailable as exc:
         fallback = "float32" if dtype == "auto" else "bfloat16 in MLX's own (slow) CPU kernels"
         log.warning("weights as %s: %s", fallback, exc)

@@ -1,14 +1,8 @@
-<<<<<<< HEAD
 """The tree's shape rules (issues 24 and 50), checked in CI: no module in batchmlx/ or
 benchmarks/ over 600 lines, no function body over 80 lines (signature and docstring not counted,
-so typer's declarative option lists stay readable), and no import circle among batchmlx/'s or
-benchmarks/' modules."""
-=======
-"""The tree's shape rules (issue 24), checked in CI: no module in batchmlx/ over 600 lines, no
-function body over 80 lines (signature and docstring not counted, so typer's declarative option
-lists stay readable), no import circle among batchmlx/'s or benchmarks/' modules, and no read of
-the environment in batchmlx/ outside config.py and a short allow-list (issue 50)."""
->>>>>>> host
+so typer's declarative option lists stay readable), no import circle among batchmlx/'s or
+benchmarks/' modules, and no read of the environment in batchmlx/ outside config.py and a short
+allow-list."""
 
 from __future__ import annotations
 
@@ -135,13 +129,9 @@ def environ_reads(package: Path) -> list[str]:
 
 def main() -> int:
     sys.path.insert(0, str(ROOT))
-<<<<<<< HEAD
     problems = sizes(ROOT / "batchmlx") + sizes(ROOT / "benchmarks")
     problems += circles("batchmlx") + circles("benchmarks")
-=======
-    problems = sizes(ROOT / "batchmlx") + circles("batchmlx") + circles("benchmarks")
     problems += environ_reads(ROOT / "batchmlx")
->>>>>>> host
     for p in problems:
         print(p)
     print(f"shape: {len(problems)} problem(s)")

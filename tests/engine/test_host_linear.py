@@ -4,6 +4,8 @@ shared-input layers, on the tiny model and (slow) on the real default model agai
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -64,6 +66,16 @@ def test_quantize_rows_is_symmetric_per_row_and_keeps_zero_rows() -> None:
     assert s[3] == 1.0 and not q[3].any()
     # each row's error is at most half a step
     assert (np.abs(q * s[:, None] - x) <= s[:, None] * 0.5 + 1e-7).all()
+
+
+def test_quantize_rows_keeps_nan_and_infinity_in_the_scale_without_an_undefined_cast() -> None:
+    x = _rand((4, 40), 0)
+    x[1, 3], x[2, 5] = np.nan, -np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy warns when it casts NaN to int8
+        q, s = quantize_rows(x)
+    assert np.isnan(s[1]) and np.isinf(s[2]) and not q[1].any() and not q[2].any()
+    assert np.isfinite(s[[0, 3]]).all() and np.abs(q[[0, 3]]).max() == 127
 
 
 @where_it_runs(HostFormat.INT8)

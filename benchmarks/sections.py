@@ -183,7 +183,7 @@ def section_memory(b: Bench) -> list[str]:
         f"{s.memory_requests} concurrent requests sharing a {s.memory_system_tokens}+-token "
         f"system prompt ({wl.length_summary(b.memory_prompts())}), {s.memory_max_tokens} new "
         f"tokens each, kv_grow_blocks={s.memory_grow_blocks}. Peak KV = bytes of KV arrays "
-        "actually allocated (`eng.stats.peak_kv_bytes`).",
+        "actually allocated (`eng.runner.stats.peak_kv_bytes`).",
         "",
     ]
     rows = [

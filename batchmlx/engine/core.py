@@ -95,9 +95,10 @@ class Runner(Protocol):
         """Record the step (its sampled tokens, the requests the post-processing ended);
         every request that ended in it, those the runner ended itself too."""
 
-    def fail(self) -> tuple[list[str], bool]:
+    def fail(self) -> tuple[list[str], bool] | None:
         """After a step raised: the requests it ran, and whether the runner dropped them
-        (its own state of them is unknown; the core then forgets them too)."""
+        (its own state of them is unknown; the core then forgets them too); None when the
+        failure was not in a step's work (the error goes to the worker as it is)."""
 
     def counters(self, steps: int, step_s: float, generated: int) -> EngineCounters: ...
 
@@ -187,10 +188,10 @@ class EngineCore:
             return []
         t0 = time.perf_counter()
         try:
-            crash_point("engine_step")
             ran = self.runner.execute()
             if ran is None:
                 return []
+            crash_point("engine_step")  # a step that fails with work in hand
             tokens, lps = self._sample(ran)
             now = self.clock()
             finished = set()
@@ -199,7 +200,10 @@ class EngineCore:
                     finished.add(live.request_id)
             ended = self.runner.commit(ran, tokens, finished)
         except Exception as exc:
-            ids, dropped = self.runner.fail()
+            failed = self.runner.fail()
+            if failed is None:
+                raise
+            ids, dropped = failed
             if dropped:
                 for rid in ids:
                     self._live.pop(rid, None)

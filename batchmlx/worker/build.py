@@ -92,6 +92,7 @@ def build_engine(
         loaded.model, loaded.tokenizer, name=loaded.spec.name,
         context_length=loaded.context_length, config=settings,
     )  # fmt: skip
+    assert engine.grammars is not None  # text runners take structured outputs
     translator = Translator(
         loaded.tokenizer, loaded.spec.name, engine.max_context_tokens, loaded.eos_token_ids,
         vocab_size=_vocab_size(loaded), grammar_check=engine.grammars.check,

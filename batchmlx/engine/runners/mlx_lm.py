@@ -71,6 +71,7 @@ class MlxLmRunner:
         self._order = itertools.count()
         self.width = self.cfg.running_bound if batched else 1
         self._added = 0
+        self._ending: list[Ended] = []  # ended in a commit under way
         self._gen = self._generator()
 
     def _generator(self):
@@ -131,19 +132,22 @@ class MlxLmRunner:
         return Ran(lives, tokens=tokens, logprobs=lps, state=ends)
 
     def commit(self, ran: Ran, sampled: list[int], finished: set[str]) -> list[Ended]:
-        ended = []
+        self._ending = ended = []  # fail() names them too, should a later removal raise
         for live, library_ended in zip(ran.lives, ran.state, strict=True):
             if live.request_id not in finished and not library_ended:
                 continue
+            ended.append(Ended(live))
+            del self._by_uid[live.slot.uid]
             if not library_ended:  # ended here, not by mlx-lm: take it out of its batch
                 self._gen.remove([live.slot.uid])
-            del self._by_uid[live.slot.uid]
-            ended.append(Ended(live))
+        self._ending = []
         return ended
 
     def fail(self) -> tuple[list[str], bool]:
-        ids = [live.request_id for live in self._by_uid.values()]
+        ids = [e.live.request_id for e in self._ending]
+        ids += [live.request_id for live in self._by_uid.values()]
         self._by_uid.clear()
+        self._ending = []
         self._gen = self._generator()  # its batches are in an unknown state
         return ids, True
 

@@ -190,15 +190,17 @@ class PagedRunner:
         tokens = {live.request_id: tok for live, tok in zip(ran.lives, sampled, strict=True)}
         done = self.scheduler.update(step, tokens, finished)
         self._step = None
+        # sequences the scheduler ended itself (the pool cannot hold them even alone)
+        ended = [self._ended(seq) for seq in [*step.finished, *done]]
         if self.width is not None:
             self._size_width(len(tokens), self.clock() - self._started)
-        # sequences the scheduler ended itself (the pool cannot hold them even alone)
-        return [self._ended(seq) for seq in [*step.finished, *done]]
+        return ended
 
-    def fail(self) -> tuple[list[str], bool]:
+    def fail(self) -> tuple[list[str], bool] | None:
         step, self._step = self._step, None
-        ids = [] if step is None else [s.seq.seq_id for s in step.seqs]
-        return ids, False  # the worker aborts them: the scheduler frees their blocks then
+        if step is None:  # not in a step's work (scheduling, or after the update)
+            return None
+        return [s.seq.seq_id for s in step.seqs], False  # the worker aborts them: freed then
 
     def counters(self, steps: int, step_s: float, generated: int) -> EngineCounters:
         sched, pool = self.scheduler.stats, self.pool

@@ -88,6 +88,7 @@ class VisionRunner:
         self._batch: list[Any] | None = None  # its per-layer BatchKVCache
         self._last = Phase.DECODE  # a prefill may come first
         self._admitted: Live | None = None  # the prompt of a prefill step in progress
+        self._ending: list[Ended] = []  # ended in a commit under way
         # first admissions by cache outcome
         self.outcomes = dict.fromkeys(CacheOutcome, 0)
         self.vision_runs = 0  # prompts whose images went through the vision tower
@@ -143,22 +144,25 @@ class VisionRunner:
         """Each sampled token's end (the context bounds max tokens in FinishRules, so the room
         is never passed; a full pool ends a request as LENGTH); the prefilled prompt joins the
         decode batch."""
-        ended = []
+        self._ending = ended = []  # fail() names them too, should a later row's work raise
         for live, token in zip(ran.lives, sampled, strict=True):
             slot = live.slot
             if live.request_id in finished or not self.kv.reserve(slot.seq, 1):
-                ended.append(self._finish(live))
+                ended.append(Ended(live))
+                self._finish(live, ended[-1])
                 continue
             slot.seq.token_ids.append(token)  # computed by the next decode
             if ran.state is Phase.PREFILL:
                 self._join(live, slot.caches)
             slot.caches = None
-        self._admitted = None
+        self._admitted, self._ending = None, []
         return ended
 
     def fail(self) -> tuple[list[str], bool]:
         failed = [*self._running, *([self._admitted] if self._admitted is not None else [])]
-        ids = list(dict.fromkeys(live.request_id for live in failed))
+        ids = list(dict.fromkeys([e.live.request_id for e in self._ending]
+                                 + [live.request_id for live in failed]))  # fmt: skip
+        self._ending = []
         for live in failed:
             self._release(live)
         self._running, self._batch, self._admitted = [], None, None  # caches in unknown state
@@ -320,14 +324,13 @@ class VisionRunner:
             kept.extend(a for kv in layers for a in kv)
         mx.eval(*kept)  # copies: the slices keep no hold on the whole cache
 
-    def _finish(self, live: Live) -> Ended:
+    def _finish(self, live: Live, ended: Ended) -> None:
         slot = live.slot
-        ended = Ended(live, {"cached_tokens": slot.cached_tokens, "cache_outcome": slot.outcome})
+        ended.extras.update(cached_tokens=slot.cached_tokens, cache_outcome=slot.outcome)
         if slot.running:
             self._leave([live])
         else:
             self._release(live)
-        return ended
 
     def _release(self, live: Live) -> None:
         seq = live.slot.seq

@@ -20,7 +20,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -145,33 +145,32 @@ class QuickTokenizer:
             self.eos_token_ids.add(self.eos_token_id)
         self.chat_template: str = config["chat_template"]
 
-    def apply_chat_template(
-        self,
-        messages: Sequence[dict[str, Any]],
-        *,
-        add_generation_prompt: bool = False,
-        tokenize: bool = True,
-        **kwargs: Any,
-    ) -> Any:
-        """As mlx-lm's wrapper renders it (enable_thinking=False: the vocabulary has no think
-        tokens, the template does not read it), for a list of plain messages."""
-        plain = all(isinstance(m, dict) and all(type(v) is str for v in m.values())
-                    for m in messages)  # fmt: skip
-        if tokenize or kwargs or not plain:
-            return self.wrapper.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs
-            )
+    def apply_chat_template(self, *args: Any, tokenize: bool = True, **kwargs: Any) -> Any:
+        """As mlx-lm's wrapper renders a list of plain messages (enable_thinking=False: the
+        vocabulary has no think tokens, and the template does not read it); any other call
+        goes to that wrapper."""
+        if tokenize or len(args) != 1 or set(kwargs) - {"add_generation_prompt"}:
+            return self.wrapper.apply_chat_template(*args, tokenize=tokenize, **kwargs)
+        messages = args[0]
+        if not isinstance(messages, list | tuple) or not all(
+            isinstance(m, dict) and all(type(v) is str for v in m.values()) for m in messages
+        ):
+            return self.wrapper.apply_chat_template(*args, tokenize=tokenize, **kwargs)
         return self._template.render(
             messages=[dict(m) for m in messages], tools=None, documents=None,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=kwargs.get("add_generation_prompt", False),
             **{**self._special, "enable_thinking": False},
         )  # fmt: skip
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> Any:
+        if kwargs or not isinstance(text, str):
+            return self.wrapper.encode(text, add_special_tokens=add_special_tokens, **kwargs)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
-        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> Any:
+        if kwargs:
+            return self.wrapper.decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        ids = [token_ids] if isinstance(token_ids, int) else [int(t) for t in token_ids]
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     @property

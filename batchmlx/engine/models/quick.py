@@ -67,7 +67,9 @@ def load_quick(folder: Path, *, lazy: bool) -> tuple[Any, QuickTokenizer, dict[s
     config = _config(folder)
     weights: dict[str, Any] = {}
     for file in sorted(folder.glob("model*.safetensors")):
-        weights.update(mx.load(str(file)))
+        loaded = mx.load(str(file))  # a safetensors file: a dict of arrays
+        assert isinstance(loaded, dict)
+        weights.update(loaded)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     weights = model.sanitize(weights)
     model.eval()

@@ -83,6 +83,8 @@ ENVIRON_READS_ALLOWED = {
 ENVIRON_WRITES_ALLOWED = {
     "batchmlx/engine/host/threads.py": "BLAS and OpenMP thread counts and libgomp's spin "
     "defaults, for libraries loaded after them",
+    "batchmlx/engine/models/quick.py": "transformers' advisory-warning switch, which mlx_lm's "
+    "__init__ sets and a deferred __init__ has not set yet",
 }
 _WRITE_METHODS = ("setdefault", "update")
 

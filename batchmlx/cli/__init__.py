@@ -8,6 +8,7 @@ runs.
     serving.py         worker, watch, serve, doctor
     engine_options.py  the engine options worker, serve and submit --wait share
     show.py            how a batch is printed
+    progress.py        submit --wait's progress bar (tokens/s, ETA)
     entry.py           the console script: fast BLAS re-exec, quick exit
 """
 

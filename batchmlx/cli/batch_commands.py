@@ -126,7 +126,7 @@ def submit(
 def _wait(settings: Settings, batch_id: str, engine: EngineChoice, quiet: bool) -> BatchRecord:
     """Follow a batch to its end; while no worker runs (none, or the one followed died), run
     one in this process."""
-    from batchmlx.cli_progress import REFRESH_S, ProgressView
+    from batchmlx.cli.progress import REFRESH_S, ProgressView
     from batchmlx.ingest import INBOX_HOOKS
     from batchmlx.store import Store
     from batchmlx.worker import WorkerOptions, run_worker

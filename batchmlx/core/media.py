@@ -8,8 +8,8 @@ span starts) folded into its chained hash, so, as the reference design keys them
 - the same image and prompt → the same hashes: a hit;
 - the same prompt tokens with another image → other hashes from the first image block on;
 - the same image and another question after it → the blocks up to the question are shared.
-The digests come from formats.media (computed once per request); block hashes are memoized on
-the sequence, so nothing here rehashes image bytes per step.
+The digests come from formats.request's content_digest (computed once per request); block hashes
+are memoized on the sequence, so nothing here rehashes image bytes per step.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class MediaSpan:
 
     start: int  # position of the first placeholder token
     length: int  # placeholder tokens
-    digest: bytes  # the content's key (formats.media.content_digest)
+    digest: bytes  # the content's key (formats.request.content_digest)
 
     @property
     def end(self) -> int:

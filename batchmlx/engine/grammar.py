@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import llguidance
-import llguidance.hf
 import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
@@ -89,7 +88,8 @@ class Grammars:
         vocab_size: int | None,
         number_bounds: NumberBounds | None = NUMBER_BOUNDS,
     ) -> None:
-        self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx_lm's TokenizerWrapper
+        self._source = tokenizer  # its Hugging Face tokenizer is read on first use (a
+        # quick-loaded one loads transformers for it)
         self._eos = getattr(tokenizer, "eos_token_id", None)
         self.vocab_size = vocab_size
         self._lltok: llguidance.LLTokenizer | None = None  # built on first use (about 1 s)
@@ -103,8 +103,11 @@ class Grammars:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._lltok is None:
+            import llguidance.hf  # imports transformers: only once a schema needs it
+
+            hf = getattr(self._source, "_tokenizer", self._source)  # mlx_lm's TokenizerWrapper
             self._lltok = llguidance.hf.from_tokenizer(
-                self._hf, n_vocab=self.vocab_size, eos_token=self._eos
+                hf, n_vocab=self.vocab_size, eos_token=self._eos
             )
         return self._lltok
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any, TypeGuard
 
 from batchmlx.core.request import SamplingParams
 from batchmlx.formats.errors import ErrorCode, json_type
-from batchmlx.formats.request import RequestError, sampling_params
+from batchmlx.formats.request import MediaPart, RequestError, sampling_params
 from batchmlx.formats.structured import FormatError, Grammar
-
-if TYPE_CHECKING:  # formats.media builds on this module
-    from batchmlx.formats.media import MediaPart
 
 MAX_STOPS = 4  # stop sequences per request (OpenAI's cap)
 MAX_STOP_CHARS = 1024  # characters of one stop sequence: each token's tail decode covers it
@@ -267,8 +264,8 @@ def template_role(role: Any, at: str) -> str:
     return TEMPLATE_ROLE[Role(role)]
 
 
-# a media part's reader: (part, its param, message index) → the formats.media.MediaPart
-MediaReader = Callable[[dict[str, Any], str, int], "MediaPart"]
+# a media part's reader (formats.media's): (part, its param, message index) → its MediaPart
+MediaReader = Callable[[dict[str, Any], str, int], MediaPart]
 
 
 def content_text(

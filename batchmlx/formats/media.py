@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import enum
-import hashlib
-from dataclasses import dataclass, replace
 from typing import Any
 
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.fields import Reject, fail, is_int, type_error
+from batchmlx.formats.request import MediaKind, MediaPart, MediaSource
 
 MAX_MEDIA_PARTS = 8  # image and video parts in one request
 MAX_MEDIA_BYTES = 20 * 1024 * 1024  # bytes of one image or video, once decoded or fetched
@@ -32,53 +30,6 @@ MAX_VIDEO_FPS = 30.0  # the highest sampling rate a video part may ask for
 DEFAULT_VIDEO_FPS = 2.0  # frames sampled per second when a video part names none
 DEFAULT_VIDEO_FRAMES = 32  # frames at most when a video part names no max_frames
 DETAILS = ("auto", "low", "high")  # OpenAI's image detail levels (a hint; see README)
-
-
-class MediaKind(enum.StrEnum):
-    IMAGE = "image"
-    VIDEO = "video"
-
-
-class MediaSource(enum.StrEnum):
-    DATA = "data"  # a data: URL, bytes in the body
-    HTTPS = "https"  # fetched by the worker, where the machine has a network
-    FILE = "file"  # read by the worker, only inside a folder the user allows
-
-
-@dataclass(frozen=True, slots=True)
-class MediaPart:
-    """One image or video of a request, where it sits and what it holds."""
-
-    kind: MediaKind
-    source: MediaSource
-    param: str  # the part's place in the body, for errors: "messages[0].content[1]"
-    message: int  # index of the message (ParsedRequest.messages) the part belongs to
-    url: str  # as given (a data: URL is kept short: its media type only)
-    media_type: str | None = None  # from a data: URL ("image/png"); None until known
-    data: bytes | None = None  # the bytes: set for data: URLs, by the worker for the others
-    detail: str = "auto"  # images: OpenAI's detail hint
-    fps: float | None = None  # videos: frames sampled per second
-    max_frames: int | None = None  # videos: frames at most
-    # the prefix-cache key of the content (`content_digest`), set with the bytes: hashed once
-    digest: bytes | None = None
-
-    def with_data(self, data: bytes, media_type: str | None) -> MediaPart:
-        """The part once its bytes are known (fetched or read by the worker), hashed."""
-        part = replace(self, data=data, media_type=media_type or self.media_type)
-        return replace(part, digest=content_digest(part))
-
-
-def content_digest(part: MediaPart) -> bytes:
-    """16 bytes of blake2b over the part's bytes; a video's also over fps and max_frames, as the
-    reference design keys them (hash(video) + hash(fps) + hash(max_frames))."""
-    if part.data is None:
-        raise ValueError(f"{part.param}: the part's bytes are not known yet")
-    h = hashlib.blake2b(digest_size=16)
-    h.update(part.kind.value.encode())
-    h.update(part.data)
-    if part.kind is MediaKind.VIDEO:
-        h.update(f"|fps={part.fps}|max_frames={part.max_frames}".encode())
-    return h.digest()
 
 
 def _invalid(param: str, why: str) -> Reject:

@@ -1,19 +1,18 @@
 """What a generation request becomes once its body is judged: `ParsedRequest` for the engine, or
 `RequestError`, the 400 OpenAI would answer. The endpoint modules (chat, completions, responses)
-build them; `formats.params.parse_request` picks the module by url."""
+build them; `formats.params.parse_request` picks the module by url. A request's images and
+videos are `MediaPart`s (read from the body's parts by formats.media), keyed by `content_digest`."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Any
 
 from batchmlx.core.request import SamplingParams
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.structured import Grammar
-
-if TYPE_CHECKING:  # formats.media builds on fields, which builds on this module
-    from batchmlx.formats.media import MediaPart
 
 
 class Endpoint(enum.StrEnum):
@@ -21,6 +20,53 @@ class Endpoint(enum.StrEnum):
     COMPLETIONS = "/v1/completions"
     RESPONSES = "/v1/responses"
     EMBEDDINGS = "/v1/embeddings"  # parsed by formats.embeddings; no generation
+
+
+class MediaKind(enum.StrEnum):
+    IMAGE = "image"
+    VIDEO = "video"
+
+
+class MediaSource(enum.StrEnum):
+    DATA = "data"  # a data: URL, bytes in the body
+    HTTPS = "https"  # fetched by the worker, where the machine has a network
+    FILE = "file"  # read by the worker, only inside a folder the user allows
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPart:
+    """One image or video of a request, where it sits and what it holds."""
+
+    kind: MediaKind
+    source: MediaSource
+    param: str  # the part's place in the body, for errors: "messages[0].content[1]"
+    message: int  # index of the message (ParsedRequest.messages) the part belongs to
+    url: str  # as given (a data: URL is kept short: its media type only)
+    media_type: str | None = None  # from a data: URL ("image/png"); None until known
+    data: bytes | None = None  # the bytes: set for data: URLs, by the worker for the others
+    detail: str = "auto"  # images: OpenAI's detail hint
+    fps: float | None = None  # videos: frames sampled per second
+    max_frames: int | None = None  # videos: frames at most
+    # the prefix-cache key of the content (`content_digest`), set with the bytes: hashed once
+    digest: bytes | None = None
+
+    def with_data(self, data: bytes, media_type: str | None) -> MediaPart:
+        """The part once its bytes are known (fetched or read by the worker), hashed."""
+        part = replace(self, data=data, media_type=media_type or self.media_type)
+        return replace(part, digest=content_digest(part))
+
+
+def content_digest(part: MediaPart) -> bytes:
+    """16 bytes of blake2b over the part's bytes; a video's also over fps and max_frames, as the
+    reference design keys them (hash(video) + hash(fps) + hash(max_frames))."""
+    if part.data is None:
+        raise ValueError(f"{part.param}: the part's bytes are not known yet")
+    h = hashlib.blake2b(digest_size=16)
+    h.update(part.kind.value.encode())
+    h.update(part.data)
+    if part.kind is MediaKind.VIDEO:
+        h.update(f"|fps={part.fps}|max_frames={part.max_frames}".encode())
+    return h.digest()
 
 
 # Keyword-only, so each endpoint names only what it sets; the defaults are the absent values.

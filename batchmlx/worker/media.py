@@ -19,13 +19,8 @@ from pathlib import Path
 
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.fields import Reject
-from batchmlx.formats.media import (
-    MAX_MEDIA_BYTES,
-    MediaPart,
-    MediaSource,
-    check_total_bytes,
-)
-from batchmlx.formats.request import RequestError
+from batchmlx.formats.media import MAX_MEDIA_BYTES, check_total_bytes
+from batchmlx.formats.request import MediaPart, MediaSource, RequestError
 
 MEDIA_DIR_ENV = "BATCHMLX_MEDIA_DIR"  # the one folder file images may be read from
 MEDIA_FETCH_ENV = "BATCHMLX_MEDIA_FETCH"  # "off": https images are refused, never fetched

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,6 +36,37 @@ def cli_env(home: Path) -> dict[str, str]:
     env["BATCHMLX_CACHE_DIR"] = str(model_cache_dir())
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def running_site_dirs() -> list[str]:
+    """The folders this Python imports installed packages from, however it was installed (the
+    system's, pyenv's, a user's venv, --user): its site-packages, purelib and platlib, and the
+    user site where this Python reads it."""
+    dirs = [*site.getsitepackages(), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    found: list[str] = []
+    for d in dirs:
+        if d and os.path.isdir(d) and d not in found:
+            found.append(d)
+    return found
+
+
+def venv_seeing_this_python(venv: Path) -> Path:
+    """A fresh venv (its python returned) whose own site-packages comes first and which sees
+    this Python's installed packages after it, as site dirs (their .pth files run), so a wheel
+    installed into it `--no-deps` finds its dependencies without a download. Not
+    `--system-site-packages`: inside a user's venv, the system's site-packages is not where the
+    test dependencies are."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    lines = [f"import site; site.addsitedir({d!r})\n" for d in running_site_dirs()]
+    (Path(purelib) / "_running_python_site.pth").write_text("".join(lines))
+    return python
 
 
 @dataclass

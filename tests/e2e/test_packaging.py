@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import cli_env
+from tests.e2e.helpers import cli_env, venv_seeing_this_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -76,13 +76,13 @@ def test_the_wheel_installed_example_job_runs_from_an_empty_folder(
     wheel: Path, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     """The wheel in a virtual environment of its own (its dependencies seen from this
-    Python's site-packages, so nothing is downloaded), no checkout on any path: the example
-    ships inside it. The tiny model stands in for the default one (wheel-check runs that)."""
+    Python's site-packages, however this Python was installed, so nothing is downloaded), no
+    checkout on any path: the example ships inside it. The tiny model stands in for the default
+    one (wheel-check runs that)."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-                   check=True, timeout=120)  # fmt: skip
+    python = venv_seeing_this_python(venv)
     # --ignore-installed: this Python may hold batchmlx itself (an editable install)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
+    pip = [str(python), "-m", "pip", "install", "-q", "--no-deps",
            "--ignore-installed", "--no-index", "--disable-pip-version-check",
            str(wheel)]  # fmt: skip
     subprocess.run(pip, check=True, capture_output=True, timeout=300)

@@ -13,7 +13,7 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine
 
-from batchmlx.store.migrate import alembic_config, upgrade_to_head
+from batchmlx.store.migrate import alembic_config, head_revision, upgrade_to_head
 from batchmlx.store.models import Base
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +41,25 @@ def test_open_creates_parent_folder_and_migrates_to_head(with_store, db_path):
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert {"files", "batches", "requests", "workers"} <= tables
     with_store(lambda store: store.pragmas())  # opening again is a no-op
+
+
+def test_the_head_read_from_the_files_is_alembics() -> None:
+    assert head_revision() == _head()
+
+
+def test_a_database_at_head_is_opened_without_alembic(tmp_path, monkeypatch):
+    from alembic import command
+
+    db = tmp_path / "at_head.db"
+    upgrade_to_head(db)
+    calls: list[str] = []
+    monkeypatch.setattr(command, "upgrade", lambda cfg, rev: calls.append(rev))
+    upgrade_to_head(db)  # at head: no Alembic
+    assert calls == []
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0002'")
+    upgrade_to_head(db)  # behind: Alembic upgrades it
+    assert calls == ["head"]
 
 
 def test_migrated_schema_equals_models(tmp_path):

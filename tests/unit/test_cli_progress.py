@@ -1,4 +1,4 @@
-"""`submit --wait`'s progress display (cli_progress.py): rich's bar on a terminal, plain lines
+"""`submit --wait`'s progress display (cli/progress.py): rich's bar on a terminal, plain lines
 otherwise, both with tokens/s and an ETA."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 from rich.console import Console
 
-from batchmlx.cli_progress import ProgressView
+from batchmlx.cli.progress import ProgressView
 from batchmlx.core.lifecycle import BatchStatus
 from batchmlx.core.records import BatchRecord, BatchUsage, RequestCounts
 

@@ -8,9 +8,9 @@ import base64
 import pytest
 
 from batchmlx.formats import media as M
-from batchmlx.formats.media import MediaKind, MediaSource, text_only_error
+from batchmlx.formats.media import text_only_error
 from batchmlx.formats.params import parse_request
-from batchmlx.formats.request import RequestError
+from batchmlx.formats.request import MediaKind, MediaPart, MediaSource, RequestError, content_digest
 
 CHAT, RESP = "/v1/chat/completions", "/v1/responses"
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(40))
@@ -38,7 +38,7 @@ def test_a_data_url_image_is_decoded_hashed_and_placed():
     assert (part.kind, part.source, part.message) == (MediaKind.IMAGE, MediaSource.DATA, 1)
     assert (part.data, part.media_type, part.detail) == (PNG, "image/png", "low")
     assert part.param == "messages[1].content[0].image_url.url"
-    assert part.digest == M.content_digest(part) and len(part.digest) == 16
+    assert part.digest == content_digest(part) and len(part.digest) == 16
     other = parse_request(CHAT, chat(image(data_url(PNG + b"x"))))
     assert not isinstance(other, RequestError)
     assert other.media[0].digest != part.digest  # another image, another key
@@ -63,9 +63,9 @@ def test_a_video_part_takes_fps_and_max_frames():
     assert not isinstance(d, RequestError)
     assert (d.media[0].fps, d.media[0].max_frames) == (M.DEFAULT_VIDEO_FPS, M.DEFAULT_VIDEO_FRAMES)
     # the same video at another fps is another cache key
-    a = M.MediaPart(MediaKind.VIDEO, MediaSource.FILE, "p", 0, "/v", fps=1.0, max_frames=8)
+    a = MediaPart(MediaKind.VIDEO, MediaSource.FILE, "p", 0, "/v", fps=1.0, max_frames=8)
     assert a.with_data(b"v", None).digest != (
-        M.MediaPart(MediaKind.VIDEO, MediaSource.FILE, "p", 0, "/v", fps=2.0, max_frames=8)
+        MediaPart(MediaKind.VIDEO, MediaSource.FILE, "p", 0, "/v", fps=2.0, max_frames=8)
         .with_data(b"v", None)
         .digest
     )

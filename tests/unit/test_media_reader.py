@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from batchmlx.formats import media as M
-from batchmlx.formats.media import MediaKind, MediaPart, MediaSource
+from batchmlx.formats.request import MediaKind, MediaPart, MediaSource, content_digest
 from batchmlx.worker.media import MEDIA_DIR_ENV, MEDIA_FETCH_ENV, MediaReader, MediaRefused
 
 
@@ -35,7 +35,7 @@ def test_https_fetched_with_the_time_limit_and_size_bound():
     (got,) = MediaReader(fetch=fetch).resolve((part(MediaSource.HTTPS, "https://x/a.png"),))
     assert calls == [("https://x/a.png", 10.0, M.MAX_MEDIA_BYTES)]
     assert (got.data, got.media_type, got.digest) == (b"\x89PNG...", "image/png",
-                                                     M.content_digest(got))  # fmt: skip
+                                                     content_digest(got))  # fmt: skip
     big = MediaReader(fetch=lambda u, t, n: (b"\0" * (n + 1), None))
     code, message, param = refused(big, part(MediaSource.HTTPS, "https://x/a.png"))
     assert code == "invalid_value" and f"at most {M.MAX_MEDIA_BYTES} bytes" in message

@@ -250,12 +250,21 @@ def test_fortran_runtime_dir_links_numpys_vendored_libs(tmp_path: Path) -> None:
     for f in (gf, qm):
         f.write_bytes(b"")
     folder = accel.fortran_runtime_dir(tmp_path / "cache", [site], system_gomp=True)
-    assert folder == tmp_path / "cache" / "fortran-runtime" / "040039e1"
+    assert folder.parent == tmp_path / "cache" / "fortran-runtime"
+    assert folder.name.startswith("040039e1-")
     assert sorted(p.name for p in folder.iterdir()) == sorted(["libgfortran.so.5", qm.name])
     assert (folder / "libgfortran.so.5").resolve() == gf
     assert (folder / qm.name).resolve() == qm
     assert accel.fortran_runtime_dir(tmp_path / "cache", [site], system_gomp=True) == folder
     assert accel.fortran_runtime_dir(tmp_path / "cache", [tmp_path / "empty"]) is None
+    # another environment with the same numpy build gets a folder of its own
+    other = tmp_path / "venv2" / "numpy.libs"
+    other.mkdir(parents=True)
+    for f in (gf, qm):
+        (other / f.name).write_bytes(b"")
+    theirs = accel.fortran_runtime_dir(tmp_path / "cache", [other.parent], system_gomp=True)
+    assert theirs != folder and (theirs / "libgfortran.so.5").resolve() == other / gf.name
+    assert (folder / "libgfortran.so.5").resolve() == gf  # ours untouched
 
 
 def test_a_vendored_openmp_runtime_is_linked_only_where_the_system_has_none(tmp_path) -> None:

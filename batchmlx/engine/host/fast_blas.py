@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 import json
 import os
 import platform
@@ -217,8 +218,11 @@ def fortran_runtime_dir(
         from batchmlx.config import load_settings  # no MLX, no SQL
 
         cache_dir = load_settings().cache_dir
-    # one folder per numpy build, so an upgraded numpy never meets stale links
-    folder = Path(cache_dir) / "fortran-runtime" / gfortran.name.split("-")[1]
+    # one folder per numpy build and per environment: an upgraded numpy never meets stale
+    # links, and two environments with the same numpy build (two venvs) do not re-point each
+    # other's links (deleting one venv left the other's children unable to load libgfortran)
+    where = hashlib.sha1(str(gfortran.parent).encode()).hexdigest()[:8]
+    folder = Path(cache_dir) / "fortran-runtime" / f"{gfortran.name.split('-')[1]}-{where}"
     links = {"libgfortran.so.5": gfortran, quadmath.name: quadmath}
     gomp = vendored_gomp(site_dirs, system_has=system_gomp)
     if gomp is not None:

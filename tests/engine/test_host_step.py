@@ -91,7 +91,7 @@ def test_host_steps_match_the_mlx_path_with_sequences_joining_and_leaving(fmt, d
     # and the same tokens as an engine that never runs host steps
     monkey = engine(model, max_batch_size=8, max_prefill_tokens=24, block_size=8,
                     dense_decode=dense)  # fmt: skip
-    monkey.runner.host = None
+    monkey.runner.forward_pass.host = None
     assert _tokens(outs) == _tokens(staggered(monkey, work))
 
 
@@ -115,7 +115,7 @@ def test_steps_behind_a_shared_prefix_match_the_mlx_path(fmt, dense):
     assert e.runner.scheduler.stats.prefix_hits + e.runner.scheduler.stats.hits >= 4
     assert max(cmp.diffs) < TOLERANCE[fmt] and cmp.argmax_equal
     ref = engine(model, **cfg)
-    ref.runner.host = None
+    ref.runner.forward_pass.host = None
     assert _tokens(got) == _tokens(staggered(ref, work))
 
 

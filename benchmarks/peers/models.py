@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peers.setup import CACHE as BENCH_CACHE
-from benchmarks.peers.setup import ensure
+from benchmarks.peers.setup import ensure, llama_tool
 
 # batchmlx's own model cache (where `ensure_default_gguf` puts the GGUF), as whole_process.py.
 BMX_CACHE = Path(os.environ.get("BATCHMLX_CACHE_DIR", "~/.cache/batchmlx-test")).expanduser()
@@ -139,7 +139,7 @@ def default_requantized(kind: str) -> Path:
     MODELS.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(f".{dest.name}.{os.getpid()}")
     threads = str(len(os.sched_getaffinity(0)))
-    out = subprocess.run(["nice", "-n", "10", ensure("llama").quantize, *extra, str(src),
+    out = subprocess.run(["nice", "-n", "10", llama_tool("llama-quantize"), *extra, str(src),
                           str(part), kind, threads], capture_output=True, text=True)  # fmt: skip
     if out.returncode != 0:
         part.unlink(missing_ok=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.peers.setup import ensure
+from benchmarks.peers.setup import llama_tool
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ def _threads() -> str:
 
 def _run(args: list[str]) -> tuple[str, float]:
     """llama-perplexity's whole output (stdout and log) and its wall time."""
-    cmd = ["nice", "-n", "10", ensure("llama").perplexity, "-t", _threads(), *args]
+    cmd = ["nice", "-n", "10", llama_tool("llama-perplexity"), "-t", _threads(), *args]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True)
     text = out.stdout + out.stderr

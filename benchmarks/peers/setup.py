@@ -277,6 +277,22 @@ def ensure(peer: str) -> Installed:
         return got if got is not None and _usable(got) else SETUPS[peer]()
 
 
+def llama_tool(name: str) -> str:
+    """A llama.cpp program of the build (`llama-quantize`, `llama-perplexity`): the one already
+    built for this CPU's instructions is used at once (a build stopped or still under way past
+    it), else the whole setup first."""
+    build = CACHE / "llama" / "build"
+    built = build / "bin" / name
+    cached = build / "CMakeCache.txt"
+    isa = llama_isa_flags(cpu_flags())
+    if built.is_file() and cached.is_file():
+        lines = set(cached.read_text(errors="replace").splitlines())
+        if all(flag[2:].replace("=", ":BOOL=") in lines for flag in isa):
+            return str(built)
+    got = ensure("llama")
+    return got.perplexity if name == "llama-perplexity" else got.quantize
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", action="append", choices=sorted(SETUPS), default=[])

@@ -346,7 +346,7 @@ def peers(text: Path, ctx: int, max_chunks: int) -> list[str]:
     for r in theirs:
         print(json.dumps({"system": "llama.cpp", **dataclasses.asdict(r)}), flush=True)
     lines = [
-        "| system | weights | computes in | positions | same_top | kld_mean | ppl | s |",
+        "| system | --dtype / GGUF | computes in | positions | same_top | kld_mean | ppl | s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in ours:
@@ -358,12 +358,15 @@ def peers(text: Path, ctx: int, max_chunks: int) -> list[str]:
             f"| llama.cpp | {r.name} GGUF | {r.weights} | {r.positions:,} | "
             f"{r.same_top:.4f} | {r.kld_mean:.6f} | {r.ppl:.4f} | {r.seconds:.0f} |"
         )
-    return [
-        *lines,
-        "",
-        f"- tokens: {token_agreement(got.chunks, got.bos, base)}",
-        f"- batchmlx float32 ppl {ours[0]['ppl']:.4f}, llama.cpp F32 ppl {theirs[0].ppl:.4f}",
-    ]
+    return [*lines, "",
+            "- tokens: llama.cpp's (its base file's) and batchmlx's chunks hold "
+            f"{token_agreement(got.chunks, got.bos, base)}",
+            f"- float32 against float32: batchmlx ppl {ours[0]['ppl']:.4f}, llama.cpp F32 "
+            f"{theirs[0].ppl:.4f}",
+            "- llama.cpp scores against its base file's log-probabilities as stored (16 bits): "
+            f"PPL(base) from them {theirs[-1].ppl_base:.4f}",
+            "- s: batchmlx, its forward steps alone (loading and scoring apart); llama.cpp, the "
+            "whole llama-perplexity process (load, forward, its own scoring)"]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """The model files each peer reads, all made from the same weights.
 
 - `default`: SmolLM2-135M-Instruct Q4_1 GGUF, the file batchmlx itself fetches
-  (`ensure_default_gguf`); llama.cpp and OpenVINO GenAI read it as it is. vLLM needs a Hugging
+  (`ensure_default_gguf`); llama.cpp and OpenVINO GenAI read it as it is. For
+  benchmarks/fidelity.py, `llama-quantize` dequantizes it to an F32 GGUF and quantizes that to
+  Q8_0 and Q4_0 (`default_requantized`). vLLM needs a Hugging
   Face folder: batchmlx's float32 weights of that GGUF (its own loader), with llama.cpp's q/k
   row permutation undone (GGUF stores them permuted for interleaved RoPE, which batchmlx's
   converter answers with `rope_traditional`), as float32 safetensors.
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peers.setup import CACHE as BENCH_CACHE
-from benchmarks.peers.setup import ensure
+from benchmarks.peers.setup import ensure, llama_tool
 
 # batchmlx's own model cache (where `ensure_default_gguf` puts the GGUF), as whole_process.py.
 BMX_CACHE = Path(os.environ.get("BATCHMLX_CACHE_DIR", "~/.cache/batchmlx-test")).expanduser()
@@ -120,6 +122,31 @@ def default_mlx_folder() -> Path:
     from batchmlx.engine.models.loader import model_folder
 
     return Path(model_folder(resolve_model("default", cache_dir=BMX_CACHE), cache_dir=BMX_CACHE))
+
+
+def default_requantized(kind: str) -> Path:
+    """The default model's weights (its Q4_1 GGUF) through the built `llama-quantize`: "F32" is
+    the Q4_1 file dequantized (--allow-requantize: the float32 weights batchmlx's float32 computes
+    with), "Q8_0" and "Q4_0" that F32 file quantized, as llama.cpp quantizes a model
+    (benchmarks/fidelity.py)."""
+    if kind not in ("F32", *QUANTS):
+        raise ValueError(f"kind must be F32 or one of {QUANTS}, got {kind!r}")
+    dest = MODELS / f"SmolLM2-135M-Instruct.{kind}.gguf"
+    if dest.is_file():
+        return dest
+    src, extra = (default_gguf(), ["--allow-requantize"]) if kind == "F32" else (
+        default_requantized("F32"), [])  # fmt: skip
+    MODELS.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(f".{dest.name}.{os.getpid()}")
+    threads = str(len(os.sched_getaffinity(0)))
+    out = subprocess.run(["nice", "-n", "10", llama_tool("llama-quantize"), *extra, str(src),
+                          str(part), kind, threads], capture_output=True, text=True)  # fmt: skip
+    if out.returncode != 0:
+        part.unlink(missing_ok=True)
+        raise RuntimeError(f"llama-quantize {kind} failed: {out.stderr[-2000:]}")
+    os.replace(part, dest)
+    log(f"default: {dest.name} ({dest.stat().st_size >> 20} MB)")
+    return dest
 
 
 def default_hf_folder() -> Path:
@@ -369,8 +396,8 @@ def model_files(name: str) -> ModelFiles:
 
 def path_for(name: str, fmt: str) -> Path | str:
     """The file or folder of model `name` in `fmt`: "mlx" (what batchmlx's `model` takes), "hf"
-    (a Hugging Face folder, for vLLM), a GGUF type ("Q4_1" for the default; "Q8_0"/"Q4_0" for
-    the random shapes). Built on first use."""
+    (a Hugging Face folder, for vLLM), a GGUF type ("Q4_1", and "F32"/"Q8_0"/"Q4_0" made from it,
+    for the default; "Q8_0"/"Q4_0" for the random shapes). Built on first use."""
     if name == "default":
         if fmt == "mlx":
             return "default"
@@ -378,7 +405,10 @@ def path_for(name: str, fmt: str) -> Path | str:
             return default_hf_folder()
         if fmt in ("gguf", "Q4_1"):
             return default_gguf()
-        raise ValueError(f"the default model comes as mlx, hf or Q4_1, not {fmt!r}")
+        if fmt in ("F32", *QUANTS):
+            return default_requantized(fmt)
+        raise ValueError(f"the default model comes as mlx, hf, Q4_1, F32, Q8_0 or Q4_0, not "
+                         f"{fmt!r}")  # fmt: skip
     if fmt in ("mlx", "hf"):
         return random_mlx_folder(name)
     return random_gguf(name, fmt)
@@ -400,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default", choices=["default", *SHAPES])
     p.add_argument("--format", action="append", default=[],
-                   help="mlx, hf, Q4_1 (default model), Q8_0, Q4_0 (repeatable)")  # fmt: skip
+                   help="mlx, hf, Q4_1, F32 (default model), Q8_0, Q4_0 (repeatable)")  # fmt: skip
     args = p.parse_args(argv)
     for fmt in args.format or (["mlx", "hf", "Q4_1"] if args.model == "default"
                                else ["mlx", *QUANTS]):  # fmt: skip

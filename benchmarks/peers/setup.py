@@ -5,8 +5,9 @@ and returned at once. Never run by CI or the tests.
     python -m benchmarks.peers.setup [--only llama|openvino|vllm|vllm-mlx]
 
 - llama.cpp: the llama-cpp-python sdist (PyPI) vendors the whole llama.cpp tree; only
-  `llama-server` and `llama-quantize` are built (cmake + ninja, Release, explicit AVX2/AVX-512
-  flags, AMX off: these VMs advertise AMX but trap its instructions), under `nice -n 19 -j2`.
+  `llama-server`, `llama-quantize` and `llama-perplexity` (benchmarks/fidelity.py) are built
+  (cmake + ninja, Release, explicit AVX2/AVX-512 flags, AMX off: these VMs advertise AMX but
+  trap its instructions), under `nice -n 19 -j2`.
   gguf-py stays in the tree (`vendor/llama.cpp/gguf-py`) for models.py.
 - OpenVINO GenAI: its own venv with `openvino-genai` (which pulls `openvino` and
   `openvino-tokenizers`, the latter needed to read a GGUF's tokenizer).
@@ -53,7 +54,7 @@ VLLM_MLX_DEPS = (
     "mlx[cpu]==0.32.4", "mlx-lm==0.31.3", "transformers>=5.0.0", "tokenizers>=0.19.0",
     "numpy>=1.24.0", "jsonschema>=4.0.0", "psutil>=5.9.0", "pyyaml>=6.0",
 )  # fmt: skip
-LLAMA_TARGETS = ("llama-server", "llama-quantize")
+LLAMA_TARGETS = ("llama-server", "llama-quantize", "llama-perplexity")
 LLAMA_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF",
     "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DGGML_OPENMP=ON",
@@ -90,6 +91,7 @@ class Installed:
     python: str = ""  # the venv's interpreter (openvino, vllm, vllm-mlx)
     server: str = ""  # llama-server
     quantize: str = ""  # llama-quantize
+    perplexity: str = ""  # llama-perplexity (benchmarks/fidelity.py)
     gguf_py: str = ""  # llama.cpp's gguf-py folder (for models.py)
     commit: str = ""  # llama.cpp's commit (the sdist's vendored tree)
     seconds: float = 0.0  # how long this setup took
@@ -171,6 +173,7 @@ def _build_llama() -> Installed:
     got = Installed(
         "llama", f"llama.cpp of the {LLAMA_CPP_PYTHON} sdist, ggml {_ggml_version(src)}",
         str(root), server=str(server), quantize=str(build / "bin" / "llama-quantize"),
+        perplexity=str(build / "bin" / "llama-perplexity"),
         isa=" ".join(isa),
         gguf_py=str(src / "gguf-py"), commit=version[0] if version else "?",
         seconds=round(time.perf_counter() - t0, 1), size_mb=_du_mb(root),
@@ -255,8 +258,12 @@ def _usable(got: Installed | None) -> bool:
     """An install whose program is still there (a cache cleaned by hand is set up again)."""
     if got is None or not Path(got.server or got.python).is_file():
         return False
-    # a llama.cpp built for another CPU's instructions (a cache carried to a new machine)
-    return got.peer != "llama" or got.isa == " ".join(llama_isa_flags(cpu_flags()))
+    if got.peer != "llama":
+        return True
+    # a llama.cpp built for another CPU's instructions (a cache carried to a new machine), or
+    # before llama-perplexity was one of its targets
+    isa_ok = got.isa == " ".join(llama_isa_flags(cpu_flags()))
+    return isa_ok and bool(got.perplexity) and Path(got.perplexity).is_file()
 
 
 def ensure(peer: str) -> Installed:
@@ -268,6 +275,22 @@ def ensure(peer: str) -> Installed:
     with _locked(peer):
         got = Installed.load(peer)
         return got if got is not None and _usable(got) else SETUPS[peer]()
+
+
+def llama_tool(name: str) -> str:
+    """A llama.cpp program of the build (`llama-quantize`, `llama-perplexity`): the one already
+    built for this CPU's instructions is used at once (a build stopped or still under way past
+    it), else the whole setup first."""
+    build = CACHE / "llama" / "build"
+    built = build / "bin" / name
+    cached = build / "CMakeCache.txt"
+    isa = llama_isa_flags(cpu_flags())
+    if built.is_file() and cached.is_file():
+        lines = set(cached.read_text(errors="replace").splitlines())
+        if all(flag[2:].replace("=", ":BOOL=") in lines for flag in isa):
+            return str(built)
+    got = ensure("llama")
+    return got.perplexity if name == "llama-perplexity" else got.quantize
 
 
 def main(argv: list[str] | None = None) -> int:

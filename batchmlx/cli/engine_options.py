@@ -60,6 +60,15 @@ def engine_choice(
     cache_max_blocks: Annotated[
         int, _option("Block bound without memory awareness")
     ] = D.cache_max_blocks,
+    batch_prefill_beside_online: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            rich_help_panel=PANEL,
+            help="Batch prompt tokens a step feeds while online requests run, so their "
+            "tokens keep coming at decode speed (0: batch prompts wait for online work)",
+        ),
+    ] = D.batch_prefill_beside_online,
     dtype: Annotated[str, _option(DTYPE_HELP)] = "auto",
     threads: Annotated[
         int | None,
@@ -79,6 +88,7 @@ def engine_choice(
         block_size=block_size, use_paged_cache=use_paged_cache, cache_memory_mb=cache_memory_mb,
         cache_memory_percent=cache_memory_percent, memory_aware=memory_aware_cache,
         cache_max_blocks=cache_max_blocks, threads=threads,
+        batch_prefill_beside_online=batch_prefill_beside_online,
     )  # fmt: skip
     return EngineChoice(settings, dtype=dtype)
 

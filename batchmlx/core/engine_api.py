@@ -34,6 +34,10 @@ class EngineSettings:
     # running decodes and prompt chunks share a step (packed, padding-free), so decodes never
     # wait for a prefill; off: a step is all prefill or all decode (padded batch)
     mixed_steps: bool = True
+    # while online requests run, a step feeds at most this many batch prompt tokens (online
+    # prompts and every decode are not counted), so a step carrying an online decode stays near
+    # a decode step's time rather than a full prefill's (issue 49); 0: no batch prefill then
+    batch_prefill_beside_online: int = 256
     # decodes keep their keys and values contiguous from step to step (engine/kv/decode.py)
     # rather than gathering them from the paged pool every step
     dense_decode: bool = True

@@ -31,6 +31,8 @@ class SchedulerConfig:
     prefix_grouping: bool = ENGINE_DEFAULTS.prefix_grouping  # shared prefix blocks computed once
     # one step feeds the running decodes and prompt chunks together (else a step is all one kind)
     mixed_steps: bool = ENGINE_DEFAULTS.mixed_steps
+    # batch prompt tokens of a step while online work runs or waits (EngineSettings says why)
+    batch_prefill_beside_online: int = ENGINE_DEFAULTS.batch_prefill_beside_online
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.block_size < 1 or self.max_prefill_tokens < 1:
@@ -217,6 +219,7 @@ class Scheduler:
         victims = self._make_room_for_urgent([])
         decodes = sum(1 for s in self.running if not s.is_prefilling)
         budget = max(self.config.max_prefill_tokens - decodes, 0)  # left for prompt tokens
+        batch = self._batch_budget(budget)  # of which batch prompts may take
         out: list[ScheduledSeq] = []
         pending: set[int] = set()  # see _schedule_prefill
         # admission order, so a victim (the tail) is never one already scheduled this step
@@ -229,12 +232,24 @@ class Scheduler:
                 if self._reserve(seq, 1, preempted, finished):
                     out.append(self._scheduled(seq, 1, decode=True))
                 continue
-            if budget > 0:
-                budget -= self._continue_prompt(seq, budget, out, pending, preempted, finished)
+            allowed = budget if _urgent(seq) else min(budget, batch)
+            if allowed > 0:
+                n = self._continue_prompt(seq, allowed, out, pending, preempted, finished)
+                budget -= n
+                batch -= 0 if _urgent(seq) else n
         if budget > 0 and not preempted:  # memory is short: do not admit what was just evicted
-            self._admit_waiting(out, budget, pending, finished)
+            self._admit_waiting(out, budget, pending, finished, batch)
         preempted[:0] = victims
         return out
+
+    def _batch_budget(self, budget: int) -> int:
+        """Prompt tokens batch work may take this step: the step's budget, or while online work
+        runs or waits, at most `batch_prefill_beside_online` of it."""
+        urgent = self.waiting.most_urgent_priority()
+        online = (urgent is not None and urgent < BATCH_PRIORITY) or any(
+            _urgent(s) for s in self.running
+        )
+        return min(budget, self.config.batch_prefill_beside_online) if online else budget
 
     # -- prefill ----------------------------------------------------------------------------
 
@@ -242,6 +257,7 @@ class Scheduler:
         self, preempted: list[Sequence], finished: list[Sequence]
     ) -> list[ScheduledSeq]:
         budget = self.config.max_prefill_tokens
+        batch = self._batch_budget(budget)
         out: list[ScheduledSeq] = []
         # Hashes of full blocks some running sequence is computing: a waiting sequence whose
         # next block is among them waits one step and then hits the cache instead.
@@ -251,10 +267,14 @@ class Scheduler:
                 continue
             if budget == 0:
                 break
-            budget -= self._continue_prompt(seq, budget, out, pending, preempted, finished)
+            allowed = budget if _urgent(seq) else min(budget, batch)
+            if allowed > 0:
+                n = self._continue_prompt(seq, allowed, out, pending, preempted, finished)
+                budget -= n
+                batch -= 0 if _urgent(seq) else n
         if budget > 0 and not preempted:  # memory is short: do not admit what was just evicted
             preempted.extend(self._make_room_for_urgent(out))
-            self._admit_waiting(out, budget, pending, finished)
+            self._admit_waiting(out, budget, pending, finished, batch)
         return out
 
     def _continue_prompt(
@@ -309,22 +329,33 @@ class Scheduler:
         return sum(1 for s in self.running if s.request.priority < BATCH_PRIORITY)
 
     def _admit_waiting(
-        self, out: list[ScheduledSeq], budget: int, pending: set[int], finished: list[Sequence]
+        self,
+        out: list[ScheduledSeq],
+        budget: int,
+        pending: set[int],
+        finished: list[Sequence],
+        batch: int | None = None,
     ) -> None:
+        """Admit waiting sequences, most urgent first, in at most `budget` prompt tokens, of
+        which batch work takes at most `batch` (None: all of them)."""
+        batch = budget if batch is None else batch
         admitted: list[Sequence] = []
         blocked = False
         for group in self.waiting.groups():
             # groups come most urgent first: once one is at its limit, so are the rest
-            limit = self._admission_limit(next(iter(group)))
-            if blocked or budget == 0 or len(self.running) >= limit:
+            first = next(iter(group))
+            limit = self._admission_limit(first)
+            room = budget if _urgent(first) else min(budget, batch)
+            if blocked or room <= 0 or len(self.running) >= limit:
                 break
             if self._group_deferred(group, pending):
                 self.stats.deferred += 1
                 continue
             for seq in group:
-                if budget == 0 or len(self.running) >= limit:
+                room = budget if _urgent(seq) else min(budget, batch)
+                if room <= 0 or len(self.running) >= limit:
                     break
-                result = self._admit(seq, budget, pending)
+                result = self._admit(seq, room, pending)
                 if result is _Admission.DEFERRED:
                     self.stats.deferred += 1
                     continue
@@ -340,6 +371,7 @@ class Scheduler:
                 admitted.append(seq)
                 self.running.append(seq)
                 budget -= result.num_new_tokens
+                batch -= 0 if _urgent(seq) else result.num_new_tokens
         for seq in admitted:
             self.waiting.remove(seq)
 
@@ -497,3 +529,8 @@ def _kind(seqs: list[ScheduledSeq]) -> StepKind:
     if decodes == len(seqs):  # a step of decodes only (or of nothing but scheduler finishes)
         return StepKind.DECODE
     return StepKind.PREFILL if decodes == 0 else StepKind.MIXED
+
+
+def _urgent(seq: Sequence) -> bool:
+    """More urgent than batch work (an online request)."""
+    return seq.request.priority < BATCH_PRIORITY

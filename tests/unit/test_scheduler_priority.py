@@ -76,3 +76,54 @@ def test_the_running_limit_bounds_batch_work_and_online_requests_bypass_it():
     assert sched.stats.peak_running == 4
     assert sched.stats.urgent_preemptions == 0
     assert_all_free(sched)
+
+
+def test_while_online_work_runs_batch_prompts_take_a_small_share_of_a_step():
+    """A step carrying online work feeds at most batch_prefill_beside_online batch prompt
+    tokens (the rest of the step's budget is the online prompts' and the decodes'); once the
+    online work is done, batch prompts take whole steps again. Every output is unchanged."""
+    cfg = SchedulerConfig(max_batch_size=8, block_size=4, num_blocks=256,
+                          max_prefill_tokens=64, batch_prefill_beside_online=8)  # fmt: skip
+    sched = Scheduler(cfg)
+    runner = runner_for(sched)
+    long = [list(range(1 + i, 61 + i)) for i in range(3)]  # 60-token batch prompts
+    sched.add(req("b0", long[0], 4, priority=1))
+    step = sched.schedule()  # alone: the whole budget
+    assert sum(s.num_new_tokens for s in step.seqs) == 60
+    sched.update(step, *runner.run(step))
+    sched.add(req("o0", [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3, 2, 1], 6, priority=0))
+    sched.add(req("b1", long[1], 4, priority=1))
+    sched.add(req("b2", long[2], 4, priority=1))
+    batch_tokens = []
+    while any(s.request.priority == 0 for s in sched.running) or sched.get("o0") is not None:
+        step = sched.schedule()
+        online = [s for s in step.seqs if s.seq.request.priority == 0 and not s.decode]
+        batch = [s for s in step.seqs if s.seq.request.priority == 1 and not s.decode]
+        batch_tokens.append(sum(s.num_new_tokens for s in batch))
+        if online:  # the online prompt was not cut to make room for batch prompts
+            assert online[0].num_new_tokens == 18
+        sched.update(step, *runner.run(step))
+    assert max(batch_tokens) <= 8 and sum(batch_tokens) > 0  # batch work went on, slowly
+    step = sched.schedule()  # the online request is done: batch prompts take whole steps
+    assert sum(s.num_new_tokens for s in step.seqs if not s.decode) > 8
+    sched.update(step, *runner.run(step))
+    outputs, _ = drive(sched)
+    assert outputs["b1"] == alone(long[1], 4) and outputs["b2"] == alone(long[2], 4)
+    assert_all_free(sched)
+
+
+def test_no_batch_prefill_beside_online_work_when_its_share_is_zero():
+    cfg = SchedulerConfig(max_batch_size=8, block_size=4, num_blocks=256,
+                          max_prefill_tokens=64, batch_prefill_beside_online=0)  # fmt: skip
+    sched = Scheduler(cfg)
+    runner = runner_for(sched)
+    sched.add(req("o0", [5, 6, 7, 8, 9], 3, priority=0))
+    sched.add(req("b0", [1, 2, 3, 4], 2, priority=1))
+    seen = []
+    while (step := sched.schedule()) is not None:
+        seen.append({s.seq.seq_id for s in step.seqs})
+        sched.update(step, *runner.run(step))
+    # b0 starts only once o0 has finished
+    first_b0 = next(i for i, ids in enumerate(seen) if "b0" in ids)
+    assert all("o0" not in ids for ids in seen[first_b0:])
+    assert_all_free(sched)

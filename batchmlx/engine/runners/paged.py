@@ -130,6 +130,7 @@ class PagedRunner:
                 enable_prefix_cache=cfg.use_paged_cache,
                 prefix_grouping=cfg.prefix_grouping,
                 mixed_steps=self.mixed_steps,
+                batch_prefill_beside_online=cfg.batch_prefill_beside_online,
             ),
             self.pool,
         )

@@ -114,30 +114,33 @@ def mlx_figures() -> dict[str, int]:
 
 
 def model_figures(model: Any) -> dict[str, int]:
-    """The model's parameters by kind: host-packed (mapped from the cache file, or owned by
-    MLX), plain rows (an embedding's lookup table), float (norms, or unconverted layers), and
-    the bytes of float arrays any live host GEMM still references (should be none)."""
+    """The model's weights by kind: host GEMM weights (mapped from the cache file, or owned by
+    MLX), an embedding's lookup rows (mapped or MLX's), float parameters (norms, layers left
+    in MLX). Mapped bytes are resident only as far as they are read (see the smaps rows)."""
     if model is None:
         return {}
-    import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten
 
+    from batchmlx.engine.host.linear import HostEmbedding, HostLinear
+
     out: dict[str, int] = defaultdict(int)
     seen: set[int] = set()
-    for key, a in tree_flatten(model.parameters()):
-        if id(a) in seen:
-            continue
-        seen.add(id(a))
-        nbytes = a.nbytes
-        if isinstance(a, np.ndarray):
-            out["params: packed, mapped from the cache file"] += nbytes
-        elif key.endswith(".packed"):
-            out["params: packed, MLX-owned"] += nbytes
-        elif a.dtype in (mx.bfloat16, mx.int8) or key.endswith(".scales"):
-            out["params: plain host rows (embedding lookup)"] += nbytes
-        else:
-            out["params: float (norms, other)"] += nbytes
+
+    def add(kind: str, a: Any) -> None:
+        if a is not None and id(a) not in seen:
+            seen.add(id(a))
+            where = "mapped" if isinstance(a, np.ndarray) else "MLX"
+            out[f"weights: {kind} ({where})"] += a.nbytes
+
+    for _, m in model.named_modules():
+        if isinstance(m, (HostLinear, HostEmbedding)):
+            add("host GEMMs, packed", m._gemm.packed)
+            add("host GEMMs, scales", m._gemm.scales)
+        if isinstance(m, HostEmbedding):
+            add("embedding lookup rows", m.weight)
+    for _, a in tree_flatten(model.parameters()):
+        add("float (norms, other)", a)
     return dict(out)
 
 

@@ -20,6 +20,7 @@ ru_maxrss at exit): the figure the peers are compared on.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import subprocess
@@ -294,8 +295,9 @@ def main(argv: list[str] | None = None) -> None:
 
     fast_blas()  # the BLAS a batchmlx command runs on (a re-exec, before MLX loads)
     snaps, run = run_in_process(args.requests, args.max_tokens, args.dtype)
+    digest = hashlib.sha256(repr(sorted(run["outputs"].items())).encode()).hexdigest()[:12]
     print(f"in process: {args.requests} chats x up to {args.max_tokens} tokens, "
-          f"{run['tokens']} tokens in {run['wall_s']:.1f} s; MB:")  # fmt: skip
+          f"{run['tokens']} tokens (digest {digest}) in {run['wall_s']:.1f} s; MB:")  # fmt: skip
     print(table(snaps))
 
 

@@ -96,6 +96,8 @@ class PagedKVStorage:
                     mx.eval(arrays[i])
                     del old
                     mx.clear_cache()
+            del pad
+            mx.clear_cache()
         mx.eval(self.keys, self.values)
         self.growths += 1
         self.capacity_blocks = target

@@ -97,7 +97,7 @@ class HostWeights:
     """One GEMM's weights [N, K] in a host format: bf16 (as MLX bfloat16) or int8 + scales."""
 
     fmt: HostFormat
-    data: mx.array
+    data: mx.array | np.ndarray  # numpy: a read-only view of the mapped cache file (bf16: bits)
     scales: mx.array | None = None  # int8: float32 [N]
 
     @classmethod
@@ -290,7 +290,11 @@ class HostLinear(nn.Module):
 
 class HostEmbedding(nn.Module):
     """nn.Embedding in a host format: a lookup dequantizes its rows in MLX; `as_linear` (a
-    tied lm_head) is a host GEMM."""
+    tied lm_head) is a host GEMM. Its rows (`weight`) are an MLX array when packed here, or a
+    read-only numpy view of the mapped cache file when read from one (bf16: their bits as
+    uint16): then only the rows a run looks up are resident, and the table is held once, as
+    the packed head's weights beside it (a 135M model's 49,152 x 576 table: 54 MB that were
+    copied into MLX's memory at each start, and resident twice, as the file's pages too)."""
 
     def __init__(self, weight: mx.array, fmt: HostFormat, *, cache: PackedCache | None = None,
                  key: str = "", backend: HostBackend | None = None) -> None:  # fmt: skip
@@ -304,8 +308,21 @@ class HostEmbedding(nn.Module):
         if self._gemm.scales is not None:
             self.scales = self._gemm.scales
 
+    def host_rows(self) -> np.ndarray:
+        """The rows as numpy, where they lie: bf16 as their bits (uint16), int8, float32."""
+        w = self.weight
+        if isinstance(w, np.ndarray):
+            return w
+        return np.asarray(w.view(mx.uint16) if w.dtype == mx.bfloat16 else w)
+
     def __call__(self, ids: mx.array) -> mx.array:
-        rows = self.weight[ids].astype(mx.float32)
+        if isinstance(self.weight, np.ndarray):  # mapped: the rows looked up, then as MLX's
+            rows = mx.array(self.weight[np.asarray(ids)])
+            if self._gemm.fmt is HostFormat.BF16:
+                rows = rows.view(mx.bfloat16)
+        else:
+            rows = self.weight[ids]
+        rows = rows.astype(mx.float32)
         scales = self.get("scales")
         return rows if scales is None else rows * scales[ids][..., None]
 

@@ -183,7 +183,7 @@ class HostStep:
         emb: HostEmbedding = inner.embed_tokens
         # bf16: the rows' bits as uint16; int8: the rows and their scales; float32: the rows
         self._embed_bits = emb._gemm.fmt is HostFormat.BF16
-        self._embed = np.asarray(emb.weight.view(mx.uint16) if self._embed_bits else emb.weight)
+        self._embed = emb.host_rows()
         scales = emb.get("scales")
         self._embed_scales = None if scales is None else np.asarray(scales)
         head = getattr(model, "lm_head", None)

@@ -63,8 +63,10 @@ def signature(source: Path, fmt: HostFormat, lib: OneDNN) -> str:
 
 def open_cache(path: Path, sig: str) -> PackedCache:
     """The cache of `path` when its signature is `sig`; else an empty one (pack everything).
-    Each layer's packed bytes are a read-only numpy view of the mapped file; its small parts
-    (scales, bias, an embedding's rows) are copied into MLX arrays."""
+    Each layer's packed bytes and an embedding's rows (its lookup table) are read-only numpy
+    views of the mapped file: resident as far as they are read (a run's lookups touch the
+    pages of the tokens it sees, not the whole table), never copied into anonymous memory. The
+    small parts (scales, bias) are copied into MLX arrays."""
     if not path.is_file():
         return PackedCache()
     try:
@@ -78,7 +80,7 @@ def open_cache(path: Path, sig: str) -> PackedCache:
         return PackedCache()
     found: dict[str, np.ndarray | mx.array] = {}
     for key, (view, dtype) in views.items():
-        if key.endswith(".packed"):
+        if key.endswith((".packed", ".plain")):  # (an embedding's bf16 rows: their bits)
             found[key] = view
         else:
             a = mx.array(view)

@@ -86,9 +86,18 @@ class PagedKVStorage:
             self.keys = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
             self.values = [mx.zeros(shape, self.dtype) for _ in range(self.num_layers)]
         else:
+            # one layer at a time, the old array's memory given back before the next layer's
+            # is made: at most one layer is held twice (all at once, a growth held the whole
+            # pool twice, and MLX's buffer cache kept the old one's buffers, too small to reuse)
             pad = mx.zeros(shape, self.dtype)
-            self.keys = [mx.concatenate([k, pad]) for k in self.keys]
-            self.values = [mx.concatenate([v, pad]) for v in self.values]
+            for arrays in (self.keys, self.values):
+                for i, old in enumerate(arrays):
+                    arrays[i] = mx.concatenate([old, pad])
+                    mx.eval(arrays[i])
+                    del old
+                    mx.clear_cache()
+            del pad
+            mx.clear_cache()
         mx.eval(self.keys, self.values)
         self.growths += 1
         self.capacity_blocks = target

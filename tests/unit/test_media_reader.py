@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from batchmlx.config import MEDIA_DIR_ENV, MEDIA_FETCH_ENV, load_media_settings
 from batchmlx.formats import media as M
 from batchmlx.formats.request import MediaKind, MediaPart, MediaSource, content_digest
-from batchmlx.config import MEDIA_DIR_ENV, MEDIA_FETCH_ENV, load_media_settings
 from batchmlx.worker.media import MediaReader, MediaRefused
 
 

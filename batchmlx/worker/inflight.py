@@ -186,6 +186,10 @@ class InFlight:
                     and j.row not in live]:  # fmt: skip
             self.media.cancel(row)
 
+    def reads_abandoned(self, live: set[int]) -> bool:
+        """An online request whose media are read lost its client (a round drops it)."""
+        return any(OnlineQueue.owns(j.row) and j.row not in live for j in self.media.jobs())
+
     def written(self, n: int) -> None:
         """The first `n` ready results are in the store."""
         del self.ready[:n]

@@ -231,7 +231,7 @@ class Worker:
         work.live = set(fl.online.live_ids)
         ran = _Ran(embedded=False, stepped=False)
         if (work.tickets or work.claimed or fl.embeddings or fl.running or fl.online_pending
-                or fl.media.has_done):  # fmt: skip
+                or fl.media.has_done or fl.reads_abandoned(work.live)):  # fmt: skip
             ran = await self._on_engine(self._engine_round, work)
         did |= bool(work.tickets or work.claimed) or ran.embedded or ran.read
         # nothing left to step: write what is ready now rather than wait for the timer

@@ -5,7 +5,7 @@ localhost, images.test and 127.0.0.1.
 Paths: /ok (a small body), /trickle (headers, then a body byte every `TRICKLE_S`), /slow-head
 (the status line a byte at a time), /to-http (302 to an http URL), /to-ok (302 to /ok),
 /loop (302 to itself), /big (a Content-Length past any limit), /secret (404 with a body that
-must never reach an error message)."""
+must never reach an error message), and the `files` it is given (path -> body, type)."""
 
 from __future__ import annotations
 
@@ -68,8 +68,16 @@ def make_certs(folder: Path) -> tuple[Path, Path, Path]:
 class HttpsServer:
     """Serves the paths above on 127.0.0.1 (one thread per connection) until `close`."""
 
-    def __init__(self, folder: Path, trickle_for_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        trickle_for_s: float = 30.0,
+        files: dict[str, tuple[bytes, str]] | None = None,
+        trickle_s: float = TRICKLE_S,
+    ) -> None:
         self.ca, leaf, key = make_certs(folder)
+        self.files = files or {}
+        self.trickle_s = trickle_s
         self.trickle_for_s = trickle_for_s
         self._ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self._ctx.load_cert_chain(leaf, key)
@@ -131,7 +139,10 @@ class HttpsServer:
                      "Connection: close", "", ""]  # fmt: skip
             conn.sendall("\r\n".join(lines).encode() + body)
 
-        if path == "/ok":
+        if path in self.files:
+            body, kind = self.files[path]
+            send("200 OK", {"Content-Type": kind, "Content-Length": str(len(body))}, body)
+        elif path == "/ok":
             send("200 OK", {"Content-Type": "image/png", "Content-Length": str(len(BODY))}, BODY)
         elif path == "/to-http":
             send("302 Found", {"Location": f"http://127.0.0.1:{self.port}/ok",
@@ -158,4 +169,4 @@ class HttpsServer:
             if self._closed.is_set() or time.monotonic() > end:
                 return
             conn.sendall(data[i : i + 1])
-            time.sleep(TRICKLE_S)
+            time.sleep(self.trickle_s)

@@ -337,7 +337,7 @@ class Worker:
         self._media_read.clear()
         if self.inflight.media.has_done:  # read since the round: admit it now
             return
-        waits = [
+        waits: list[asyncio.Future[Any]] = [
             asyncio.ensure_future(self.online.wait(timeout)),
             asyncio.ensure_future(self._stop.wait()),
             asyncio.ensure_future(self._media_read.wait()),

@@ -174,6 +174,7 @@ class Worker:
         """Tick until stopped. A tick that fails (locked database, full disk, a bug), or an
         idle wait that does, is logged and retried after a backoff: one bad thing never ends
         the worker."""
+        self.inflight.media.open()
         try:
             while not self.stop_requested:
                 if self.inflight.online_pending:
@@ -197,8 +198,9 @@ class Worker:
         finally:
             await self._persist("write results", lambda: self._flush(force=True))
             # reads under way end (their sockets shut); their rows go back with the leases
+            # (off the loop: it waits up to 2 s for the fetch threads; a round may still run)
             await self._persist(
-                "stop media reads", lambda: self.engine.call(self.inflight.media.close)
+                "stop media reads", lambda: asyncio.to_thread(self.inflight.media.close)
             )
             # every lease still held: requests in the engine, embeddings not yet run
             await self._persist("give back leases", lambda: self.store.release(self.worker_id))

@@ -58,8 +58,9 @@ class MediaJob:
 
 class MediaPool:
     """A few fetch threads, the requests they read for, and those read and not yet taken.
-    `submit`, `take_done`, `cancel` and `close` are the engine thread's (or the loop's after
-    the engine stopped); the fetch threads touch only `_queue` and `_done`."""
+    `submit`, `take_done` and `cancel` are the engine thread's; the loop reads the counts and
+    calls `close` (a stop may come while a round still runs), so the tables change under a
+    lock; the fetch threads touch only `_queue` and `_done`."""
 
     def __init__(
         self, threads: int = FETCH_THREADS, max_waiting: int = MAX_FETCHES_WAITING
@@ -72,6 +73,8 @@ class MediaPool:
         self._queue: queue.Queue[MediaJob | None] = queue.Queue()
         self._done: deque[MediaJob] = deque()  # appended by fetch threads
         self._workers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False  # a stop: what is submitted now is dropped (its lease goes back)
 
     def __len__(self) -> int:
         """Requests held here (submitted or held back)."""
@@ -94,61 +97,78 @@ class MediaPool:
         return sum(1 for job in self.jobs() if not OnlineQueue.owns(job.row))
 
     def jobs(self) -> Iterator[MediaJob]:
-        yield from list(self._jobs.values())
-        yield from list(self._held)
+        with self._lock:
+            jobs = [*self._jobs.values(), *self._held]
+        yield from jobs
 
     def submit(self, claimed: ClaimedRequest, parsed: ParsedRequest, reader: MediaReader) -> bool:
         """Read the request's media on a fetch thread; False: the pool is full (an online
         request; a batch row past the bound is held back instead)."""
         job = MediaJob(claimed, parsed, reader)
-        if self.full:
-            if OnlineQueue.owns(job.row):
-                return False
-            self._held.append(job)
-            return True
-        self._start(job)
+        with self._lock:
+            if self._closed:
+                return True  # never read, never answered: the worker stops
+            if self.full:
+                if OnlineQueue.owns(job.row):
+                    return False
+                self._held.append(job)
+                return True
+            self._start(job)
         return True
 
     def take_done(self) -> list[MediaJob]:
         """The requests whose reads ended (cancelled ones left out), in the order they ended;
         rows held back take their places."""
         out = []
-        while self._done:
-            job = self._done.popleft()
-            if self._jobs.get(job.row) is job:
-                del self._jobs[job.row]
-                out.append(job)
-        while self._held and not self.full:
-            self._start(self._held.popleft())
+        with self._lock:
+            while self._done:
+                job = self._done.popleft()
+                if self._jobs.get(job.row) is job:
+                    del self._jobs[job.row]
+                    out.append(job)
+            while self._held and not self.full and not self._closed:
+                self._start(self._held.popleft())
         return out
 
     def cancel(self, row: int) -> bool:
         """Drop the request and end its read under way; False: it is not here."""
-        job = self._jobs.pop(row, None)
-        if job is None:
-            job = next((j for j in self._held if j.row == row), None)
+        with self._lock:
+            job = self._jobs.pop(row, None)
             if job is None:
-                return False
-            self._held.remove(job)
+                job = next((j for j in self._held if j.row == row), None)
+                if job is None:
+                    return False
+                self._held.remove(job)
         job.cancel.cancel()
         return True
 
+    def open(self) -> None:
+        """Take requests again after a `close` (a worker run again)."""
+        with self._lock:
+            self._closed = False
+
     def close(self, timeout_s: float = 2.0) -> None:
         """Drop every request, end the reads under way and let the threads end (waiting at most
-        `timeout_s` for them: a read's socket is shut, so they end at once)."""
-        for row in [*self._jobs, *(j.row for j in self._held)]:
-            self.cancel(row)
-        workers, self._workers = self._workers, []
+        `timeout_s` for them: a read's socket is shut, so they end at once). From any thread;
+        it blocks up to `timeout_s` (the worker runs it off its loop)."""
+        with self._lock:
+            self._closed = True
+            jobs = [*self._jobs.values(), *self._held]
+            self._jobs.clear()
+            self._held.clear()
+            workers, self._workers = self._workers, []
+        for job in jobs:
+            job.cancel.cancel()
         for _ in workers:
             self._queue.put(None)
         for t in workers:
             t.join(timeout_s)
             if t.is_alive():  # a name lookup the resolver has not answered yet
                 log.warning("a media fetch thread is still waiting; it ends with its lookup")
-        self._queue = queue.Queue()
         self._done.clear()
 
     def _start(self, job: MediaJob) -> None:
+        """Under the lock."""
         self._jobs[job.row] = job
         self._workers = [t for t in self._workers if t.is_alive()]
         if len(self._workers) < self.threads:

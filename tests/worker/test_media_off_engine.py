@@ -274,3 +274,23 @@ def test_the_pool_bounds_its_threads_and_its_waiting_requests():
     assert sorted(taken) == [1, 2, 3, 4] and len(pool) == 0
     pool.close()
     assert media_threads() == []
+
+
+def test_a_worker_run_again_reads_images_again(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.gate.release.set()
+
+    async def main():
+        await rig.open(batch_file(texts=1))
+        await rig.worker.run()
+        more = await batches.intake.submit(
+            rig.store, rig.settings, batch_file(texts=0), filename="more.jsonl", now=T0
+        )
+        await rig.worker.run()  # its media pool was closed by the first run's end
+        recs = [await rig.store.get_batch(b) for b in (rig.batch.id, more.id)]
+        await rig.store.close()
+        return recs
+
+    first, second = asyncio.run(main())
+    assert first.request_counts.completed == 2 and second.request_counts.completed == 1
+    assert media_threads() == []

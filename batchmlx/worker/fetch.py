@@ -179,8 +179,9 @@ class HttpsFetch:
         sock: socket.socket = raw
         try:
             raw.settimeout(_left(deadline, self.clock))
-            sock = context.wrap_socket(raw, server_hostname=host)  # the handshake, bounded
-            cancel.watch(sock)
+            sock = context.wrap_socket(raw, server_hostname=host, do_handshake_on_connect=False)
+            cancel.watch(sock)  # (the plain socket is detached now)
+            sock.do_handshake()  # bounded: CPython's handshake keeps one deadline of the timeout
             target = parts.path or "/"
             if parts.query:
                 target += "?" + parts.query

@@ -83,3 +83,15 @@ def test_the_request_total_counts_fetched_bytes():
     with pytest.raises(MediaRefused) as info:
         reader.resolve(parts)
     assert f"at most {M.MAX_REQUEST_MEDIA_BYTES} bytes in all" in info.value.error.message
+
+
+def test_the_media_switches_are_read_in_config():
+    from batchmlx.config import MEDIA_FETCH_PRIVATE_ENV, MediaSettings, load_settings
+
+    assert load_media_settings({}) == MediaSettings()  # https from global addresses, no files
+    assert load_media_settings({MEDIA_FETCH_PRIVATE_ENV: "1"}).fetch_private
+    assert not load_media_settings({MEDIA_FETCH_ENV: "no"}).fetch
+    reader = from_env({MEDIA_FETCH_PRIVATE_ENV: "yes"})
+    assert reader.fetch.allow_private  # type: ignore[attr-defined]
+    assert not from_env({}).fetch.allow_private  # type: ignore[attr-defined]
+    assert load_settings({MEDIA_FETCH_PRIVATE_ENV: "on"}).media.fetch_private

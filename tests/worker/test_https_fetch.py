@@ -155,3 +155,14 @@ def test_refusals_are_the_lines_400_naming_the_part_never_the_servers_body(serve
     assert "at most" in info.value.error.message  # told by Content-Length; nothing read
     (got,) = reader.resolve((part(server.url("/ok")),))
     assert (got.data, got.media_type) == (BODY, "image/png")
+
+
+def test_a_server_that_never_answers_the_handshake_ends_at_the_deadline():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never speaks TLS
+        port = silent.getsockname()[1]
+        start = time.monotonic()
+        why = refusal(HttpsFetch(timeout_s=1.0, allow_private=True), f"https://127.0.0.1:{port}/")
+        took = time.monotonic() - start
+    assert "longer than its 1 s limit" in why and 0.9 < took < 2.0, (why, took)

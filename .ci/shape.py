@@ -75,8 +75,6 @@ ENVIRON_READS_ALLOWED = {
     "call as the hub reads it",
     "batchmlx/engine/models/default_model.py": "BATCHMLX_GGUF_WHEEL, the default model's "
     "offline download override, read where it downloads (to move into Settings)",
-    "batchmlx/worker/media.py": "MediaReader.from_env: the worker's media switches (to move "
-    "into Settings)",
 }
 # modules that only write variables a C library reads when it starts (os.environ[k] = v,
 # setdefault, update), never read them back

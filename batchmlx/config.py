@@ -31,6 +31,11 @@ THREADS_ENV = "BATCHMLX_THREADS"  # the --threads flag's variable (typer reads i
 HOST_STEPS_ENV = "BATCHMLX_HOST_STEPS"  # 0: packed steps of a host format stay in MLX
 HOST_CACHE_ENV = "BATCHMLX_HOST_CACHE"  # 0: no packed-weights file between starts
 ONEDNN_LIB_ENV = "BATCHMLX_ONEDNN_LIB"  # an explicit path to libdnnl.so.3*
+# images and videos of vision lines (worker/media.py; docs/requests.md)
+MEDIA_DIR_ENV = "BATCHMLX_MEDIA_DIR"  # the one folder file images may be read from
+MEDIA_FETCH_ENV = "BATCHMLX_MEDIA_FETCH"  # off/0/false/no: https images refused, never fetched
+# 1/true/yes/on: https images may come from loopback, private and link-local addresses
+MEDIA_FETCH_PRIVATE_ENV = "BATCHMLX_MEDIA_FETCH_PRIVATE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +47,18 @@ class HostSettings:
     host_steps: bool = True  # $BATCHMLX_HOST_STEPS (0/false/no/off: off; engine/host/step.py)
     weights_cache: bool = True  # $BATCHMLX_HOST_CACHE (0: off; engine/host/weights_cache.py)
     onednn_library: str | None = None  # $BATCHMLX_ONEDNN_LIB, tried before the Python prefixes
+
+
+@dataclass(frozen=True, slots=True)
+class MediaSettings:
+    """Where a vision line's https and file images may come from, read here once and handed to
+    the worker's media reader (worker/media.py); nothing under worker/ reads the environment."""
+
+    media_dir: Path | None = None  # $BATCHMLX_MEDIA_DIR (resolved); None: file parts refused
+    fetch: bool = True  # $BATCHMLX_MEDIA_FETCH (off: https parts refused, never fetched)
+    # $BATCHMLX_MEDIA_FETCH_PRIVATE: fetch from loopback, private (RFC 1918, unique-local),
+    # link-local and other non-global addresses too; off: only global addresses
+    fetch_private: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +84,7 @@ class Settings:
     strict_models: bool = False
     model_aliases: tuple[tuple[str, str], ...] = ()
     cpu: HostSettings = HostSettings()  # the CPU backend's switches (load_host_settings)
+    media: MediaSettings = MediaSettings()  # vision lines' images (load_media_settings)
 
     @property
     def db_path(self) -> Path:
@@ -131,6 +149,7 @@ def load_settings(
             ).items()
         ),  # fmt: skip
         cpu=load_host_settings(env),
+        media=load_media_settings(env),
     )
 
 
@@ -151,6 +170,18 @@ def load_host_settings(env: Mapping[str, str] | None = None) -> HostSettings:
         host_steps=env.get(HOST_STEPS_ENV, "1").strip().lower() not in off,
         weights_cache=env.get(HOST_CACHE_ENV, "1").strip() != "0",
         onednn_library=env.get(ONEDNN_LIB_ENV) or None,
+    )
+
+
+def load_media_settings(env: Mapping[str, str] | None = None) -> MediaSettings:
+    """Where vision lines' images may come from, from the environment (default: this
+    process's)."""
+    env = os.environ if env is None else env
+    folder = env.get(MEDIA_DIR_ENV)
+    return MediaSettings(
+        media_dir=Path(folder).expanduser().resolve() if folder else None,
+        fetch=env.get(MEDIA_FETCH_ENV, "").strip().lower() not in ("off", "0", "false", "no"),
+        fetch_private=truthy(env.get(MEDIA_FETCH_PRIVATE_ENV)),
     )
 
 

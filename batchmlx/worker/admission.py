@@ -70,8 +70,9 @@ class Admission:
         serve, all of one model (`admit_claimed` then starts them on the engine thread)."""
         fl = self.inflight
         width = fl.max_batch
-        room = self.opts.claim_factor * width - len(fl.pending)
-        if room < width:
+        # rows whose media are read hold leases too; a full media pool takes nothing more
+        room = self.opts.claim_factor * width - len(fl.pending) - fl.media.batch_rows()
+        if room < width or fl.media.full:
             return []
         out: list[ClaimedRequest] = []
         model: str | None = None  # what this round claimed for: one engine holds one model

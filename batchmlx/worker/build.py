@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchmlx.config import HostSettings
+from batchmlx.config import HostSettings, MediaSettings
 from batchmlx.core.engine_api import EmbedderProtocol, EngineProtocol, EngineSettings
 from batchmlx.engine.host.threads import ThreadGovernor
+from batchmlx.worker.media import MediaReader
 from batchmlx.worker.translate import Translator
 
 if TYPE_CHECKING:
@@ -34,10 +35,16 @@ EngineFactory = Callable[[str], ServingModel]  # model name → a fresh engine f
 
 
 def mlx_engine_factory(
-    *, cache_dir: Path, dtype: str, engine: EngineSettings, host: HostSettings | None = None
+    *,
+    cache_dir: Path,
+    dtype: str,
+    engine: EngineSettings,
+    host: HostSettings | None = None,
+    media: MediaSettings | None = None,
 ) -> EngineFactory:
     """The MLX engine, loaded on first use of each model (MLX is imported then, not here).
-    `host`: the CPU backend's switches (config.py); one HostBackend serves every model."""
+    `host`: the CPU backend's switches (config.py); one HostBackend serves every model.
+    `media`: where a vision model's https and file images may come from (config.py)."""
     backends: list[HostBackend] = []
 
     def build(name: str) -> ServingModel:
@@ -46,7 +53,7 @@ def mlx_engine_factory(
 
             backends.append(install(HostBackend(host)))
         return build_engine(name, cache_dir=cache_dir, dtype=dtype, settings=engine,
-                            backend=backends[0])  # fmt: skip
+                            backend=backends[0], media=media)  # fmt: skip
 
     return build
 
@@ -58,11 +65,14 @@ def build_engine(
     dtype: str = "auto",
     settings: EngineSettings,
     backend: HostBackend | None = None,
+    media: MediaSettings | None = None,
 ) -> ServingModel:
     """Load the model `name` and wrap it in an Engine and the Translator that feeds it. The
     engine's thread count is set first (engine/host/threads.py), before anything computes.
     `backend`: the CPU backend the model computes with (default: the process's); its thread
-    count is the one chosen here, which the governor then moves."""
+    count is the one chosen here, which the governor then moves. `media`: where a vision
+    model's images may come from (default: MediaSettings(): https from global addresses, no
+    files)."""
     from batchmlx.core.models import resolve_model
     from batchmlx.engine.choose import make_engine
     from batchmlx.engine.host.backend import current
@@ -84,7 +94,8 @@ def build_engine(
     from batchmlx.engine.vision.load import is_vision_model
 
     if is_vision_model(spec.kind, spec.source):
-        serving = _vision_engine(name, spec.name, spec.source, settings, governor)
+        reader = MediaReader.from_settings(media or MediaSettings())
+        serving = _vision_engine(name, spec.name, spec.source, settings, governor, reader)
         governor.review(now=True)
         return serving
     loaded = load_model(spec, cache_dir=cache_dir, dtype=dtype, backend=backend)
@@ -107,7 +118,12 @@ def build_engine(
 
 
 def _vision_engine(
-    name: str, model_name: str, source: str, settings: EngineSettings, governor: ThreadGovernor
+    name: str,
+    model_name: str,
+    source: str,
+    settings: EngineSettings,
+    governor: ThreadGovernor,
+    media: MediaReader,
 ) -> ServingModel:
     """A vision-language model through mlx-vlm (engine/runners/vision.py): prompts
     prefilled one at a time, decodes batched (the engine logs which)."""
@@ -127,7 +143,7 @@ def _vision_engine(
     translator = Translator(
         tok, model_name, engine.max_context_tokens, eos_ids,
         vocab_size=int(vocab) if vocab else None, grammar_check=_no_grammar,
-        vision=VisionPrompter(processor, config, model_name),
+        vision=VisionPrompter(processor, config, model_name), media=media,
     )  # fmt: skip
     log.info("model %s: vision-language (mlx-vlm %s)", model_name, config.get("model_type"))
     return ServingModel(name, engine, translator, None, governor)

@@ -7,6 +7,10 @@ call at a time, and touches `pending` and `ready` only between those calls. What
 queue must hear meanwhile (tokens, finished tickets: asyncio objects of the loop) goes through
 `post`, which hands it to the loop's thread.
 
+A request whose https or file images must be read first waits in `media` (worker/media_pool.py:
+a few fetch threads, bounded) rather than in the engine; a later round takes it from there
+(`admit_read`) and it enters the engine as any other, so no fetch runs on the engine's thread.
+
 Requests are keyed by row id: queue rows (> 0) and online tickets (< 0, OnlineQueue.owns) share
 one engine; choice i of a request is the engine request `choice_id(row, i)`.
 """
@@ -16,21 +20,29 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from batchmlx.core.engine_api import EngineProtocol, StepError
 from batchmlx.core.records import ClaimedRequest, RequestResult
 from batchmlx.faults import crash_point
+from batchmlx.formats.request import ParsedRequest
 from batchmlx.worker.build import EngineFactory, ServingModel
 from batchmlx.worker.embeddings import EmbeddingJobs, is_embeddings
 from batchmlx.worker.engine_thread import Poster
+from batchmlx.worker.media import MediaRefused
+from batchmlx.worker.media_pool import MediaPool
 from batchmlx.worker.metrics import EngineMetrics
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineQueue
 from batchmlx.worker.translate import (
     PendingRequest,
     choice_id,
+    error_result,
     parse_choice_id,
     server_error_result,
 )
+
+# what an online request gets when the media pool is full (a batch row waits for room instead)
+MEDIA_BUSY = "Too many requests here are waiting for their images to be fetched; retry shortly."
 
 log = logging.getLogger("batchmlx.worker")
 
@@ -54,12 +66,13 @@ class InFlight:
         self.ready_tokens: dict[str, int] = {}  # batch id -> completion tokens in `ready`
         self.metrics = EngineMetrics()  # this process's registry and chart series
         self.post = Poster()  # engine thread -> the loop that owns `online`
+        self.media = MediaPool()  # requests whose media are read before they enter the engine
 
     # -- the model -----------------------------------------------------------------------------
     def ensure_model(self, name: str) -> ServingModel:
         if self.loaded is not None and self.loaded.name == name:
             return self.loaded
-        if self.pending or self.online_pending:
+        if self.pending or self.online_pending or self.media:
             raise RuntimeError("cannot switch models while requests run")
         loaded = self.build(name)
         loaded.engine.on_token = self._on_token
@@ -85,7 +98,7 @@ class InFlight:
     @property
     def busy(self) -> bool:
         """Requests of the loaded model wait or run (it cannot be switched now)."""
-        return bool(self.pending or self.online_pending or self.embeddings)
+        return bool(self.pending or self.online_pending or self.embeddings or self.media)
 
     # -- in and out ----------------------------------------------------------------------------
     def start(self, loaded: ServingModel, c: ClaimedRequest) -> RequestResult | None:
@@ -97,7 +110,36 @@ class InFlight:
                     f"The model {loaded.name!r} computes no embeddings here."
                 )
             return self.embeddings.add(c, loaded.translator, loaded.embedder.dimensions)
-        pending, gens, error = loaded.translator.prepare(c)
+        parsed = loaded.translator.check(c)
+        if isinstance(parsed, RequestResult):
+            return parsed
+        if loaded.translator.reads_media(parsed):  # read on the media pool, not here
+            if self.media.submit(c, parsed, loaded.translator.media):
+                return None
+            return server_error_result(MEDIA_BUSY, status_code=503)
+        return self._enter(loaded, c, parsed)
+
+    def admit_read(self) -> bool:
+        """The requests whose media were read since the last round enter the engine (or get
+        their 400: a part refused); returns whether there were any."""
+        jobs = self.media.take_done()
+        for job in jobs:
+            c, outcome = job.claimed, job.outcome
+            if isinstance(outcome, MediaRefused):
+                error: RequestResult | None = error_result(outcome.error)
+            elif isinstance(outcome, tuple):
+                assert self.loaded is not None  # busy: the model stayed
+                error = self._enter(self.loaded, c, replace(job.parsed, media=outcome))
+            else:
+                error = server_error_result(f"The request's media could not be read: {outcome}")
+            if error is not None:
+                self.deliver(c.id, error)
+        return bool(jobs)
+
+    def _enter(
+        self, loaded: ServingModel, c: ClaimedRequest, parsed: ParsedRequest
+    ) -> RequestResult | None:
+        pending, gens, error = loaded.translator.prepare(c, parsed)
         if error is not None:
             return error
         assert pending is not None  # prepare returns one or the other
@@ -120,7 +162,9 @@ class InFlight:
             self.ready.append((row, result))
 
     def abort(self, row: int) -> PendingRequest | None:
-        """Take a request out of the engine (every choice of it) and out of its table."""
+        """Take a request out of the engine (every choice of it) and out of its table, or out
+        of the media pool (its fetch under way ended)."""
+        self.media.cancel(row)
         p = self._table(row).pop(row, None)
         if p is not None:
             self._abort_choices(row, p.parsed.n)
@@ -130,12 +174,21 @@ class InFlight:
         """Drop the batch's requests from the engine; their leases go with the batch's end."""
         for row in [r for r, p in self.pending.items() if p.claimed.batch_id == batch_id]:
             self.abort(row)
+        for row in [j.row for j in self.media.jobs() if j.claimed.batch_id == batch_id]:
+            self.media.cancel(row)
 
     def drop_abandoned(self, live: set[int]) -> None:
         """Abort the online requests whose client went away (their tickets are not in `live`,
         the online queue's live ids, read on the loop)."""
         for row in [r for r in self.online_pending if r not in live]:
             self.abort(row)
+        for row in [j.row for j in self.media.jobs() if OnlineQueue.owns(j.row)
+                    and j.row not in live]:  # fmt: skip
+            self.media.cancel(row)
+
+    def reads_abandoned(self, live: set[int]) -> bool:
+        """An online request whose media are read lost its client (a round drops it)."""
+        return any(OnlineQueue.owns(j.row) and j.row not in live for j in self.media.jobs())
 
     def written(self, n: int) -> None:
         """The first `n` ready results are in the store."""

@@ -69,6 +69,7 @@ class _Ran:
 
     embedded: bool  # an embeddings pass ran
     stepped: bool  # an engine step ran
+    read: bool = False  # requests whose media were read (worker/media_pool.py) were admitted
 
 
 class Worker:
@@ -97,6 +98,7 @@ class Worker:
             dtype=options.dtype,
             engine=options.engine,
             host=settings.cpu,
+            media=settings.media,
         )
         self.engine = EngineThread()  # every call into the engine runs there
         self.inflight = InFlight(build, initial_width=initial_width(options.engine),
@@ -113,6 +115,9 @@ class Worker:
             hooks=tuple(finalize_hooks), on_end=self.journal.ended,
         )  # fmt: skip
         self._stop = asyncio.Event()  # set by a stop: wakes the idle wait and backoffs at once
+        # a request's media were read (on a fetch thread): wakes the idle wait to admit it
+        self._media_read = asyncio.Event()
+        self.inflight.media.on_done = lambda: self.inflight.post(self._media_read.set)
         register_worker(self)  # the dashboard and `submit --wait` read inflight_tokens()
         self._last_flush = 0.0
         self._backoff = Backoff()  # between ticks that failed
@@ -169,6 +174,7 @@ class Worker:
         """Tick until stopped. A tick that fails (locked database, full disk, a bug), or an
         idle wait that does, is logged and retried after a backoff: one bad thing never ends
         the worker."""
+        self.inflight.media.open()
         try:
             while not self.stop_requested:
                 if self.inflight.online_pending:
@@ -178,7 +184,7 @@ class Worker:
                     if busy:
                         self._busy_at = time.monotonic()
                     else:
-                        if self.opts.until_idle:
+                        if self.opts.until_idle and not self.inflight.media:
                             break
                         await self._release_when_idle()
                         await self._idle()
@@ -191,6 +197,11 @@ class Worker:
                 await asyncio.sleep(0)
         finally:
             await self._persist("write results", lambda: self._flush(force=True))
+            # reads under way end (their sockets shut); their rows go back with the leases
+            # (off the loop: it waits up to 2 s for the fetch threads; a round may still run)
+            await self._persist(
+                "stop media reads", lambda: asyncio.to_thread(self.inflight.media.close)
+            )
             # every lease still held: requests in the engine, embeddings not yet run
             await self._persist("give back leases", lambda: self.store.release(self.worker_id))
             await self._persist("deregister", lambda: self.store.remove_worker(self.worker_id))
@@ -221,9 +232,10 @@ class Worker:
                 await self.journal.claimed(work.claimed)
         work.live = set(fl.online.live_ids)
         ran = _Ran(embedded=False, stepped=False)
-        if work.tickets or work.claimed or fl.embeddings or fl.running or fl.online_pending:
+        if (work.tickets or work.claimed or fl.embeddings or fl.running or fl.online_pending
+                or fl.media.has_done or fl.reads_abandoned(work.live)):  # fmt: skip
             ran = await self._on_engine(self._engine_round, work)
-        did |= bool(work.tickets or work.claimed) or ran.embedded
+        did |= bool(work.tickets or work.claimed) or ran.embedded or ran.read
         # nothing left to step: write what is ready now rather than wait for the timer
         await self._flush(force=not ran.stepped)
         if housekeeping or not ran.stepped:
@@ -231,16 +243,18 @@ class Worker:
         return did or ran.stepped
 
     def _engine_round(self, work: _Round) -> _Ran:
-        """On the engine thread: admit, run the embeddings pass, step."""
+        """On the engine thread: admit (requests whose media were read, then new ones), run
+        the embeddings pass, step."""
         fl = self.inflight
         self.admission.admit_tickets(work.tickets, work.live)
+        read = fl.admit_read()
         self.admission.admit_claimed(work.claimed)
         stepped, embedded = fl.running, bool(fl.embeddings)
         if embedded:
             fl.run_embeddings()
         if stepped:
             fl.step()
-        return _Ran(embedded=embedded, stepped=stepped)
+        return _Ran(embedded=embedded, stepped=stepped, read=read)
 
     async def _on_engine(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn` on the engine thread; meanwhile keep this worker's leases renewed (a long
@@ -322,9 +336,13 @@ class Worker:
                 left = lease_end - self.clock()
                 # already ended: the claim just made could not take it, so do not spin on it
                 timeout = min(timeout, left + 0.05 if left > 0 else self.settings.poll_s)
-        waits = [
+        self._media_read.clear()
+        if self.inflight.media.has_done:  # read since the round: admit it now
+            return
+        waits: list[asyncio.Future[Any]] = [
             asyncio.ensure_future(self.online.wait(timeout)),
             asyncio.ensure_future(self._stop.wait()),
+            asyncio.ensure_future(self._media_read.wait()),
         ]
         if self.store.listens:
             waits.append(asyncio.ensure_future(self.store.wait_for_work(timeout)))

@@ -69,10 +69,10 @@ def error_result(err: RequestError) -> RequestResult:
     )
 
 
-def server_error_result(message: str) -> RequestResult:
+def server_error_result(message: str, status_code: int = 500) -> RequestResult:
     body = {"error": {"message": message, "type": "server_error", "param": None,
                       "code": "server_error"}}  # fmt: skip
-    return RequestResult(status=RequestStatus.FAILED, status_code=500, body=body)
+    return RequestResult(status=RequestStatus.FAILED, status_code=status_code, body=body)
 
 
 class Translator:
@@ -85,42 +85,56 @@ class Translator:
         vocab_size: int | None = None,  # the embedding's rows; None: not checked
         grammar_check: Callable[[str], str | None] | None = None,
         vision: Any = None,  # a VisionPrompter (engine/vision/) of a vision-language model
-        media: MediaReader | None = None,  # reads https and file images; None: from the env
+        media: MediaReader | None = None,  # reads https and file images (config.MediaSettings)
     ) -> None:
         self.tok = tokenizer
         self.vision = vision
-        self.media = media or MediaReader.from_env()
+        self.media = media or MediaReader()
         self.grammar_check = grammar_check  # schema → None, or why it cannot be compiled
         self.model_name = model_name
         self.context_length = context_length
         self.eos_ids = frozenset(eos_ids)
         self.vocab_size = vocab_size
 
-    def prepare(
-        self, claimed: ClaimedRequest
-    ) -> tuple[PendingRequest | None, list[GenerationRequest], RequestResult | None]:
-        """A claimed row → its engine requests, or the 400 result it gets instead."""
+    def check(self, claimed: ClaimedRequest) -> ParsedRequest | RequestResult:
+        """A claimed row parsed and checked (no I/O, no tokenizer), or the 400 it gets."""
         parsed = parse_request(claimed.endpoint, claimed.body)
         if isinstance(parsed, RequestError):
-            return None, [], error_result(parsed)
+            return error_result(parsed)
         if parsed.grammar is not None and self.grammar_check is not None:
             detail = self.grammar_check(parsed.grammar.schema)
             if detail is not None:
                 msg = schema_error_message(parsed.grammar, detail)
                 err = RequestError(400, ErrorCode.INVALID_VALUE.value, msg, parsed.grammar.param)
-                return None, [], error_result(err)
+                return error_result(err)
         problem = self._bad_token_id(parsed)
         if problem is not None:
             msg = f"Invalid 'prompt': {problem}."
             err = RequestError(400, ErrorCode.INVALID_VALUE.value, msg, "prompt")
-            return None, [], error_result(err)
+            return error_result(err)
+        if parsed.media and self.vision is None:  # never a silently dropped image
+            return error_result(text_only_error(self.model_name, parsed.media[0]).error)
+        return parsed
+
+    def reads_media(self, parsed: ParsedRequest) -> bool:
+        """Whether the request's https or file parts must be read first (I/O: the worker reads
+        them on its media pool, off the engine's thread, worker/media_pool.py)."""
+        return self.vision is not None and MediaReader.unread(parsed.media)
+
+    def prepare(
+        self, claimed: ClaimedRequest, parsed: ParsedRequest | None = None
+    ) -> tuple[PendingRequest | None, list[GenerationRequest], RequestResult | None]:
+        """A claimed row → its engine requests, or the 400 result it gets instead. `parsed`:
+        `check`'s answer, its media already read (else they are read here, as tests do)."""
+        if parsed is None:
+            checked = self.check(claimed)
+            if isinstance(checked, RequestResult):
+                return None, [], checked
+            parsed = checked
         spans: tuple[Any, ...] = ()
         inputs = None
         if parsed.media:
-            if self.vision is None:  # never a silently dropped image
-                return None, [], error_result(text_only_error(self.model_name,
-                                                              parsed.media[0]).error)  # fmt: skip
-            try:
+            try:  # the bytes read already: only the request's total is checked here
                 parsed = replace(parsed, media=self.media.resolve(parsed.media))
             except MediaRefused as refused:
                 return None, [], error_result(refused.error)

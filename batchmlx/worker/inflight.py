@@ -125,13 +125,17 @@ class InFlight:
         jobs = self.media.take_done()
         for job in jobs:
             c, outcome = job.claimed, job.outcome
-            if isinstance(outcome, MediaRefused):
-                error: RequestResult | None = error_result(outcome.error)
-            elif isinstance(outcome, tuple):
-                assert self.loaded is not None  # busy: the model stayed
-                error = self._enter(self.loaded, c, replace(job.parsed, media=outcome))
-            else:
-                error = server_error_result(f"The request's media could not be read: {outcome}")
+            try:
+                if isinstance(outcome, MediaRefused):
+                    error: RequestResult | None = error_result(outcome.error)
+                elif isinstance(outcome, tuple):
+                    assert self.loaded is not None  # busy: the model stayed
+                    error = self._enter(self.loaded, c, replace(job.parsed, media=outcome))
+                else:
+                    error = server_error_result(f"The request's media could not be read: {outcome}")
+            except Exception as exc:  # this request's 500; the rest taken go on (each ends once)
+                log.error("request %s could not start", c.id, exc_info=exc)
+                error = server_error_result(f"The request could not start: {exc}")
             if error is not None:
                 self.deliver(c.id, error)
         return bool(jobs)

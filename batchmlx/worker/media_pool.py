@@ -126,8 +126,7 @@ class MediaPool:
                 if self._jobs.get(job.row) is job:
                     del self._jobs[job.row]
                     out.append(job)
-            while self._held and not self.full and not self._closed:
-                self._start(self._held.popleft())
+            self._promote()
         return out
 
     def cancel(self, row: int) -> bool:
@@ -139,13 +138,16 @@ class MediaPool:
                 if job is None:
                     return False
                 self._held.remove(job)
+            self._promote()  # a freed slot goes to a row held back, or it would wait forever
         job.cancel.cancel()
         return True
 
     def open(self) -> None:
-        """Take requests again after a `close` (a worker run again)."""
+        """Take requests again after a `close` (a worker run again): a fresh queue, so a
+        thread of the last run still in a name lookup cannot take this run's stop marker."""
         with self._lock:
             self._closed = False
+            self._queue = queue.Queue()
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Drop every request, end the reads under way and let the threads end (waiting at most
@@ -166,6 +168,11 @@ class MediaPool:
             if t.is_alive():  # a name lookup the resolver has not answered yet
                 log.warning("a media fetch thread is still waiting; it ends with its lookup")
         self._done.clear()
+
+    def _promote(self) -> None:
+        """Under the lock: rows held back take the slots free now."""
+        while self._held and not self.full and not self._closed:
+            self._start(self._held.popleft())
 
     def _start(self, job: MediaJob) -> None:
         """Under the lock."""

@@ -276,6 +276,33 @@ def test_the_pool_bounds_its_threads_and_its_waiting_requests():
     assert media_threads() == []
 
 
+def test_a_row_held_back_starts_when_the_rows_ahead_of_it_are_cancelled():
+    """Cancelling every read under way frees their slots to the rows held back at once: no
+    read ends to make room (nothing would take them otherwise, and their batch would hang)."""
+    gate = Gate()
+    reader = MediaReader(fetch=gate)
+    pool = MediaPool(threads=2, max_waiting=2)
+
+    def req(row: int) -> tuple[ClaimedRequest, Any]:
+        body = chat(image_content())
+        c = ClaimedRequest(row, "b", f"c{row}", row, "/v1/chat/completions", "m", body, 1)
+        return c, parse_request(c.endpoint, body)
+
+    for row in (1, 2, 3):
+        assert pool.submit(*req(row), reader)
+    assert pool.full and 3 in pool
+    assert pool.cancel(1) and pool.cancel(2)
+    gate.release.set()
+    try:  # the worker takes reads only once one has ended: row 3's must end by itself
+        end = time.monotonic() + 10
+        while not pool.has_done and time.monotonic() < end:
+            time.sleep(0.01)
+        assert [j.row for j in pool.take_done()] == [3] and len(pool) == 0
+    finally:
+        pool.close()
+    assert media_threads() == []
+
+
 def test_a_worker_run_again_reads_images_again(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     rig.gate.release.set()

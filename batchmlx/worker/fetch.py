@@ -97,8 +97,10 @@ def _shut(sock: socket.socket) -> None:
 
 def address_problem(ip: IP) -> str | None:
     """Why the fetch must not connect to `ip` (an article and a noun), or None: global."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):  # an IPv4 address inside: judged as itself
+        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if embedded is not None:
+            return address_problem(embedded)
     if ip.is_unspecified:
         return "an unspecified address"
     if ip.is_loopback:

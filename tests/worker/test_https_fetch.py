@@ -50,14 +50,15 @@ def test_a_fetch_reads_the_body_and_its_type(server):
     "address",
     ["127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "0.0.0.0", "::1",
      "::", "fd00::1", "fe80::1", "224.0.0.1", "ff02::1", "::ffff:127.0.0.1", "100.64.0.1",
-     "192.0.2.1", "240.0.0.1"],
+     "192.0.2.1", "240.0.0.1",
+     "2002:a00:1::1", "2002:7f00:1::1"],  # 6to4 around 10.0.0.1 and 127.0.0.1
 )  # fmt: skip
 def test_non_global_addresses_are_refused(address):
     assert address_problem(ipaddress.ip_address(address)) is not None
 
 
 def test_global_addresses_pass():
-    for address in ("8.8.8.8", "1.1.1.1", "2606:4700::1111"):
+    for address in ("8.8.8.8", "1.1.1.1", "2606:4700::1111", "2002:808:808::1"):
         assert address_problem(ipaddress.ip_address(address)) is None
 
 

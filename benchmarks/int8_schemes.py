@@ -25,7 +25,8 @@ The LM head (SmolLM2's tied embedding) computes as llama.cpp's Q8_0 GGUF holds i
 is Q8_0 (blocks of 32, float16 scales) and its matmul quantizes its input to Q8_0 too; the
 embedding lookup reads the same Q8_0 rows. `channel-own-head` is the exception: today's format
 throughout, head and lookup per channel, which reproduces `--dtype int8` (a check of the
-simulation against oneDNN).
+simulation against oneDNN). Two diagnostics split the error: `head-only` (float32 layers, the
+Q8_0 head) and `g32-f32head` / `g64-f32head` (grouped layers, a float32 head and lookup).
 
     python -m benchmarks.int8_schemes [--schemes g32,g64,...] [--chunks 32] [--json]
     python -m benchmarks.int8_schemes --table rows.jsonl ...   # the markdown table of saved rows
@@ -62,6 +63,8 @@ class Scheme:
     outliers: float = 0.0  # LLM.int8(): this share of input channels computed in float32
     smooth: float | None = None  # SmoothQuant's migration strength alpha
     own_head: bool = False  # the head (and lookup) in this scheme too, not Q8_0
+    head_float: bool = False  # the head (and lookup) left float32 (a diagnostic)
+    layers: bool = True  # False: the layers left float32, only the head quantized (a diagnostic)
     cost: str = ""  # the kernel's extra work against per-channel int8, per output element
 
     def describe(self) -> str:
@@ -73,7 +76,10 @@ class Scheme:
             kind += f" + top {self.outliers:.0%} input channels in float32"
         if self.smooth is not None:
             kind += f" + SmoothQuant a={self.smooth}"
-        return kind + (", head the same" if self.own_head else ", head Q8_0")
+        if not self.layers:
+            kind = "float32 layers"
+        head = "float32" if self.head_float else "the same" if self.own_head else "Q8_0"
+        return f"{kind}, head {head}"
 
 
 # cost: a rough kernel note. An int8 GEMM's inner work is K/4 VNNI multiply-adds per 16 outputs;
@@ -95,6 +101,10 @@ SCHEMES = {s.name: s for s in (
     Scheme("smooth-g64", group=64, smooth=0.5, cost=G64),
     Scheme("llm1-g128", group=128, outliers=0.01, cost="~+13%: G=128 and llm1"),
     Scheme("llm1-g64", group=64, outliers=0.01, cost="~+23%: G=64 and llm1"),
+    # diagnostics: the Q8_0 head's own share, and the layers' without it
+    Scheme("head-only", layers=False, cost="(the Q8_0 head alone)"),
+    Scheme("g32-f32head", group=32, head_float=True, cost=G32 + ", head float32"),
+    Scheme("g64-f32head", group=64, head_float=True, cost=G64 + ", head float32"),
 )}  # fmt: skip
 HEAD = Scheme("head", group=32, fp16_scales=True)  # llama.cpp's Q8_0 token_embd / output
 
@@ -285,7 +295,7 @@ def calibration_tokens(tokenizer: Any) -> list[int]:
 
 def install(eng: fidelity.EngineLogits, scheme: Scheme) -> None:
     """Every host GEMM of the (float32 host) engine in `scheme`, its head and embedding lookup
-    as llama.cpp's Q8_0 (or in the scheme, `own_head`)."""
+    as llama.cpp's Q8_0 (in the scheme: `own_head`; left float32: `head_float`)."""
     import mlx.core as mx
 
     model = eng.loaded.model
@@ -293,10 +303,12 @@ def install(eng: fidelity.EngineLogits, scheme: Scheme) -> None:
     if scheme.outliers or scheme.smooth is not None:
         amax = calibrate(eng, calibration_tokens(eng.loaded.tokenizer))
     gemms, head = _gemms(model)
-    for g in gemms:
+    for g in gemms if scheme.layers else []:
         sim = SimGemm(g._w.buffer, g.bias, scheme, None if amax is None else amax.get(id(g)))
         del sim.rows  # only the head's lookup reads them
         g.host = sim.host
+    if scheme.head_float:
+        return
     head_scheme = scheme if scheme.own_head else HEAD
     sim = SimGemm(head._w.buffer, head.bias, head_scheme)
     head.host = sim.host

@@ -101,6 +101,9 @@ SCHEMES = {s.name: s for s in (
     Scheme("smooth-g64", group=64, smooth=0.5, cost=G64),
     Scheme("llm1-g128", group=128, outliers=0.01, cost="~+13%: G=128 and llm1"),
     Scheme("llm1-g64", group=64, outliers=0.01, cost="~+23%: G=64 and llm1"),
+    Scheme("smooth-llm1", smooth=0.5, outliers=0.01, cost="~+4%: llm1 after SmoothQuant"),
+    Scheme("smooth-llm1-g128", group=128, smooth=0.5, outliers=0.01,
+           cost="~+13%: G=128 and llm1 after SmoothQuant"),
     # diagnostics: the Q8_0 head's own share, and the layers' without it
     Scheme("head-only", layers=False, cost="(the Q8_0 head alone)"),
     Scheme("g32-f32head", group=32, head_float=True, cost=G32 + ", head float32"),

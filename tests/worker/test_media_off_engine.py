@@ -246,22 +246,24 @@ async def _done(ticket) -> DoneEvent:
             return event
 
 
+def _image_request(row: int) -> tuple[ClaimedRequest, Any]:
+    """A claimed chat row with one https image part, and its parsed request."""
+    body = chat(image_content())
+    c = ClaimedRequest(row, "b", f"c{row}", row, "/v1/chat/completions", "m", body, 1)
+    return c, parse_request(c.endpoint, body)
+
+
 def test_the_pool_bounds_its_threads_and_its_waiting_requests():
     gate = Gate()
     reader = MediaReader(fetch=gate)
     pool = MediaPool(threads=2, max_waiting=3)
 
-    def req(row: int) -> tuple[ClaimedRequest, Any]:
-        body = chat(image_content())
-        c = ClaimedRequest(row, "b", f"c{row}", row, "/v1/chat/completions", "m", body, 1)
-        return c, parse_request(c.endpoint, body)
-
     for row in (1, 2, 3):
-        assert pool.submit(*req(row), reader)
+        assert pool.submit(*_image_request(row), reader)
     assert pool.full and len(pool) == 3
-    assert pool.submit(*req(4), reader)  # a batch row past the bound waits, held back
+    assert pool.submit(*_image_request(4), reader)  # a batch row past the bound waits, held back
     assert len(pool) == 4 and 4 in pool
-    assert not pool.submit(*req(-1), reader)  # an online request gets its 503 at once
+    assert not pool.submit(*_image_request(-1), reader)  # an online request gets its 503 at once
     gate.started.wait(5)
     time.sleep(0.1)
     assert len(media_threads()) == 2  # at most `threads` reads at a time
@@ -283,13 +285,8 @@ def test_a_row_held_back_starts_when_the_rows_ahead_of_it_are_cancelled():
     reader = MediaReader(fetch=gate)
     pool = MediaPool(threads=2, max_waiting=2)
 
-    def req(row: int) -> tuple[ClaimedRequest, Any]:
-        body = chat(image_content())
-        c = ClaimedRequest(row, "b", f"c{row}", row, "/v1/chat/completions", "m", body, 1)
-        return c, parse_request(c.endpoint, body)
-
     for row in (1, 2, 3):
-        assert pool.submit(*req(row), reader)
+        assert pool.submit(*_image_request(row), reader)
     assert pool.full and 3 in pool
     assert pool.cancel(1) and pool.cancel(2)
     gate.release.set()

@@ -1,9 +1,9 @@
 """The command line: parse, call batches/, the store, the worker or the server, print. Imports no
 MLX at import time, nor the store (SQLAlchemy, Alembic: about 0.4 s): the console script decides
-first whether to re-execute onto the fast BLAS (`entry.main`), and each command imports what it
-runs.
+first whether to re-execute onto the fast BLAS (`entry.main`), before it imports the typer app
+(`app` here is loaded on first use), and each command imports what it runs.
 
-    app.py             the typer app: --database-url into Settings, the list of commands
+    commands.py        the typer app: --database-url into Settings, the list of commands
     batch_commands.py  submit (and --wait), status, list, results, cancel
     serving.py         worker, watch, serve, doctor
     engine_options.py  the engine options worker, serve and submit --wait share
@@ -12,7 +12,18 @@ runs.
     entry.py           the console script: fast BLAS re-exec, quick exit
 """
 
-from batchmlx.cli.app import app
+from typing import Any
+
 from batchmlx.cli.entry import main, runs_model
 
 __all__ = ["app", "main", "runs_model"]
+
+
+def __getattr__(name: str) -> Any:
+    # the app (typer, every command module: ~60-90 ms) only when asked for: the console script
+    # re-executes onto the fast BLAS before it needs it, and would import it twice
+    if name == "app":
+        from batchmlx.cli.commands import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

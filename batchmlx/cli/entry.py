@@ -1,6 +1,7 @@
 """The console script's entry: the global options moved before the command, a command that may
 run a model moved onto a fast BLAS (a re-execution of this same command line), then the app (any
-error it ends with told in one line), then a quick exit."""
+error it ends with told in one line), then a quick exit. Neither typer nor the app is imported
+before the re-execution is decided: a re-executed command would import them twice."""
 
 from __future__ import annotations
 
@@ -8,11 +9,6 @@ import gc
 import os
 import sys
 import threading
-
-import typer
-
-from batchmlx.cli.app import app
-from batchmlx.cli.common import fail, report_error
 
 # the app's own options, each with a value; any command takes them, before or after its name
 GLOBAL_OPTIONS = ("--database-url", "--database-password-file")
@@ -77,6 +73,11 @@ def main() -> None:  # pragma: no cover - the console script
 def run(argv: list[str]) -> int | str | None:
     """The app on `argv`; its exit status. Every error it ends with, a bad option value among
     them, is one line on stderr, not click's usage box nor a traceback."""
+    import typer
+
+    from batchmlx.cli.commands import app
+    from batchmlx.cli.common import fail, report_error
+
     try:
         result = app(args=argv, prog_name="batchmlx", standalone_mode=False)
     except typer.Abort:

@@ -327,6 +327,30 @@ def test_greedy_tokens_equal_mlx_lm(family):
     assert all(o.finish_reason is FinishReason.LENGTH for o in outs)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_the_kv_dtype_probe_through_one_layer_agrees_with_a_whole_forward(family, dtype):
+    # the paged pool stores keys in the dtype the model writes them in; the probe runs the
+    # first layer alone (0.01 s against 0.12-0.17 s at 135M) and must give the same answer
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from batchmlx.engine.runners.paged import _kv_dtype
+
+    fam, model = family
+    if fam.path is not EnginePath.PAGED:
+        pytest.skip("the paged pool is not made for it")
+    weights = model.parameters()  # the module's model: its exact float32 weights restored
+    model.set_dtype(dtype)
+    try:
+        layers = list(model.layers)
+        cache = make_prompt_cache(model)
+        model(mx.array([[0]]), cache=cache)
+        assert _kv_dtype(model) == cache[0].state[0].dtype
+        after = list(model.layers)  # every layer back in place
+        assert len(after) == len(layers) and all(a is b for a, b in zip(after, layers, strict=True))
+    finally:
+        model.update(weights)
+
+
 def test_llama_with_plain_caches_skips_the_probe(monkeypatch):
     """mlx-lm's llama code is tested paged (above, and the real default model): no probe at
     each start. Its sliding-window variant and every other family are still probed."""

@@ -215,6 +215,28 @@ def test_the_pip_installed_openblas_is_found_and_loads() -> None:
     assert "cmeel.prefix" in choice.library
 
 
+@needs_cmeel
+def test_a_passed_probe_is_remembered_and_a_failed_one_is_not(tmp_path: Path, monkeypatch) -> None:
+    # each re-executed command probed its BLAS in a child again (~40 ms of every start)
+    monkeypatch.setenv("BATCHMLX_CACHE_DIR", str(tmp_path))
+    lib = next(iter(accel._default_openblas_candidates()))
+    runtime = accel.fortran_runtime_dir(tmp_path)
+    assert accel._loads(lib, runtime)
+    assert len(list((tmp_path / "blas-probes").iterdir())) == 1
+    bad = tmp_path / "libopenblas.so.0"
+    bad.write_bytes(b"not a library")
+    assert not accel._loads(bad, runtime)
+    assert len(list((tmp_path / "blas-probes").iterdir())) == 1
+
+    def no_child(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(subprocess, "run", no_child)
+    assert accel._loads(lib, runtime)  # remembered: no child
+    with pytest.raises(AssertionError, match="probed again"):
+        accel._loads(lib, tmp_path / "elsewhere")  # another runtime folder: another verdict
+
+
 def test_an_openblas_that_cannot_load_is_skipped(tmp_path: Path) -> None:
     # e.g. its libgfortran is missing on a bare machine: keep the slow BLAS rather than fail
     lib = tmp_path / "cmeel.prefix" / "lib" / "libopenblas.so.0"

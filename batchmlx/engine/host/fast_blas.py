@@ -149,11 +149,14 @@ def _loads(lib: Path, lib_dir: Path | None = None) -> bool:
     process starts and an illegal instruction would end this one."""
     import subprocess
 
+    core = cpu_coretype()
+    mark = _probe_mark(lib, lib_dir, core)
+    if mark is not None and mark.exists():
+        return True
     env = dict(os.environ)
     if lib_dir is not None:
         env["LD_LIBRARY_PATH"] = _prepend_path(str(lib_dir), env.get("LD_LIBRARY_PATH", ""))
     env.pop("LD_PRELOAD", None)
-    core = cpu_coretype()
     if core:
         env["OPENBLAS_CORETYPE"] = core
     env["OPENBLAS_NUM_THREADS"] = "1"
@@ -164,7 +167,35 @@ def _loads(lib: Path, lib_dir: Path | None = None) -> bool:
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return False
-    return done.returncode == 0
+    if done.returncode != 0:
+        return False
+    if mark is not None:
+        try:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        except OSError:
+            pass  # probed again next time
+    return True
+
+
+def _probe_mark(lib: Path, lib_dir: Path | None, core: str | None) -> Path | None:
+    """The file whose presence says `lib` passed the probe before, so each command need not
+    start a child again (~40 ms of every re-executed start, measured). Its name hashes what the
+    verdict depends on: the library file, the runtime folder, the core type, this CPU's flags
+    (a home folder shared by machines of several CPU kinds) and this Python. Failures are not
+    remembered: a library fixed later is found at the next start."""
+    try:
+        st = lib.stat()
+    except OSError:
+        return None
+    from batchmlx.config import load_settings  # no MLX, no SQL
+
+    key = "\0".join([
+        str(lib.resolve()), str(st.st_size), str(st.st_mtime_ns), str(lib_dir), core or "",
+        " ".join(sorted(cpu_flags())), sys.executable,
+    ])  # fmt: skip
+    name = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return Path(load_settings().cache_dir) / "blas-probes" / name
 
 
 def _prepend_path(first: str, rest: str) -> str:

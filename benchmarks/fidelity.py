@@ -246,12 +246,16 @@ class EngineLogits:
 
     def describe(self) -> str:
         """How the weights compute, as the loader says it (for the JSON line and the table)."""
+        from batchmlx.engine.host import q8
         from batchmlx.engine.host.linear import HostLinear
 
-        hosts = {m._gemm.fmt.value for _, m in self.loaded.model.named_modules()
-                 if isinstance(m, HostLinear)}  # fmt: skip
-        if hosts:
-            return f"{'/'.join(sorted(hosts))} (oneDNN{', host steps' if self.host_steps else ''})"
+        gemms = {m._gemm for _, m in self.loaded.model.named_modules() if isinstance(m, HostLinear)}
+        if gemms:  # the layers' formats, and who computes them (our int8 kernel: grouped)
+            who = {"float32": "numpy's BLAS"}
+            kinds = sorted({f"{g.fmt.value} G={q8.GROUP} (ours)" if g._q8 is not None
+                            else f"{g.fmt.value} ({who.get(g.fmt.value, 'oneDNN')})"
+                            for g in gemms})  # fmt: skip
+            return f"{' + '.join(kinds)}{', host steps' if self.host_steps else ''}"
         import mlx.nn as nn
 
         layer = self.loaded.model.model.layers[0].mlp.down_proj

@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from batchmlx.engine.host import onednn
+from batchmlx.engine.host import onednn, q8
 from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.linear import (
     HostEmbedding,
@@ -87,10 +87,19 @@ def test_int8_matmul_is_the_quantized_product_and_near_float64(lead) -> None:
     got = np.array(layer(mx.array(x)))
     assert got.shape == (*lead, n)
     # exactly the product of the quantized operands (int32 sums are exact), to float32 rounding
-    p, t = quantize_rows(x.reshape(-1, k))
-    plain = layer._gemm.plain
-    q, s = np.array(plain.data).astype(np.float64), np.array(plain.scales).astype(np.float64)
-    exact = (p.astype(np.float64) @ q.T) * t[:, None] * s[None, :] + b
+    if layer._gemm._q8 is not None:  # our kernel: groups of q8.GROUP along K on both sides
+        p, t = q8.quantize_groups(x.reshape(-1, k))
+        q, s = q8.quantize_groups(w)
+        exact = b.astype(np.float64)
+        for g in range(q8.groups(k)):
+            cut = slice(g * q8.GROUP, (g + 1) * q8.GROUP)
+            part = p[:, cut].astype(np.float64) @ q[:, cut].T.astype(np.float64)
+            exact = exact + part * t[:, g : g + 1] * s[None, :, g]
+    else:  # oneDNN's s8 GEMM: per output channel and per token
+        p, t = quantize_rows(x.reshape(-1, k))
+        plain = layer._gemm.plain
+        q, s = np.array(plain.data).astype(np.float64), np.array(plain.scales).astype(np.float64)
+        exact = (p.astype(np.float64) @ q.T) * t[:, None] * s[None, :] + b
     np.testing.assert_allclose(got.reshape(-1, n), exact, rtol=1e-5, atol=1e-5)
     # and within the quantization's error of the float64 product (measured ~1e-2 here)
     ref = x.reshape(-1, k).astype(np.float64) @ w.T.astype(np.float64) + b

@@ -10,11 +10,13 @@ or int8, their GEMMs computed on the host by oneDNN (onednn.py), activations flo
   MLX's float32 path computes them but for the order of the sums, the GEMMs on numpy's own
   BLAS (on a Zen 3 host 2.6x oneDNN's float32 matmul at decode widths, measured 2026-12-02);
   the format exists so the host steps (engine/host/step.py) run there too.
-- **int8** (`--dtype int8`): weights int8 with one float32 scale per output channel
-  (symmetric, w ~= q * s, |q| <= 127); a layer's input is quantized per token on the fly
-  (x ~= p * t, t = max|x_row| / 127) and the int8 x int8 -> int32 GEMM (VNNI) is rescaled:
-  out = (p . q^T) * t * s. 1.7x bf16's GEMM speed, 4x smaller than float32, but per-token
-  activation quantization moves logits by up to ~15-20% of the largest logit (outlier channels).
+- **int8** (`--dtype int8`): weights int8 in groups of 32 along K, one float32 scale per
+  (output channel, group) (symmetric, w ~= q * s, |q| <= 127); a layer's input is quantized per
+  (token, group) on the fly and each group's exact int32 product rescaled and summed in group
+  order (q8.py, our own AVX-512 VNNI kernel): as Q8_0 computes, batch-invariant by
+  construction, 4x smaller than float32; the embedding and the LM head in bf16 (`head_format`). Where that kernel cannot run (a CPU without AVX-512
+  VNNI, a shape not a multiple of 16), oneDNN's s8 GEMM with one scale per output channel and
+  per token instead, which moves logits by up to ~15-20% of the largest (outlier channels).
 
 Layers that read the same input (q, k and v; gate and up) share one GEMM over their
 concatenated weights: the first call computes all of them and the others take their slice
@@ -34,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from batchmlx.engine.host import numpy_blas
+from batchmlx.engine.host import numpy_blas, q8
 from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.onednn import DataType, OneDNN, Packed
 
@@ -64,6 +66,8 @@ def runs_here(fmt: HostFormat, backend: HostBackend | None = None) -> bool:
     if fmt is HostFormat.F32:
         return True
     backend = backend or current()
+    if fmt is HostFormat.INT8 and q8.available() and backend.onednn_available():
+        return True
     return backend.onednn_available() and backend.onednn().supports(
         fmt.data_type, scaled=fmt.scaled
     )
@@ -164,6 +168,7 @@ class SharedGemm:
             self.splits.append((at, at + w.shape[0]))
             at += w.shape[0]
         self._local = _Local()
+        self._q8: q8.Q8Weights | None = None  # int8 through our grouped kernel (q8.py)
         hit = cache.take(key) if cache is not None else None
         if hit is None or not self._adopt(hit, at, weights[0].shape[1], keep_plain):
             self._pack(weights, biases or [None] * len(weights), keep_plain)
@@ -178,23 +183,37 @@ class SharedGemm:
               keep_plain: bool) -> None:  # fmt: skip
         fmt = self.fmt
         full = weights[0] if len(weights) == 1 else mx.concatenate(weights, axis=0)
-        plain = HostWeights.of(full, fmt)
+        self._q8 = None
+        if self._grouped(*full.shape):
+            grouped = q8.Q8Weights.pack(np.asarray(full.astype(mx.float32)))
+            self.packed = mx.array(grouped.buffer)  # MLX owns the bytes from here on
+            self._q8 = replace(grouped, buffer=np.asarray(self.packed))
+            self._w = Packed(None, self._q8.buffer, *full.shape, fmt.data_type, False)
+        plain = HostWeights.of(full, fmt) if self._q8 is None or keep_plain else None
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = np.concatenate([
                 np.zeros(w.shape[0], np.float32) if b is None else np.asarray(b.astype(mx.float32))
                 for w, b in zip(weights, biases, strict=True)])  # fmt: skip
-        if fmt is HostFormat.F32:  # numpy's BLAS reads the rows as they are: nothing to pack
+        if self._q8 is not None:
+            pass  # packed above; `plain` (an embedding's rows) only for lookups
+        elif fmt is HostFormat.F32:  # numpy's BLAS reads the rows as they are: nothing to pack
+            assert plain is not None
             self.packed = plain.data
             self._w = Packed(None, np.asarray(self.packed), *full.shape, fmt.data_type, False)
         else:
+            assert plain is not None
             rows = np.asarray(plain.data.view(mx.uint16) if fmt is HostFormat.BF16 else plain.data)
             packed = self.backend.onednn().pack(rows, fmt.data_type, scaled=fmt.scaled)
             self.packed = mx.array(packed.buffer)  # MLX owns the bytes from here on
             self._w = replace(packed, buffer=np.asarray(self.packed))
-        self.scales = plain.scales
-        self._s = None if plain.scales is None else np.asarray(plain.scales)
+        self.scales = None if plain is None else plain.scales
+        self._s = None if self.scales is None or self._q8 is not None else np.asarray(self.scales)
         self.plain = plain if keep_plain else None
+
+    def _grouped(self, n: int, k: int) -> bool:
+        """int8 through the grouped kernel (q8.py): where it runs here and takes this shape."""
+        return self.fmt is HostFormat.INT8 and q8.available() and q8.fits(n, k)
 
     def _adopt(self, hit: dict[str, mx.array | np.ndarray], n: int, k: int,
                keep_plain: bool) -> bool:  # fmt: skip
@@ -202,16 +221,24 @@ class SharedGemm:
         fmt = self.fmt
         if fmt is HostFormat.F32:  # nothing packed to adopt: its rows are rebuilt from source
             return False
-        if (keep_plain and "plain" not in hit) or (fmt.scaled and "scales" not in hit):
+        grouped = self._grouped(n, k)
+        needs_scales = fmt.scaled and (keep_plain or not grouped)  # grouped: inside `packed`
+        if (keep_plain and "plain" not in hit) or (needs_scales and "scales" not in hit):
             return False
         packed = hit["packed"]  # the mapped file's bytes, used where they lie
         buffer = np.asarray(packed)
-        w = self.backend.onednn().adopt(buffer, n, k, fmt.data_type, scaled=fmt.scaled)
+        self._q8 = q8.Q8Weights.adopt(buffer, n, k) if grouped else None
+        if grouped:
+            if self._q8 is None:
+                return False
+            w: Packed | None = Packed(None, self._q8.buffer, n, k, fmt.data_type, False)
+        else:
+            w = self.backend.onednn().adopt(buffer, n, k, fmt.data_type, scaled=fmt.scaled)
         if w is None:
             return False
         self.packed, self._w = packed, w
-        self.scales = hit.get("scales") if fmt.scaled else None
-        self._s = None if self.scales is None else np.asarray(self.scales)
+        self.scales = hit.get("scales") if needs_scales else None
+        self._s = None if self.scales is None or grouped else np.asarray(self.scales)
         self.bias = np.asarray(hit["bias"]) if "bias" in hit else None
         self.plain = HostWeights(self.fmt, hit["plain"], self.scales) if keep_plain else None
         return True
@@ -253,6 +280,9 @@ class SharedGemm:
         elif self.fmt is HostFormat.F32:
             with numpy_blas.threads(self.backend.threads.or_cpus()):
                 np.matmul(np.ascontiguousarray(x, dtype=np.float32), self._w.buffer.T, out=out)
+        elif self._q8 is not None:
+            b = self.backend
+            q8.matmul(as_rows(x), self._q8, out, threads=b.threads.or_cpus(), pool=b.gemm_pool)
         else:
             lib = self.backend.onednn()
             q, t = quantize_rows(as_rows(x), lib)
@@ -346,6 +376,17 @@ def _linears(module: nn.Module) -> dict[str, nn.Module]:
             if isinstance(child, (nn.Linear, nn.QuantizedLinear))}  # fmt: skip
 
 
+def head_format(fmt: HostFormat, backend: HostBackend) -> HostFormat:
+    """The embedding's and the LM head's format in a model of `fmt`: int8's are bf16 (float32
+    where oneDNN has no bf16 matmul). The head is where 8 bits cost most: in groups of 32 alone
+    it moves the next-token distribution by a KL divergence of 0.00076 (benchmarks/
+    RESULTS-int8.md), a fifth of llama.cpp's whole Q8_0 model; a float head with G=32 layers
+    scored 0.9604 / 0.0031 there, past Q8_0's 0.9561 / 0.0039."""
+    if fmt is not HostFormat.INT8:
+        return fmt
+    return HostFormat.BF16 if runs_here(HostFormat.BF16, backend) else HostFormat.F32
+
+
 def _host_layers(module: nn.Module, fmt: HostFormat, cache: PackedCache | None,
                  where: str, backend: HostBackend) -> dict[str, nn.Module]:  # fmt: skip
     """The host layers replacing `module` (at `where` in the model)'s linear children,
@@ -363,7 +404,8 @@ def _host_layers(module: nn.Module, fmt: HostFormat, cache: PackedCache | None,
                     out[n] = HostLinear(gemm, i, owner=i == 0)
     for n, m in linears.items():
         if n not in out:
-            gemm = SharedGemm([_float_weight(m)], fmt, [m.get("bias")], cache=cache,
+            own = head_format(fmt, backend) if n == "lm_head" else fmt
+            gemm = SharedGemm([_float_weight(m)], own, [m.get("bias")], cache=cache,
                               key=f"{where}.{n}", backend=backend)  # fmt: skip
             out[n] = HostLinear(gemm, 0, owner=True)
     return out
@@ -387,8 +429,9 @@ def to_host_format(model: nn.Module, fmt: HostFormat, cache: PackedCache | None 
         layers = _host_layers(parent, fmt, cache, where, backend)
         for name, child in parent.children().items():
             if isinstance(child, (nn.Embedding, nn.QuantizedEmbedding)):
-                layers[name] = HostEmbedding(_float_weight(child), fmt, cache=cache,
-                                             key=f"{where}.{name}", backend=backend)  # fmt: skip
+                layers[name] = HostEmbedding(_float_weight(child), head_format(fmt, backend),
+                                             cache=cache, key=f"{where}.{name}",
+                                             backend=backend)  # fmt: skip
         for name, layer in layers.items():
             setattr(parent, name, layer)
     _norms_to_float32(model)

@@ -1,0 +1,235 @@
+"""The `int8` host format's GEMM: weights and activations int8 in groups of GROUP along K, each
+group with its own float32 scale, in a kernel of our own (native/q8.c, AVX-512 VNNI).
+
+Why a kernel of our own: oneDNN 3.2 (the CPU build on PyPI) scales an int8 GEMM per output
+channel and per tensor only. Per-channel weights with per-token activations lost too much
+(teacher-forced top-1 0.877 against float32 on alice29.txt, KLD 0.034; llama.cpp's Q8_0 0.956 /
+0.0039), while groups along K are what Q8_0 and OpenVINO GenAI's CPU default do
+(benchmarks/RESULTS-int8.md: G=64 0.952 / 0.0058; G=32 0.954 / 0.0039). And grouped int8 is
+batch-invariant by construction: integer sums are exact and the float epilogue is the same per
+element whatever the batch (q8.c's header). Measured against oneDNN at the default model's
+shapes (1 thread, 2026-12-06, a loaded machine): 1.6-5x its bf16 GEMM at 1-8 rows, 0.8-3x at
+64, about even at 512; per-channel s8 in oneDNN 0.4-2.8x.
+
+The library ships prebuilt (native/libbatchmlx_q8.so, ~60 KB, for x86-64 Linux, glibc 2.17+)
+so that a user needs no compiler: `python -m batchmlx.engine.host.q8 --build` remakes it from
+q8.c with zig's C compiler (the `ziglang` wheel), and the library answers the SHA-1 of the
+source it was built from: a library older than its source is refused (and a test fails).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import platform
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("batchmlx.engine")
+
+# K per scale: Q8_0's. G=64 cost ~15-25% less here, but scored 0.9516 / 0.0058 (top-1 agreement
+# / KLD against float32, RESULTS-int8.md) where G=32 with a float head scores 0.9604 / 0.0031,
+# past llama.cpp's Q8_0 (0.9561 / 0.0039)
+GROUP = 32
+TILE = 16  # output columns per vector: N must be a multiple
+NATIVE = Path(__file__).parent / "native"
+SOURCE = NATIVE / "q8.c"
+LIBRARY = NATIVE / "libbatchmlx_q8.so"
+# what the library is compiled for; the CPU must have each (/proc/cpuinfo's names)
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+_COMPILE = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
+            "-mavx512vl", "-mavx512vnni")  # fmt: skip
+# a GEMM of at least this many multiply-adds is split over threads by columns (a split costs
+# ~30-50 us of dispatch, a decode-width projection takes ~50-250 us on one thread)
+SPLIT_MACS = 4 << 20
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+def source_sha() -> str:
+    return hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def _cpu_has(flags: tuple[str, ...]) -> bool:
+    from batchmlx.engine.host.fast_blas import cpu_flags
+
+    have = cpu_flags()
+    return all(f in have for f in flags)
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The kernel, or None where it cannot run here (another OS or CPU, or a library built from
+    another source than the q8.c beside it); the reason is logged once."""
+    why = None
+    if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
+        why = "it is built for x86-64 Linux"
+    elif not _cpu_has(CPU_FLAGS):
+        why = f"this CPU lacks one of {', '.join(CPU_FLAGS)}"
+    elif not LIBRARY.is_file():
+        why = f"{LIBRARY} is missing"
+    if why is None:
+        try:
+            lib = ctypes.CDLL(str(LIBRARY))
+        except OSError as exc:
+            why = f"{LIBRARY} does not load ({exc})"
+        else:
+            lib.q8_source_sha.restype = ctypes.c_char_p
+            built = lib.q8_source_sha().decode()
+            if built != source_sha():
+                why = f"{LIBRARY.name} was built from another q8.c ({built}): rebuild it"
+            else:
+                lib.q8_quantize.argtypes = [_I, _I, _I, _P, ctypes.c_int64, _P, _P]
+                lib.q8_quantize.restype = None
+                lib.q8_gemm.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I]
+                lib.q8_gemm.restype = None
+                return lib
+    log.info("grouped int8 kernel unavailable: %s", why)
+    return None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def fits(n: int, k: int) -> bool:
+    """Whether the kernel takes a GEMM of this shape (N, K multiples of 16)."""
+    return n % TILE == 0 and k % TILE == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Q8Weights:
+    """One GEMM's weights [N, K] in one byte buffer: the int8 values in the kernel's layout
+    ([N/16][K/4][16][4]), then the scales [ng, N] float32, then 128 x each group's sum [ng, N]
+    int32 (the kernel feeds activations as unsigned bytes, x + 128, and takes this back out)."""
+
+    buffer: np.ndarray  # uint8, C-contiguous
+    n: int
+    k: int
+
+    @staticmethod
+    def nbytes(n: int, k: int) -> int:
+        return n * k + 8 * groups(k) * n
+
+    @property
+    def packed(self) -> np.ndarray:
+        return self.buffer[: self.n * self.k].view(np.int8)
+
+    @property
+    def scales(self) -> np.ndarray:
+        at = self.n * self.k
+        return self.buffer[at : at + 4 * groups(self.k) * self.n].view(np.float32)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        at = self.n * self.k + 4 * groups(self.k) * self.n
+        return self.buffer[at:].view(np.int32)
+
+    @classmethod
+    def pack(cls, w: np.ndarray) -> Q8Weights:
+        """w[N, K] float32 quantized: per (row, group of GROUP), s = max|w| / 127 (1 for an
+        all-zero group), q = round(w / s) in [-127, 127]."""
+        q, s = quantize_groups(w)
+        n, k = w.shape
+        ng = groups(k)
+        buf = np.empty(cls.nbytes(n, k), np.uint8)
+        out = cls(buf, n, k)
+        out.packed[:] = q.reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3).ravel()
+        out.scales[:] = s.T.ravel()
+        padded = np.zeros((n, ng * GROUP), np.int32)
+        padded[:, :k] = q
+        out.offsets[:] = (128 * padded.reshape(n, ng, GROUP).sum(axis=2, dtype=np.int32)).T.ravel()
+        return out
+
+    @classmethod
+    def adopt(cls, buffer: np.ndarray, n: int, k: int) -> Q8Weights | None:
+        """Bytes `pack` made earlier (a weights cache), or None when their size does not fit."""
+        buffer = np.asarray(buffer).reshape(-1).view(np.uint8)
+        return cls(buffer, n, k) if buffer.nbytes == cls.nbytes(n, k) else None
+
+
+def groups(k: int) -> int:
+    return -(-k // GROUP)
+
+
+def quantize_groups(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x[R, K] float32 -> int8 [R, K] and scales [R, ng]: per row and group of GROUP (the last
+    group may be shorter), s = max|x| / 127 (1 for an all-zero group), q = round(x / s). A
+    group holding NaN or infinity gets s = NaN and zeros, as the kernel's activations do (a
+    float GEMM would show it too; casting NaN to int8 is undefined)."""
+    r, k = x.shape
+    ng = groups(k)
+    padded = np.zeros((r, ng * GROUP), np.float32)
+    padded[:, :k] = x
+    g = padded.reshape(r, ng, GROUP)
+    with np.errstate(invalid="ignore"):
+        amax = np.abs(g).max(axis=2)
+    finite = np.isfinite(amax)
+    usable = finite & (amax > 0)
+    safe = np.where(usable, amax, np.float32(1))
+    s = np.where(finite, safe / np.float32(127), np.float32(np.nan)).astype(np.float32)
+    s[finite & ~usable] = 1
+    inv = np.where(usable, np.float32(127) / safe, np.float32(0)).astype(np.float32)
+    g = np.where(finite[:, :, None], g, np.float32(0))
+    q = np.clip(np.rint(g * inv[:, :, None]), -127, 127).astype(np.int8)
+    return q.reshape(r, ng * GROUP)[:, :k].copy(), s
+
+
+def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
+           pool: Callable[[], ThreadPoolExecutor] | None = None) -> None:  # fmt: skip
+    """out[M, N] = x[M, K] . w^T, x float32 rows (any row stride, unit column stride), out
+    float32 C-contiguous. Split by columns over `threads` (this thread and `pool()`'s) when it
+    is large enough: a row's result is the same however it is split."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("grouped int8 kernel unavailable (see the log)")
+    m, k = x.shape
+    if x.dtype != np.float32 or x.strides[1] != 4:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    ng = groups(k)
+    xq = np.empty((m, k), np.uint8)
+    xs = np.empty((m, ng), np.float32)
+    lib.q8_quantize(m, k, GROUP, x.ctypes.data, x.strides[0] // 4, xq.ctypes.data, xs.ctypes.data)
+    args = (m, w.n, k, GROUP, xq.ctypes.data, xs.ctypes.data, w.packed.ctypes.data,
+            w.scales.ctypes.data, w.offsets.ctypes.data, out.ctypes.data)  # fmt: skip
+    tiles = w.n // TILE
+    parts = min(threads, tiles)
+    if parts <= 1 or pool is None or m * w.n * k < SPLIT_MACS:
+        lib.q8_gemm(*args, 0, w.n)
+        return
+    bounds = [(i * tiles // parts * TILE, (i + 1) * tiles // parts * TILE) for i in range(parts)]
+    executor = pool()
+    futures = [executor.submit(lib.q8_gemm, *args, lo, hi) for lo, hi in bounds[1:]]
+    lib.q8_gemm(*args, *bounds[0])
+    for f in futures:
+        f.result()
+
+
+def build(target: Path = LIBRARY) -> Path:
+    """Compile q8.c into `target` with zig's C compiler (pip install ziglang), else `cc`."""
+    try:
+        import ziglang  # noqa: F401
+
+        # glibc 2.17's symbols: the library loads on any Linux of the last decade
+        cc = [sys.executable, "-m", "ziglang", "cc", "-target", "x86_64-linux-gnu.2.17"]
+    except ImportError:
+        cc = ["cc"]
+    sha = source_sha()
+    cmd = [*cc, *_COMPILE, f'-DQ8_SOURCE_SHA="{sha}"', "-o", str(target), str(SOURCE)]
+    subprocess.run(cmd, check=True)
+    return target
+
+
+if __name__ == "__main__":  # python -m batchmlx.engine.host.q8 --build
+    if sys.argv[1:] != ["--build"]:
+        sys.exit("usage: python -m batchmlx.engine.host.q8 --build")
+    print(build())

@@ -38,6 +38,9 @@ class EngineSettings:
     # prompts and every decode are not counted), so a step carrying an online decode stays near
     # a decode step's time rather than a full prefill's (issue 49); 0: no batch prefill then
     batch_prefill_beside_online: int = 256
+    # queued batch work rises one priority level per this many seconds waited, in the claim
+    # order and the engine's waiting queue, so no batch starves (core/priority.py); 0: strict
+    priority_aging_s: float = 60.0
     # decodes keep their keys and values contiguous from step to step (engine/kv/decode.py)
     # rather than gathering them from the paged pool every step
     dense_decode: bool = True

@@ -8,12 +8,14 @@ decided are finished. A fake runner therefore drives this module in unit tests o
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from batchmlx.core.blocks import BlockPool
 from batchmlx.core.engine_api import ENGINE_DEFAULTS
 from batchmlx.core.kv_manager import KVCacheManager, blocks_for
+from batchmlx.core.priority import engine_aging
 from batchmlx.core.request import BATCH_PRIORITY, CacheOutcome, GenerationRequest
 from batchmlx.core.sequence import Sequence, SequenceStatus
 from batchmlx.core.waiting import WaitingQueue
@@ -33,6 +35,8 @@ class SchedulerConfig:
     mixed_steps: bool = ENGINE_DEFAULTS.mixed_steps
     # batch prompt tokens of a step while online work runs or waits (EngineSettings says why)
     batch_prefill_beside_online: int = ENGINE_DEFAULTS.batch_prefill_beside_online
+    # waiting batch work rises a priority level per this many seconds waited (0: strict)
+    priority_aging_s: float = ENGINE_DEFAULTS.priority_aging_s
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.block_size < 1 or self.max_prefill_tokens < 1:
@@ -95,7 +99,12 @@ class _Admission(enum.Enum):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if pool is None:
             pool = BlockPool(config.num_blocks, config.block_size)
         elif pool.block_size != config.block_size:
@@ -105,7 +114,8 @@ class Scheduler:
         self.kv = KVCacheManager(pool, enable_prefix_cache=config.enable_prefix_cache)
         self.stats = SchedulerStats()
         self.running: list[Sequence] = []  # admission order; preemption takes from the tail
-        self.waiting = WaitingQueue(config.block_size, config.prefix_grouping)
+        aging = engine_aging(config.priority_aging_s) if config.priority_aging_s else None
+        self.waiting = WaitingQueue(config.block_size, config.prefix_grouping, aging, clock)
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
         self._arrivals = 0
         # Batch work (priority >= BATCH_PRIORITY) is admitted only while fewer than this run

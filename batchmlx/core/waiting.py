@@ -3,8 +3,10 @@ prefix group."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
+from batchmlx.core.priority import Aging
 from batchmlx.core.sequence import Sequence
 
 
@@ -15,11 +17,24 @@ class WaitingQueue:
     priority (online requests before batch work), and within a priority in groups keyed by
     their first full block, so requests sharing a system prompt sit together; groups keep the
     FIFO order of their first member, and members keep FIFO order within a group.
+
+    With `aging`, batch work rises a level for every `aging.level_s` seconds it has waited
+    (core/priority.py), a group by its longest-waiting member, so a less urgent batch's lines
+    are not overtaken forever by newer, more urgent ones; equal effective priorities keep the
+    order above.
     """
 
-    def __init__(self, block_size: int, grouping: bool) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        grouping: bool,
+        aging: Aging | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._block_size = block_size
         self._grouping = grouping
+        self._aging = aging
+        self._clock = clock
         self._front: list[Sequence] = []
         # priority -> group key -> members (dicts as ordered sets)
         self._groups: dict[int, dict[object, dict[Sequence, None]]] = {}
@@ -38,6 +53,7 @@ class WaitingQueue:
         return seq  # a group of its own
 
     def push(self, seq: Sequence) -> None:
+        seq.queued_at = self._clock()
         groups = self._groups.setdefault(seq.request.priority, {})
         groups.setdefault(self._key(seq), {})[seq] = None
 
@@ -60,13 +76,33 @@ class WaitingQueue:
     def groups(self) -> Iterator[list[Sequence] | dict[Sequence, None]]:
         """Groups in admission order; do not mutate the queue while iterating.
 
-        Per priority, most urgent first: its preempted sequences, then its groups."""
-        prios = sorted({s.request.priority for s in self._front} | set(self._groups))
-        for prio in prios:
-            for seq in self._front:
-                if seq.request.priority == prio:
-                    yield [seq]
-            yield from self._groups.get(prio, {}).values()
+        Per effective priority, most urgent first: its preempted sequences, then its groups
+        (ties by priority, then arrival)."""
+        if self._aging is None:
+            prios = sorted({s.request.priority for s in self._front} | set(self._groups))
+            for prio in prios:
+                for seq in self._front:
+                    if seq.request.priority == prio:
+                        yield [seq]
+                yield from self._groups.get(prio, {}).values()
+            return
+        yield from self._aged_groups(self._aging)
+
+    def _aged_groups(self, aging: Aging) -> Iterator[list[Sequence] | dict[Sequence, None]]:
+        now = self._clock()
+
+        def level(seq: Sequence) -> int:
+            return aging.effective(seq.request.priority, now - seq.queued_at)
+
+        ranked: list[tuple[tuple[int, int, int, int], list[Sequence] | dict[Sequence, None]]]
+        ranked = [((level(s), 0, s.request.priority, i), [s]) for i, s in enumerate(self._front)]
+        for prio, groups in self._groups.items():
+            for i, members in enumerate(groups.values()):
+                oldest = next(iter(members))  # FIFO: the first waited longest
+                ranked.append(((level(oldest), 1, prio, i), members))
+        ranked.sort(key=lambda r: r[0])
+        for _, group in ranked:
+            yield group
 
     def count_new(self, priority: int) -> int:
         """New (never preempted) sequences waiting at `priority`."""

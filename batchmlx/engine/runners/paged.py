@@ -131,8 +131,10 @@ class PagedRunner:
                 prefix_grouping=cfg.prefix_grouping,
                 mixed_steps=self.mixed_steps,
                 batch_prefill_beside_online=cfg.batch_prefill_beside_online,
+                priority_aging_s=cfg.priority_aging_s,
             ),
             self.pool,
+            clock=clock,
         )
         self.kv_bound = kv_bound
         self.stats: EngineStats | None = None  # made by attach(), which gives the post step

@@ -38,6 +38,10 @@ class EngineSettings:
     # prompts and every decode are not counted), so a step carrying an online decode stays near
     # a decode step's time rather than a full prefill's (issue 49); 0: no batch prefill then
     batch_prefill_beside_online: int = 256
+    # and at most this many batch decodes (the earliest admitted; the rest keep their KV and
+    # wait): a step's time grows with its rows, so online tokens come at the pace of a narrow
+    # decode step rather than of the batch's whole running width (core/decode_turns.py)
+    batch_decodes_beside_online: int = 16
     # queued batch work rises one priority level per this many seconds waited, in the claim
     # order and the engine's waiting queue, so no batch starves (core/priority.py); 0: strict
     priority_aging_s: float = 60.0

@@ -40,8 +40,11 @@ class EngineSettings:
     batch_prefill_beside_online: int = 256
     # and at most this many batch decodes (the earliest admitted; the rest keep their KV and
     # wait): a step's time grows with its rows, so online tokens come at the pace of a narrow
-    # decode step rather than of the batch's whole running width (core/decode_turns.py)
-    batch_decodes_beside_online: int = 16
+    # decode step rather than of the batch's whole running width (core/decode_turns.py). 32:
+    # the width batch admissions stop at beside online work (core/width.py); measured against
+    # 16 and no bound in benchmarks/online_ab.py (docs/http-api.md): 16 cut the batch's rate
+    # beside the streams by half again for an inter-token tail within the noise of 32's
+    batch_decodes_beside_online: int = 32
     # queued batch work rises one priority level per this many seconds waited, in the claim
     # order and the engine's waiting queue, so no batch starves (core/priority.py); 0: strict
     priority_aging_s: float = 60.0

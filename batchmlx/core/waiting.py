@@ -18,10 +18,12 @@ class WaitingQueue:
     their first full block, so requests sharing a system prompt sit together; groups keep the
     FIFO order of their first member, and members keep FIFO order within a group.
 
-    With `aging`, batch work rises a level for every `aging.level_s` seconds it has waited
-    (core/priority.py), a group by its longest-waiting member, so a less urgent batch's lines
-    are not overtaken forever by newer, more urgent ones; equal effective priorities keep the
-    order above.
+    With `aging`, a priority's new work rises a level for every `aging.level_s` seconds its
+    longest-waiting member has waited (a preempted sequence by its own wait; core/priority.py),
+    so a less urgent batch's lines are not overtaken forever by newer, more urgent ones; a
+    priority's groups keep their order, and equal effective priorities keep the order above.
+    Ranking is per priority, not per group: a step's admission pass stays cheap (a sort of
+    the few priorities waiting, none when one is).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class WaitingQueue:
         groups.setdefault(self._key(seq), {})[seq] = None
 
     def push_front(self, seq: Sequence) -> None:
+        seq.queued_at = self._clock()  # preempted: its wait starts again
         self._front.insert(0, seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -89,20 +92,24 @@ class WaitingQueue:
         yield from self._aged_groups(self._aging)
 
     def _aged_groups(self, aging: Aging) -> Iterator[list[Sequence] | dict[Sequence, None]]:
+        if not self._front and len(self._groups) == 1:  # one priority: nothing to rank
+            yield from next(iter(self._groups.values())).values()
+            return
         now = self._clock()
-
-        def level(seq: Sequence) -> int:
-            return aging.effective(seq.request.priority, now - seq.queued_at)
-
-        ranked: list[tuple[tuple[int, int, int, int], list[Sequence] | dict[Sequence, None]]]
-        ranked = [((level(s), 0, s.request.priority, i), [s]) for i, s in enumerate(self._front)]
+        # preempted sequences one by one, new ones a priority at a time (its groups in order)
+        ranked: list[tuple[tuple[int, int, int, int], Sequence | int]] = [
+            ((aging.effective(s.request.priority, now - s.queued_at), 0, s.request.priority, i), s)
+            for i, s in enumerate(self._front)
+        ]
         for prio, groups in self._groups.items():
-            for i, members in enumerate(groups.values()):
-                oldest = next(iter(members))  # FIFO: the first waited longest
-                ranked.append(((level(oldest), 1, prio, i), members))
+            oldest = min(next(iter(g)).queued_at for g in groups.values())  # FIFO groups
+            ranked.append(((aging.effective(prio, now - oldest), 1, prio, 0), prio))
         ranked.sort(key=lambda r: r[0])
-        for _, group in ranked:
-            yield group
+        for _, item in ranked:
+            if isinstance(item, Sequence):
+                yield [item]
+            else:
+                yield from self._groups[item].values()
 
     def count_new(self, priority: int) -> int:
         """New (never preempted) sequences waiting at `priority`."""

@@ -83,3 +83,21 @@ def test_the_waiting_queue_ages_batch_work_but_never_past_online_requests():
     assert [s.seq_id for s in queue] == ["online", "low", "high"]
     now[0] = 1e9  # both at the floor: still behind the online request, FIFO among equals
     assert [s.seq_id for s in queue] == ["online", "high", "low"]
+
+
+def test_aging_ranks_a_priority_by_its_longest_waiting_member_and_keeps_its_order():
+    now = [0.0]
+    queue = WaitingQueue(block_size=4, grouping=True, aging=engine_aging(10.0),
+                         clock=lambda: now[0])  # fmt: skip
+    old = [_seq(f"low{i}", engine_priority(2), i) for i in range(3)]
+    for s in old:
+        queue.push(s)
+    now[0] = 25.0
+    fresh = _seq("high", engine_priority(0), 3)
+    queue.push(fresh)
+    back = _seq("back", engine_priority(1), 4)  # preempted: first among its equals
+    queue.push_front(back)
+    # low: 2 - 2 levels = 0 ties high's 0 (the more urgent priority first); back: 1 - 0
+    assert [s.seq_id for s in queue] == ["high", "low0", "low1", "low2", "back"]
+    now[0] = 30.0  # low 3 levels: ahead, its members in their order
+    assert [s.seq_id for s in queue] == ["low0", "low1", "low2", "high", "back"]

@@ -5,6 +5,7 @@ a 400, the CLI prints it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,12 +95,12 @@ def metadata_problem(value: Any) -> CreateProblem | None:
     return priority_problem(value.get(PRIORITY_KEY))
 
 
+_INTEGER = re.compile(r"\s*[+-]?[0-9]{1,4}\s*")  # ASCII digits only (int() takes "1_0", "١")
+
+
 def _priority(text: str) -> int | None:
     """The integer a priority string writes ("-5", "+3", " 10 "), or None."""
-    try:
-        return int(text.strip(), 10)
-    except ValueError:
-        return None
+    return int(text) if _INTEGER.fullmatch(text) else None
 
 
 def priority_problem(text: str | None) -> CreateProblem | None:

@@ -57,7 +57,9 @@ def test_metadata_bounds():
     assert "maximum length 512" in long_value.message
 
 
-@pytest.mark.parametrize("text", ["abc", "1.5", "", "101", "-101", "0x10"])
+@pytest.mark.parametrize(
+    "text", ["abc", "1.5", "", "101", "-101", "0x10", "1_0", "\u0661", "99999"]
+)
 def test_a_priority_that_is_no_integer_in_range_is_refused_naming_the_param(text):
     p = metadata_problem({"team": "x", "priority": text})
     assert p is not None

@@ -22,7 +22,7 @@ from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus, TransitionError
 from batchmlx.core.model_rule import ModelRule
 from batchmlx.core.records import BatchErrorRecord, BatchRecord, FileRecord
-from batchmlx.formats.batch_request import endpoint_problem, metadata_problem
+from batchmlx.formats.batch_request import batch_priority, endpoint_problem, metadata_problem
 from batchmlx.formats.errors import ErrorCode
 from batchmlx.formats.openai import IdPrefix, new_id
 from batchmlx.formats.request import Endpoint
@@ -106,6 +106,7 @@ async def create_batch(
         input_file_id=input_file_id, completion_window=completion_window,
         status=BatchStatus.VALIDATING, created_at=created, expires_at=created + window_s,
         metadata=metadata, output_expires_after=output_expires_after,
+        priority=batch_priority(metadata),
     )  # fmt: skip
     await store.create_batch(rec, content_hash=content_hash, source=source)
     return await get_batch(store, rec.id)

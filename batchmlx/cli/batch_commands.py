@@ -17,7 +17,9 @@ from batchmlx.cli.model_options import ModelAliasOpt, StrictModelsOpt, with_mode
 from batchmlx.cli.show import NO_FILE_EXIT, no_file_text, show, table, worker_hint
 from batchmlx.config import Settings
 from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.priority import MAX_BATCH_PRIORITY, MIN_BATCH_PRIORITY
 from batchmlx.core.records import BatchRecord
+from batchmlx.formats.batch_request import PRIORITY_KEY
 from batchmlx.formats.openai import batch_object
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the OpenAI Batch object(s)")]
@@ -58,6 +60,16 @@ def submit(
     ] = None,
     completion_window: Annotated[str, typer.Option(help="e.g. 24h (OpenAI's), 90m, 2d")] = "24h",
     metadata: Annotated[list[str] | None, typer.Option(help="key=value, repeatable")] = None,
+    priority: Annotated[
+        int | None,
+        typer.Option(
+            min=MIN_BATCH_PRIORITY,
+            max=MAX_BATCH_PRIORITY,
+            help="Lower runs first, as vLLM's priorities (default 0; online requests come "
+            "before every batch; a waiting batch gains a level per --priority-aging-s); "
+            "stored as metadata priority",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the Batch object")] = False,
     output_expires_after: Annotated[
         int | None,
@@ -96,6 +108,11 @@ def submit(
     if bad:
         raise fail(f"--metadata expects key=value, got {bad[0]!r}")
     meta = dict(m.split("=", 1) for m in metadata or []) or None
+    if priority is not None:
+        given = (meta or {}).get(PRIORITY_KEY)
+        if given is not None and given != str(priority):
+            raise fail(f"--priority {priority} and --metadata {PRIORITY_KEY}={given} disagree")
+        meta = {**(meta or {}), PRIORITY_KEY: str(priority)}
     from batchmlx.batches.files import read_chunks
     from batchmlx.batches.intake import submit as submit_batch
     from batchmlx.worker.housekeeping import running_workers

@@ -69,6 +69,25 @@ def engine_choice(
             "tokens keep coming at decode speed (0: batch prompts wait for online work)",
         ),
     ] = D.batch_prefill_beside_online,
+    batch_decodes_beside_online: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            rich_help_panel=PANEL,
+            help="Batch decodes a step feeds while online requests run (the earliest "
+            "admitted; the rest keep their KV and wait), so a step carrying online tokens "
+            "stays near a narrow decode step's time",
+        ),
+    ] = D.batch_decodes_beside_online,
+    priority_aging_s: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            rich_help_panel=PANEL,
+            help="Queued batch work rises one priority level per this many seconds waited, "
+            "so no batch starves behind more urgent ones (0: strict priorities)",
+        ),
+    ] = D.priority_aging_s,
     dtype: Annotated[str, _option(DTYPE_HELP)] = "auto",
     threads: Annotated[
         int | None,
@@ -89,6 +108,8 @@ def engine_choice(
         cache_memory_percent=cache_memory_percent, memory_aware=memory_aware_cache,
         cache_max_blocks=cache_max_blocks, threads=threads,
         batch_prefill_beside_online=batch_prefill_beside_online,
+        batch_decodes_beside_online=batch_decodes_beside_online,
+        priority_aging_s=priority_aging_s,
     )  # fmt: skip
     return EngineChoice(settings, dtype=dtype)
 

@@ -38,6 +38,16 @@ class EngineSettings:
     # prompts and every decode are not counted), so a step carrying an online decode stays near
     # a decode step's time rather than a full prefill's (issue 49); 0: no batch prefill then
     batch_prefill_beside_online: int = 256
+    # and at most this many batch decodes (the earliest admitted; the rest keep their KV and
+    # wait): a step's time grows with its rows, so online tokens come at the pace of a narrow
+    # decode step rather than of the batch's whole running width (core/decode_turns.py). 32:
+    # the width batch admissions stop at beside online work (core/width.py); measured against
+    # 16 and no bound in benchmarks/online_ab.py (docs/http-api.md): 16 cut the batch's rate
+    # beside the streams by half again for an inter-token tail within the noise of 32's
+    batch_decodes_beside_online: int = 32
+    # queued batch work rises one priority level per this many seconds waited, in the claim
+    # order and the engine's waiting queue, so no batch starves (core/priority.py); 0: strict
+    priority_aging_s: float = 60.0
     # decodes keep their keys and values contiguous from step to step (engine/kv/decode.py)
     # rather than gathering them from the paged pool every step
     dense_decode: bool = True

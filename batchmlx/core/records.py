@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus
+from batchmlx.core.request import BATCH_PRIORITY
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class BatchRecord:
     output_expires_after: int | None = None  # seconds: output/error files expire this long after
     # they are written (None: never)
     outcomes: CacheOutcomes = field(default_factory=CacheOutcomes)
+    priority: int = 0  # lower is claimed first (core/priority.py): metadata.priority
     # when a worker took up its first request (seconds; None: still queued): rates are measured
     # from here, so time spent waiting for a worker does not read as slowness
     work_started_at: float | None = None
@@ -113,6 +115,7 @@ class ClaimedRequest:
     model: str | None
     body: dict[str, Any]
     attempts: int  # including this claim
+    priority: int = BATCH_PRIORITY  # the engine's (core/priority.py): its batch's, aged
 
 
 @dataclass(frozen=True, slots=True)

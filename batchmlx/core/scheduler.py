@@ -8,12 +8,15 @@ decided are finished. A fake runner therefore drives this module in unit tests o
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from batchmlx.core.blocks import BlockPool
+from batchmlx.core.decode_turns import DecodeTurns, is_urgent
 from batchmlx.core.engine_api import ENGINE_DEFAULTS
 from batchmlx.core.kv_manager import KVCacheManager, blocks_for
+from batchmlx.core.priority import engine_aging
 from batchmlx.core.request import BATCH_PRIORITY, CacheOutcome, GenerationRequest
 from batchmlx.core.sequence import Sequence, SequenceStatus
 from batchmlx.core.waiting import WaitingQueue
@@ -33,10 +36,16 @@ class SchedulerConfig:
     mixed_steps: bool = ENGINE_DEFAULTS.mixed_steps
     # batch prompt tokens of a step while online work runs or waits (EngineSettings says why)
     batch_prefill_beside_online: int = ENGINE_DEFAULTS.batch_prefill_beside_online
+    # batch decodes of a step while online work runs (EngineSettings says why)
+    batch_decodes_beside_online: int = ENGINE_DEFAULTS.batch_decodes_beside_online
+    # waiting batch work rises a priority level per this many seconds waited (0: strict)
+    priority_aging_s: float = ENGINE_DEFAULTS.priority_aging_s
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.block_size < 1 or self.max_prefill_tokens < 1:
             raise ValueError("max_batch_size, block_size and max_prefill_tokens must be positive")
+        if self.batch_decodes_beside_online < 1:
+            raise ValueError("batch_decodes_beside_online must be positive (batch work starves)")
         if self.num_blocks < 2:
             raise ValueError("num_blocks must be at least 2 (block 0 is reserved)")
 
@@ -68,6 +77,7 @@ class SchedulerStep:
     preempted: list[Sequence]  # lost their blocks this step; will be recomputed later
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler: LENGTH, the
     # pool cannot hold them even alone. The runner reports them like any finished sequence.
+    paused: int = 0  # running batch decodes left out beside online work (core/decode_turns.py)
 
 
 @dataclass(slots=True)
@@ -81,6 +91,7 @@ class SchedulerStats:
     decode_tokens: int = 0  # sampled tokens fed back, in any step
     preemptions: int = 0
     urgent_preemptions: int = 0  # of which to make room for more urgent (online) work
+    paused_decodes: int = 0  # batch decodes left out of a step beside online work (they wait)
     deferred: int = 0  # admissions put off by prefix grouping (a group counts once per step)
     peak_blocks_in_use: int = 0
     peak_running: int = 0
@@ -95,7 +106,12 @@ class _Admission(enum.Enum):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if pool is None:
             pool = BlockPool(config.num_blocks, config.block_size)
         elif pool.block_size != config.block_size:
@@ -105,7 +121,8 @@ class Scheduler:
         self.kv = KVCacheManager(pool, enable_prefix_cache=config.enable_prefix_cache)
         self.stats = SchedulerStats()
         self.running: list[Sequence] = []  # admission order; preemption takes from the tail
-        self.waiting = WaitingQueue(config.block_size, config.prefix_grouping)
+        aging = engine_aging(config.priority_aging_s) if config.priority_aging_s else None
+        self.waiting = WaitingQueue(config.block_size, config.prefix_grouping, aging, clock)
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
         self._arrivals = 0
         # Batch work (priority >= BATCH_PRIORITY) is admitted only while fewer than this run
@@ -154,6 +171,7 @@ class Scheduler:
         """
         preempted: list[Sequence] = []
         finished: list[Sequence] = []
+        paused = self.stats.paused_decodes
         if self.config.mixed_steps:
             seqs = self._schedule_mixed(preempted, finished)
         else:
@@ -164,7 +182,7 @@ class Scheduler:
             return None
         kind = _kind(seqs)
         self._count_step(kind, seqs)
-        return SchedulerStep(kind, seqs, preempted, finished)
+        return SchedulerStep(kind, seqs, preempted, finished, self.stats.paused_decodes - paused)
 
     def update(
         self, step: SchedulerStep, sampled: dict[str, int], finished: Collection[str]
@@ -217,7 +235,8 @@ class Scheduler:
     ) -> list[ScheduledSeq]:
         # urgent online work takes its slots before anything is scheduled (nothing is busy yet)
         victims = self._make_room_for_urgent([])
-        decodes = sum(1 for s in self.running if not s.is_prefilling)
+        turns = self._decode_turns()
+        decodes = turns.decodes(s for s in self.running if not s.is_prefilling)
         budget = max(self.config.max_prefill_tokens - decodes, 0)  # left for prompt tokens
         batch = self._batch_budget(budget)  # of which batch prompts may take
         out: list[ScheduledSeq] = []
@@ -229,7 +248,7 @@ class Scheduler:
             if not seq.is_prefilling:
                 if seq.num_uncomputed_tokens != 1:
                     raise RuntimeError(f"{seq.seq_id} is not decoding: prefill should have run")
-                if self._reserve(seq, 1, preempted, finished):
+                if turns.takes(seq) and self._reserve(seq, 1, preempted, finished):
                     out.append(self._scheduled(seq, 1, decode=True))
                 continue
             allowed = budget if _urgent(seq) else min(budget, batch)
@@ -240,6 +259,7 @@ class Scheduler:
         if budget > 0 and not preempted:  # memory is short: do not admit what was just evicted
             self._admit_waiting(out, budget, pending, finished, batch)
         preempted[:0] = victims
+        self.stats.paused_decodes += turns.paused
         return out
 
     def _batch_budget(self, budget: int) -> int:
@@ -322,7 +342,17 @@ class Scheduler:
     def _admission_limit(self, seq: Sequence) -> int:
         if seq.request.priority < BATCH_PRIORITY:
             return self.config.max_batch_size
-        return min(self.running_limit, self.config.max_batch_size)
+        limit = min(self.running_limit, self.config.max_batch_size)
+        online = self.online_running()
+        if online:  # a batch sequence admitted past its decode turns would only wait
+            limit = min(limit, online + self.config.batch_decodes_beside_online)
+        return limit
+
+    def _decode_turns(self) -> DecodeTurns:
+        """This step's batch decodes (core/decode_turns.py)."""
+        urgent = self.waiting.most_urgent_priority()
+        waiting = urgent is not None and urgent < BATCH_PRIORITY
+        return DecodeTurns.for_step(self.running, self.config.batch_decodes_beside_online, waiting)
 
     def online_running(self) -> int:
         """Running sequences more urgent than batch work."""
@@ -435,13 +465,15 @@ class Scheduler:
         self, preempted: list[Sequence], finished: list[Sequence]
     ) -> list[ScheduledSeq]:
         out: list[ScheduledSeq] = []
+        turns = self._decode_turns()
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if seq.num_uncomputed_tokens != 1:
                 raise RuntimeError(f"{seq.seq_id} is not decoding: prefill should have run")
-            if self._reserve(seq, 1, preempted, finished):
+            if turns.takes(seq) and self._reserve(seq, 1, preempted, finished):
                 out.append(self._scheduled(seq, 1, decode=True))
+        self.stats.paused_decodes += turns.paused
         return out
 
     # -- growth and eviction ---------------------------------------------------------------
@@ -531,6 +563,4 @@ def _kind(seqs: list[ScheduledSeq]) -> StepKind:
     return StepKind.PREFILL if decodes == 0 else StepKind.MIXED
 
 
-def _urgent(seq: Sequence) -> bool:
-    """More urgent than batch work (an online request)."""
-    return seq.request.priority < BATCH_PRIORITY
+_urgent = is_urgent

@@ -36,6 +36,7 @@ class Sequence:
     cache_outcome: CacheOutcome | None = None  # set at first admission, kept across preemption
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    queued_at: float = 0.0  # when it (re)entered the waiting queue (the scheduler's clock): aging
 
     def __post_init__(self) -> None:
         if not self.request.prompt_tokens:

@@ -1,18 +1,22 @@
 """A batch's create request (POST /v1/batches, `batchmlx submit`): its endpoint and metadata
-judged in OpenAI's words. Pure: the server answers a problem as a 400, the CLI prints it.
+(metadata.priority among them) judged in OpenAI's words. Pure: the server answers a problem as
+a 400, the CLI prints it.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from batchmlx.core.priority import DEFAULT_BATCH_PRIORITY, MAX_BATCH_PRIORITY, MIN_BATCH_PRIORITY
 from batchmlx.formats.errors import ErrorCode, json_type
 from batchmlx.formats.request import Endpoint
 
 MAX_METADATA_KEYS = 16  # OpenAI's bounds on metadata
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
+PRIORITY_KEY = "priority"  # metadata.priority: the batch's priority (core/priority.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,4 +92,35 @@ def metadata_problem(value: Any) -> CreateProblem | None:
                 "instead.",
                 f"metadata.{key}",
             )
-    return None
+    return priority_problem(value.get(PRIORITY_KEY))
+
+
+_INTEGER = re.compile(r"\s*[+-]?[0-9]{1,4}\s*")  # ASCII digits only (int() takes "1_0", "١")
+
+
+def _priority(text: str) -> int | None:
+    """The integer a priority string writes ("-5", "+3", " 10 "), or None."""
+    return int(text) if _INTEGER.fullmatch(text) else None
+
+
+def priority_problem(text: str | None) -> CreateProblem | None:
+    """None for no priority or an integer string within the range; else `invalid_value`
+    naming metadata.priority."""
+    if text is None:
+        return None
+    value = _priority(text)
+    if value is not None and MIN_BATCH_PRIORITY <= value <= MAX_BATCH_PRIORITY:
+        return None
+    return CreateProblem(
+        ErrorCode.INVALID_VALUE,
+        f"Invalid 'metadata.{PRIORITY_KEY}': expected an integer from {MIN_BATCH_PRIORITY} to "
+        f"{MAX_BATCH_PRIORITY} as a string (lower runs first), but got {text!r} instead.",
+        f"metadata.{PRIORITY_KEY}",
+    )
+
+
+def batch_priority(metadata: dict[str, str] | None) -> int:
+    """The priority a batch's (valid) metadata gives it: metadata.priority, else 0."""
+    text = (metadata or {}).get(PRIORITY_KEY)
+    value = None if text is None else _priority(text)
+    return DEFAULT_BATCH_PRIORITY if value is None else value

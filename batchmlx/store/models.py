@@ -70,6 +70,8 @@ class BatchRow(Base):
     source: Mapped[str | None] = mapped_column(Text)  # "cli", "inbox:/path", …
     stats: Mapped[str | None] = mapped_column(Text)  # JSON object: batchmlx's own figures
     output_expires_after: Mapped[int | None] = mapped_column(Integer)  # seconds, for output files
+    # lower is claimed first (core/priority.py); metadata.priority or `submit --priority`
+    priority: Mapped[int] = mapped_column(Integer, server_default="0")
 
 
 class RequestRow(Base):

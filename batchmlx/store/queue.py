@@ -68,7 +68,8 @@ class QueuePart(StoreBase):
         batch_id: str | None = None,
     ) -> list[ClaimedRequest]:
         """Lease up to `limit` requests to `worker_id`: queued ones, or running ones whose lease
-        expired (a dead worker's), from in-progress batches; oldest batch first, then line order.
+        expired (a dead worker's), from in-progress batches; the most urgent batch (lowest
+        priority), then the oldest, first, then line order.
         """
         if limit <= 0:
             return []
@@ -85,7 +86,8 @@ class QueuePart(StoreBase):
             # line order alone: the (batch_id, line) index yields it, no sort of the whole batch
             pick = pick.where(R.c.batch_id == batch_id).order_by(R.c.line)
         else:
-            pick = pick.order_by(B.c.created_at, self._sql.batch_seq, R.c.line)
+            # strict priorities here; the worker claims batch by batch in the aged order
+            pick = pick.order_by(B.c.priority, B.c.created_at, self._sql.batch_seq, R.c.line)
         stmt = (
             update(R)
             .where(R.c.id.in_(self._sql.lock_claim(pick)))

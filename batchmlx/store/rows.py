@@ -11,6 +11,7 @@ import orjson
 from sqlalchemy import case, func
 
 from batchmlx.core.lifecycle import BatchStatus, RequestStatus
+from batchmlx.core.priority import DEFAULT_BATCH_PRIORITY
 from batchmlx.core.records import (
     BatchErrorRecord,
     BatchRecord,
@@ -86,6 +87,7 @@ def batch_values(
         "source": source,
         "stats": dumps(rec.stats or {}),
         "output_expires_after": rec.output_expires_after,
+        "priority": rec.priority,
     }
 
 
@@ -195,6 +197,7 @@ def batch_record(m: Mapping[str, Any], progress: Sequence[Any] | None) -> BatchR
         metadata=loads(m["metadata"]),
         stats=loads(m["stats"]) or {},
         output_expires_after=m.get("output_expires_after"),
+        priority=m.get("priority") or DEFAULT_BATCH_PRIORITY,
         outcomes=p.outcomes,
         work_started_at=p.started_at,
         work_ended_at=p.ended_at,
@@ -202,11 +205,15 @@ def batch_record(m: Mapping[str, Any], progress: Sequence[Any] | None) -> BatchR
 
 
 # The columns batch_ref reads.
-BATCH_REF_COLUMNS = (B.c.id, B.c.status, B.c.endpoint, B.c.model, B.c.created_at, B.c.expires_at)
+BATCH_REF_COLUMNS = (
+    B.c.id, B.c.status, B.c.endpoint, B.c.model, B.c.created_at, B.c.expires_at, B.c.priority,
+)  # fmt: skip
 
 
 def batch_ref(r: Any) -> BatchRef:
-    return BatchRef(r.id, BatchStatus(r.status), r.endpoint, r.model, r.created_at, r.expires_at)
+    return BatchRef(
+        r.id, BatchStatus(r.status), r.endpoint, r.model, r.created_at, r.expires_at, r.priority
+    )
 
 
 def file_record(m: Mapping[str, Any]) -> FileRecord:

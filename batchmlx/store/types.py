@@ -48,6 +48,7 @@ class BatchRef:
     model: str | None
     created_at: int
     expires_at: int | None = None  # end of the completion window (unix seconds)
+    priority: int = 0  # lower is claimed first (core/priority.py)
 
 
 class FileStorage(enum.Enum):

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from batchmlx.config import Settings
+from batchmlx.core.priority import Aging, claim_order, engine_priority
 from batchmlx.core.records import ClaimedRequest
 from batchmlx.faults import crash_point
 from batchmlx.store import BatchRef, Store
 from batchmlx.worker.build import ServingModel
 from batchmlx.worker.inflight import InFlight
-from batchmlx.worker.online import OnlineTicket
+from batchmlx.worker.online import ONLINE_PRIORITY, OnlineTicket
 from batchmlx.worker.options import WorkerOptions
 from batchmlx.worker.translate import server_error_result
 
@@ -76,12 +77,18 @@ class Admission:
             return []
         out: list[ClaimedRequest] = []
         model: str | None = None  # what this round claimed for: one engine holds one model
-        for b in await self.store.active_batches():
+        now = self.clock()
+        aging = Aging(self.opts.engine.priority_aging_s)
+        # the most urgent batches first, aged by their wait so none starves (core/priority.py)
+        for b in claim_order(await self.store.active_batches(), now, aging):
             if not self._serves(b) or model not in (None, self.model_for(b.model)):
                 continue
             claimed = await self.store.claim(
-                self.worker_id, room, self.clock(), self.settings.lease_s, batch_id=b.id
+                self.worker_id, room, now, self.settings.lease_s, batch_id=b.id
             )
+            # its lines enter the engine at the batch's effective priority, behind online work
+            prio = engine_priority(aging.effective(b.priority, now - b.created_at))
+            claimed = [replace(c, priority=prio) for c in claimed]
             if claimed:
                 crash_point("after_claim")
                 model = self.model_for(b.model)
@@ -131,5 +138,5 @@ def _as_claimed(t: OnlineTicket, model: str) -> ClaimedRequest:
     """An online ticket as the request a claim would give (no batch, no line, one attempt)."""
     return ClaimedRequest(
         id=t.id, batch_id="", custom_id="", line=0, endpoint=t.endpoint,
-        model=model, body=t.body, attempts=1,
+        model=model, body=t.body, attempts=1, priority=ONLINE_PRIORITY,
     )  # fmt: skip

@@ -149,8 +149,8 @@ class InFlight:
         assert pending is not None  # prepare returns one or the other
         try:
             for g in gens:
-                if OnlineQueue.owns(c.id):
-                    g.priority = ONLINE_PRIORITY
+                # online tickets: ONLINE_PRIORITY; batch lines: their batch's (admission.py)
+                g.priority = ONLINE_PRIORITY if OnlineQueue.owns(c.id) else c.priority
                 loaded.engine.add(g)
         except ValueError as exc:
             self._abort_choices(c.id, len(gens))

@@ -287,6 +287,17 @@ def test_malformed_metadata_is_a_clear_error(cli: Cli, tmp_path: Path) -> None:
     assert cli.json("list") == []
 
 
+def test_submit_priority_is_kept_as_metadata_and_bounded(cli: Cli, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "one.jsonl", [request_line("r", chat_body("hi"))])
+    obj = cli.json("submit", path, "--model", "default", "--priority", "-4")
+    assert obj["metadata"] == {"priority": "-4"}
+    proc = cli("submit", path, "--model", "default", "--priority", "500")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, describe(proc)
+    proc = cli("submit", path, "--model", "default", "--metadata", "priority=x")
+    assert proc.returncode != 0 and "metadata.priority" in proc.stderr, describe(proc)
+    assert len(cli.json("list")) == 1
+
+
 def test_output_expires_after_out_of_bounds_is_refused(cli: Cli, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "ok.jsonl", [request_line("a", chat_body("hi", max_tokens=4))])
     proc = cli("submit", path, "--output-expires-after", "60")

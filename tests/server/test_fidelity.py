@@ -142,6 +142,26 @@ def test_metadata_of_the_wrong_type(client):
     )  # fmt: skip
 
 
+def test_a_priority_in_metadata_is_validated_and_kept(client):
+    """metadata.priority (lower runs first): an integer string from -100 to 100; else 400
+    invalid_value naming metadata.priority."""
+    f = _upload(client, [request_line("a", chat_body("hi"))])
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.batches.create(
+            input_file_id=f, endpoint=CHAT, completion_window="24h",
+            metadata={"priority": "urgent"},
+        )  # fmt: skip
+    assert _error(exc.value) == (
+        400, "invalid_value", "metadata.priority",
+        "Invalid 'metadata.priority': expected an integer from -100 to 100 as a string (lower "
+        "runs first), but got 'urgent' instead.",
+    )  # fmt: skip
+    batch = client.batches.create(
+        input_file_id=f, endpoint=CHAT, completion_window="24h", metadata={"priority": "-2"}
+    )
+    assert client.batches.retrieve(batch.id).metadata == {"priority": "-2"}
+
+
 def test_cancel_of_an_ended_batch_is_409(client):
     """test_batch_cancel_completed: 409, code and param null, "Cannot cancel a batch with
     status 'completed'."; 'Same for "failed", cancelling "cancelled" batches is allowed'."""

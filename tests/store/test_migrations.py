@@ -200,3 +200,34 @@ def test_a_database_made_by_0001_upgrades_with_its_rows(store_target):
 
     assert asyncio.run(listed()) == ["batch_1", "batch_0", "batch_2"]
     assert fetch_rows(store_target, "SELECT version_num FROM alembic_version") == [(_head(),)]
+
+
+def test_0004_gives_existing_batches_priority_0_and_claims_by_it(store_target):
+    """Batches made before 0004 read priority 0; a new batch's priority is stored and read."""
+    import asyncio
+
+    from alembic import command
+
+    from batchmlx.store import Store
+
+    from .conftest import execute_sql
+
+    if isinstance(store_target, Path):
+        store_target.parent.mkdir(parents=True)
+    command.upgrade(alembic_config(store_target), "0003")
+    execute_sql(store_target, (
+        "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, "
+        "created_at) VALUES ('batch_old', '/v1/chat/completions', 'file-x', '24h', "
+        "'in_progress', 100)"
+    ))  # fmt: skip
+
+    async def read() -> tuple[int, list[tuple[str, int]]]:
+        store = await Store.open(store_target)
+        try:
+            old = await store.get_batch("batch_old")
+            assert old is not None
+            return old.priority, [(b.id, b.priority) for b in await store.active_batches()]
+        finally:
+            await store.close()
+
+    assert asyncio.run(read()) == (0, [("batch_old", 0)])

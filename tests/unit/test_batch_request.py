@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchmlx.formats.batch_request import endpoint_problem, metadata_problem
+from batchmlx.formats.batch_request import batch_priority, endpoint_problem, metadata_problem
 
 
 def test_unsupported_endpoint_in_openais_words():
@@ -55,3 +55,23 @@ def test_metadata_bounds():
     long_value = metadata_problem({"k": "v" * 513})
     assert long_value is not None and long_value.param == "metadata.k"
     assert "maximum length 512" in long_value.message
+
+
+@pytest.mark.parametrize(
+    "text", ["abc", "1.5", "", "101", "-101", "0x10", "1_0", "\u0661", "99999"]
+)
+def test_a_priority_that_is_no_integer_in_range_is_refused_naming_the_param(text):
+    p = metadata_problem({"team": "x", "priority": text})
+    assert p is not None
+    assert (p.code.value, p.param) == ("invalid_value", "metadata.priority")
+    assert p.message == (
+        "Invalid 'metadata.priority': expected an integer from -100 to 100 as a string (lower "
+        f"runs first), but got {text!r} instead."
+    )
+
+
+def test_a_batch_priority_is_read_from_its_metadata():
+    for text, value in (("-5", -5), ("+3", 3), (" 10 ", 10), ("100", 100), ("-100", -100)):
+        assert metadata_problem({"priority": text}) is None
+        assert batch_priority({"priority": text}) == value
+    assert batch_priority(None) == batch_priority({"team": "x"}) == 0

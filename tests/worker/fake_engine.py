@@ -66,6 +66,7 @@ class FakeEngine:
         self.running: list[_Run] = []
         self.preempt = set(preempt)  # prompts (token tuples) sent back to waiting once
         self.admitted: list[str] = []  # request ids in admission order (re-admissions too)
+        self.priorities: dict[str, int] = {}  # request id -> the priority it was added with
         self.preempted: list[str] = []
         self.aborted: list[str] = []
         self.steps = 0
@@ -81,6 +82,7 @@ class FakeEngine:
         if not req.prompt_tokens:
             raise ValueError("empty prompt")
         self._order += 1
+        self.priorities[req.request_id] = req.priority
         self.waiting.append(_Run(req, self._order))
         self.max_held = max(self.max_held, len(self.waiting) + len(self.running))
 

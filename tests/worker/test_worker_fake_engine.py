@@ -11,6 +11,7 @@ from batchmlx import batches
 from batchmlx.config import Settings
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.lifecycle import BatchStatus
+from batchmlx.core.priority import engine_priority
 from batchmlx.store import Store
 from batchmlx.worker import Worker, WorkerOptions
 from batchmlx.worker.online import DoneEvent
@@ -207,3 +208,31 @@ def test_before_its_engine_loads_a_worker_claims_by_the_initial_width(tmp_path: 
     rec = asyncio.run(main())
     assert rec.request_counts.completed == 100
     assert rig.engine.max_held == 32  # the adaptive width's start, not 256
+
+
+def test_a_more_urgent_batch_is_claimed_first_at_its_engine_priority(tmp_path: Path) -> None:
+    """metadata.priority "-3" (lower runs first, as vLLM's) goes before an older batch at 0,
+    and its lines enter the engine at its engine priority, behind online work."""
+    rig = Rig(tmp_path, EngineSettings(max_batch_size=1), claim_factor=1)
+
+    async def main():
+        await rig.open(_file(2))  # priority 0, the older
+        urgent = await batches.intake.submit(
+            rig.store, rig.settings, _file(2), filename="urgent.jsonl", now=T0 + 0.5,
+            metadata={"priority": "-3"},
+        )  # fmt: skip
+        assert urgent.priority == -3 and urgent.metadata == {"priority": "-3"}
+        await rig.worker.run()
+        return await rig.finished(), await _priorities(rig)
+
+    async def _priorities(rig: Rig) -> dict[str, int]:
+        return {b.id: b.priority for b in await rig.store.list_batches()}
+
+    rec, prios = asyncio.run(main())
+    assert rec.status is BatchStatus.COMPLETED
+    assert sorted(prios.values()) == [-3, 0]
+    rows = [int(rid.split(":")[0]) for rid in rig.engine.admitted]
+    assert rows == [3, 4, 1, 2]  # the urgent batch's lines (rows 3, 4) first
+    assert [rig.engine.priorities[r] for r in rig.engine.admitted] == (
+        [engine_priority(-3)] * 2 + [engine_priority(0)] * 2
+    )

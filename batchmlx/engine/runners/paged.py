@@ -131,8 +131,11 @@ class PagedRunner:
                 prefix_grouping=cfg.prefix_grouping,
                 mixed_steps=self.mixed_steps,
                 batch_prefill_beside_online=cfg.batch_prefill_beside_online,
+                batch_decodes_beside_online=cfg.batch_decodes_beside_online,
+                priority_aging_s=cfg.priority_aging_s,
             ),
             self.pool,
+            clock=clock,
         )
         self.kv_bound = kv_bound
         self.stats: EngineStats | None = None  # made by attach(), which gives the post step
@@ -194,7 +197,7 @@ class PagedRunner:
         # sequences the scheduler ended itself (the pool cannot hold them even alone)
         ended = [self._ended(seq) for seq in [*step.finished, *done]]
         if self.width is not None:
-            self._size_width(len(tokens), self.clock() - self._started)
+            self._size_width(len(tokens), self.clock() - self._started, step.paused)
         return ended
 
     def fail(self) -> tuple[list[str], bool] | None:
@@ -229,7 +232,7 @@ class PagedRunner:
         }
         return Ended(live, extras)
 
-    def _size_width(self, generated: int, seconds: float) -> None:
+    def _size_width(self, generated: int, seconds: float, paused: int) -> None:
         sched = self.scheduler
         memory = sched.stats.preemptions - sched.stats.urgent_preemptions
         preempted, self._memory_preemptions = memory - self._memory_preemptions, memory
@@ -242,7 +245,8 @@ class PagedRunner:
                 queued += 1
                 queued_blocks += blocks_for(longest, bs)
         self.width.observe(StepReport(
-            generated=generated, seconds=seconds, running=len(sched.running),
+            # decodes paused beside online work do not count toward the width's rate
+            generated=generated, seconds=seconds, running=len(sched.running) - paused,
             waiting=bool(sched.waiting), blocks_used=self.pool.num_used,
             blocks_total=self.pool.num_usable, preempted=preempted, queued=queued,
             queued_blocks=queued_blocks,

@@ -14,9 +14,10 @@ or int8, their GEMMs computed on the host by oneDNN (onednn.py), activations flo
   (output channel, group) (symmetric, w ~= q * s, |q| <= 127); a layer's input is quantized per
   (token, group) on the fly and each group's exact int32 product rescaled and summed in group
   order (q8.py, our own AVX-512 VNNI kernel): as Q8_0 computes, batch-invariant by
-  construction, 4x smaller than float32; the embedding and the LM head in bf16 (`head_format`). Where that kernel cannot run (a CPU without AVX-512
-  VNNI, a shape not a multiple of 16), oneDNN's s8 GEMM with one scale per output channel and
-  per token instead, which moves logits by up to ~15-20% of the largest (outlier channels).
+  construction, 4x smaller than float32; the embedding and the LM head in bf16
+  (`head_format`). Where that kernel cannot run (a CPU without AVX-512 VNNI, a shape not a
+  multiple of 16), oneDNN's s8 GEMM with one scale per output channel and per token instead,
+  which moves logits by up to ~15-20% of the largest (outlier channels).
 
 Layers that read the same input (q, k and v; gate and up) share one GEMM over their
 concatenated weights: the first call computes all of them and the others take their slice

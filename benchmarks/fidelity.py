@@ -247,9 +247,10 @@ class EngineLogits:
     def describe(self) -> str:
         """How the weights compute, as the loader says it (for the JSON line and the table)."""
         from batchmlx.engine.host import q8
-        from batchmlx.engine.host.linear import HostLinear
+        from batchmlx.engine.host.linear import HostEmbedding, HostLinear
 
-        gemms = {m._gemm for _, m in self.loaded.model.named_modules() if isinstance(m, HostLinear)}
+        modules = [m for _, m in self.loaded.model.named_modules()]
+        gemms = {m._gemm for m in modules if isinstance(m, (HostLinear, HostEmbedding))}
         if gemms:  # the layers' formats, and who computes them (our int8 kernel: grouped)
             who = {"float32": "numpy's BLAS"}
             kinds = sorted({f"{g.fmt.value} G={q8.GROUP} (ours)" if g._q8 is not None

@@ -1,0 +1,60 @@
+"""The file's weights written as one safetensors file, a tensor at a time: the header first
+(every shape and dtype is known from the GGUF table), then each tensor read, dequantized,
+transformed, written and dropped. Peak memory is one tensor's float32 copy, whatever the
+model's size; quantized types become float32, float types keep their width."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from batchmlx.engine.models.gguf.families import Placed, Transform, unpermute
+from batchmlx.engine.models.gguf.reader import FLOAT_TYPES, GGUFFile, as_float32, tensor_array
+
+_ALIGN = 8  # safetensors' header is padded so the data starts 8-byte aligned
+_ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def out_dtype(type_name: str, transform: Transform) -> str:
+    """The safetensors dtype a tensor is written in."""
+    if transform is Transform.MINUS_ONE:
+        return "F32"
+    return FLOAT_TYPES.get(type_name, "F32")
+
+
+def write_safetensors(
+    f: GGUFFile, placed: list[Placed], heads: tuple[int, int], dest: Path
+) -> None:
+    """`placed` from `f` into `dest` (heads: query and key/value head counts, to un-permute)."""
+    header: dict[str, object] = {"__metadata__": {"format": "mlx"}}
+    offset = 0
+    for p in placed:
+        t = f.tensors[p.source]
+        dtype = out_dtype(t.type_name, p.transform)
+        size = int(np.prod(t.shape)) * _ITEM_BYTES[dtype]
+        header[p.target] = {"dtype": dtype, "shape": list(t.shape),
+                            "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % _ALIGN)
+    with open(dest, "wb") as out:
+        out.write(len(raw).to_bytes(8, "little"))
+        out.write(raw)
+        for p in placed:
+            array = _converted(f, p, heads)
+            out.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+            del array
+
+
+def _converted(f: GGUFFile, p: Placed, heads: tuple[int, int]) -> np.ndarray:
+    t = f.tensors[p.source]
+    array = tensor_array(t)
+    if p.transform is Transform.MINUS_ONE:
+        return as_float32(array, t.type_name) - np.float32(1.0)
+    if p.transform is Transform.UNPERMUTE_Q:
+        return unpermute(array, heads[0])
+    if p.transform is Transform.UNPERMUTE_K:
+        return unpermute(array, heads[1])
+    return array

@@ -157,15 +157,17 @@ def hf_weights(model: Any) -> dict[str, np.ndarray]:
 
 def write_gguf(path: Path, case: Case, weights: dict[str, np.ndarray],
                quantize: Callable[[str, np.ndarray], tuple[np.ndarray, Any] | None] | None = None,
-               extra_keys: Callable[[Any], None] | None = None) -> Path:  # fmt: skip
+               extra_keys: Callable[[Any], None] | None = None,
+               architecture: str | None = None) -> Path:  # fmt: skip
     """`weights` (mlx-lm names, float32) written as llama.cpp would write them. quantize: name,
-    array -> (raw bytes, GGMLQuantizationType) for the tensors to store quantized, else None."""
+    array -> (raw bytes, GGMLQuantizationType) for the tensors to store quantized, else None.
+    architecture: the general.architecture written instead of the case's."""
     import gguf
 
     c = case.config
     n = c["num_hidden_layers"]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[case.arch.upper()], n)
-    w = gguf.GGUFWriter(str(path), case.arch)
+    w = gguf.GGUFWriter(str(path), architecture or case.arch)
     w.add_block_count(n)
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])

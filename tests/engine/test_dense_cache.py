@@ -3,19 +3,16 @@ next, rewritten when the source changes, never made for folders batchmlx did not
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
 from batchmlx.core.models import resolve_model
 from batchmlx.engine.models import default_model as dm
 from batchmlx.engine.models import dense
-from batchmlx.engine.models.gguf import read_marker
 from batchmlx.engine.models.loader import load_model
 
 pytestmark = pytest.mark.real_model
@@ -52,54 +49,18 @@ def _greedy(loaded, n: int = 12) -> list[int]:
     return [int(t) for t, _ in generate_step(prompt, loaded.model, max_tokens=n)]
 
 
-def test_first_load_writes_the_copy_the_next_load_reads(gguf_copy: Path, tmp_path: Path) -> None:
+def test_a_gguf_conversion_needs_no_copy(gguf_copy: Path, tmp_path: Path) -> None:
+    """GGUF tensors are dequantized to float32 as the file is converted (engine/models/gguf):
+    the converted folder is the dense model, read as it is at every start, with no copy."""
     cache = tmp_path / "cache"
     spec = resolve_model(str(gguf_copy), cache_dir=cache)
     first = load_model(spec, cache_dir=cache, dtype="float32")
-    converted = first.path
-    copy = dense.dense_folder(converted, "float32")
-    assert read_marker(copy)["source_stamp"] == read_marker(converted)
-    assert "quantization" not in (copy / "config.json").read_text()
-    assert (copy / "tokenizer.json").is_file()
-
-    again = load_model(spec, cache_dir=cache, dtype="float32")
-    assert again.path == copy  # read from the copy, not dequantized again
-    assert not {type(m) for _, m in again.model.named_modules()} & {
-        nn.QuantizedLinear, nn.QuantizedEmbedding,
-    }  # fmt: skip
-    assert _same_weights(first, again)  # bit for bit: greedy outputs cannot change
-    assert _greedy(first) == _greedy(again)
-    assert again.config == first.config
-    assert again.eos_token_ids == first.eos_token_ids
-    assert again.context_length == first.context_length
-
-
-def test_auto_on_the_cpu_reads_the_float32_copy(gguf_copy: Path, tmp_path: Path) -> None:
-    if mx.default_device().type != mx.DeviceType.cpu:
-        pytest.skip("auto keeps quantized weights off the CPU")
-    cache = tmp_path / "cache"
-    spec = resolve_model(str(gguf_copy), cache_dir=cache)
-    first = load_model(spec, cache_dir=cache)
-    assert load_model(spec, cache_dir=cache).path == dense.dense_folder(first.path, "float32")
-    stored = load_model(spec, cache_dir=cache, dtype="stored")  # quantized, as converted
-    assert stored.path == first.path and "quantization" in stored.config
-
-
-def test_a_changed_source_rewrites_the_copy(gguf_copy: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    spec = resolve_model(str(gguf_copy), cache_dir=cache)
-    first = load_model(spec, cache_dir=cache, dtype="float32")
-    copy = dense.dense_folder(first.path, "float32")
-    old = read_marker(copy)
-    os.utime(gguf_copy, ns=(1, 1))  # the source "changed": converted again, copy stale
-    assert dense.cached_dense(first.path, "float32") == copy  # not yet re-converted
-    again = load_model(spec, cache_dir=cache, dtype="float32")
-    assert again.path == first.path  # dequantized from the new conversion ...
-    new = read_marker(copy)
-    assert new["source_stamp"] != old["source_stamp"]  # ... and the copy rewritten
-    assert new["source_stamp"]["mtime_ns"] == 1
-    assert load_model(spec, cache_dir=cache, dtype="float32").path == copy
-    assert not [p for p in copy.parent.iterdir() if ".tmp-" in p.name]
+    assert "quantization" not in first.config
+    assert not dense.dense_folder(first.path, "float32").exists()
+    again = load_model(spec, cache_dir=cache)  # auto: the same folder, no copy written
+    assert again.path == first.path
+    assert not dense.dense_folder(first.path, "float32").exists()
+    assert _greedy(first) == _greedy(load_model(spec, cache_dir=cache, dtype="float32"))
 
 
 def test_local_mlx_folders_get_no_copy(default_model_dir: Path, tmp_path: Path) -> None:

@@ -79,17 +79,21 @@ def summary(f: GGUFFile) -> GGUFSummary:
     )
 
 
-def tensor_array(t: Tensor) -> np.ndarray:
-    """`t` as numpy in its own float width (F32, F16, or BF16 as raw uint16) or, for a quantized
-    type, dequantized to float32 by gguf-py (vectorized, 16 rows at a time into one output)."""
+def tensor_array(t: Tensor, rows: slice | None = None) -> np.ndarray:
+    """`t` (or its `rows`, for a matrix) as numpy in its own float width (F32, F16, or BF16 as
+    raw uint16) or, for a quantized type, dequantized to float32 by gguf-py (vectorized)."""
     import gguf
 
-    qtype = gguf.GGMLQuantizationType[t.type_name]
+    raw = np.asarray(t.raw)
+    shape = t.shape
+    if rows is not None:
+        raw = raw.reshape(-1, raw.shape[-1])[rows]
+        shape = (raw.shape[0], *t.shape[1:]) if len(t.shape) == 2 else (raw.shape[0], t.shape[-1])
     if t.type_name == "BF16":
-        return np.asarray(t.raw).view(np.uint16).reshape(t.shape)
+        return raw.view(np.uint16).reshape(shape)
     if t.type_name in FLOAT_TYPES:
-        return np.asarray(t.raw).reshape(t.shape)
-    return gguf.quants.dequantize(np.asarray(t.raw), qtype).reshape(t.shape)
+        return raw.reshape(shape)
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t.type_name]).reshape(shape)
 
 
 def as_float32(array: np.ndarray, type_name: str) -> np.ndarray:

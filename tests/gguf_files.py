@@ -158,10 +158,12 @@ def hf_weights(model: Any) -> dict[str, np.ndarray]:
 def write_gguf(path: Path, case: Case, weights: dict[str, np.ndarray],
                quantize: Callable[[str, np.ndarray], tuple[np.ndarray, Any] | None] | None = None,
                extra_keys: Callable[[Any], None] | None = None,
-               architecture: str | None = None) -> Path:  # fmt: skip
+               architecture: str | None = None,
+               tokenizer: Callable[[Any], None] | None = None) -> Path:  # fmt: skip
     """`weights` (mlx-lm names, float32) written as llama.cpp would write them. quantize: name,
     array -> (raw bytes, GGMLQuantizationType) for the tensors to store quantized, else None.
-    architecture: the general.architecture written instead of the case's."""
+    architecture: the general.architecture written instead of the case's. tokenizer: writes
+    the vocabulary's keys (default: the tiny byte-level BPE)."""
     import gguf
 
     c = case.config
@@ -181,7 +183,7 @@ def write_gguf(path: Path, case: Case, weights: dict[str, np.ndarray],
     case.keys(w, c)
     if extra_keys is not None:
         extra_keys(w)
-    _tokenizer(w)
+    (tokenizer or _tokenizer)(w)
     for key, value in weights.items():
         base, _, suffix = key.rpartition(".")
         name = names.get_name(base)

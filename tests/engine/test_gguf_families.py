@@ -5,6 +5,7 @@ weight equals gguf-py's dequantization of the file."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -81,8 +82,6 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path) -> None:
     reference = random_model(config)
     freqs = llama3_factors(scaling, 500000.0, config["head_dim"]).astype(np.float32)
     weights = {**hf_weights(reference), "rope_freqs.weight": freqs}
-    from dataclasses import replace
-
     path = write_gguf(tmp_path / "l3.gguf", replace(case, config=config), weights)
     loaded = load(path, tmp_path / "cache")
     assert loaded.config["rope_scaling"] == scaling
@@ -90,21 +89,52 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path) -> None:
     assert greedy(loaded.model, long_prompt, 3)[0] == greedy(reference, long_prompt, 3)[0]
 
 
-def test_linear_rope_scaling_from_keys(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["linear", "yarn"])
+def test_rope_scaling_from_keys(kind: str, tmp_path: Path) -> None:
     import gguf
 
     case = CASES["qwen2"]
-    config = {**case.config, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    scaling = {"type": kind, "factor": 4.0}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = 64
+    config = {**case.config, "rope_scaling": scaling}
     reference = random_model(config)
 
     def keys(w) -> None:
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_type(gguf.RopeScalingType(kind))
         w.add_rope_scaling_factor(4.0)
+        if kind == "yarn":
+            w.add_rope_scaling_orig_ctx_len(64)
 
-    from dataclasses import replace
-
-    path = write_gguf(tmp_path / "lin.gguf", replace(case, config=config), hf_weights(reference),
+    path = write_gguf(tmp_path / "s.gguf", replace(case, config=config), hf_weights(reference),
                       extra_keys=keys)  # fmt: skip
     loaded = load(path, tmp_path / "cache")
-    assert loaded.config["rope_scaling"] == {"type": "linear", "factor": 4.0}
-    assert greedy(loaded.model, PROMPT)[0] == greedy(reference, PROMPT)[0]
+    assert loaded.config["rope_scaling"] == scaling
+    long_prompt = PROMPT * 8  # past the original context
+    assert greedy(loaded.model, long_prompt, 3)[0] == greedy(reference, long_prompt, 3)[0]
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_family_runs_in_the_engine_as_loaded_by_default(family: str, tmp_path: Path) -> None:
+    """The file loaded as a user gets it (--dtype auto: host weight formats on the CPU) runs
+    through batchmlx's engine: several requests at once give mlx-lm's own greedy tokens on
+    that loaded model."""
+    from mlx_lm.generate import generate_step
+
+    from batchmlx.core.engine_api import EngineSettings
+    from batchmlx.core.request import GenerationRequest, SamplingParams
+    from batchmlx.engine.choose import make_engine
+
+    case = CASES[family]
+    path = write_gguf(tmp_path / f"{family}.gguf", case, hf_weights(random_model(case.config)))
+    spec = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    loaded = load_model(spec, cache_dir=tmp_path / "cache")
+    prompts = [PROMPT, PROMPT[:5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 13, 200]]
+    want = [[int(t) for t, _ in generate_step(mx.array(p), loaded.model, max_tokens=STEPS)]
+            for p in prompts]  # fmt: skip
+    settings = EngineSettings(block_size=4, cache_memory_mb=16, max_prefill_tokens=64,
+                              max_batch_size=4)  # fmt: skip
+    eng = make_engine(loaded.model, None, name=family, context_length=256, config=settings)
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0)
+    outs = eng.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    assert [o.token_ids for o in outs] == want

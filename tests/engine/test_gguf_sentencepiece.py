@@ -5,6 +5,7 @@ first, "▁" for spaces with one prepended, unknown characters as <0xNN> byte pi
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,36 @@ def test_no_space_prefix_when_the_file_says_so(tmp_path: Path) -> None:
                     context_length=64)  # fmt: skip
     tok = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
     assert tok.encode("ab ab") == ids("ab", f"{S}ab")
+
+
+def test_a_sentencepiece_gguf_loads_with_its_tokenizer(tmp_path: Path) -> None:
+    """A llama file with a SentencePiece vocabulary (as Llama 2 and Mistral files have),
+    through the real loader: the tokenizer adds BOS and splits as above, the model answers."""
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.models.loader import load_model
+    from tests.gguf_files import CASES, hf_weights, random_model, write_gguf
+
+    case = CASES["llama"]
+    config = {**case.config, "vocab_size": len(TOKENS)}
+    meta = _meta()
+
+    def spm(w) -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(TOKENS)
+        w.add_token_scores(meta["tokenizer.ggml.scores"])
+        w.add_token_types(TYPES)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_chat_template(meta["tokenizer.chat_template"])
+
+    path = write_gguf(tmp_path / "spm.gguf", replace(case, config=config),
+                      hf_weights(random_model(config)), tokenizer=spm)  # fmt: skip
+    spec = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    loaded = load_model(spec, cache_dir=tmp_path / "cache", dtype="float32")
+    tok = loaded.tokenizer
+    assert tok.encode("ab ab") == [1, *ids(f"{S}ab", f"{S}ab")]
+    assert tok.decode(tok.encode("é cab")[1:]) == "é cab"
+    rendered = tok.apply_chat_template([{"role": "user", "content": "abc"}], tokenize=False)
+    assert rendered == "<s>abc"
+    assert 2 in loaded.eos_token_ids

@@ -1,0 +1,63 @@
+"""What a GGUF file must hold to be served (core/gguf_support.py), and the model rule asking it
+of a .gguf file before a batch starts (core/model_rule.py): pure, the header given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from batchmlx.core.gguf_support import GGUFSummary, gguf_problem
+from batchmlx.core.model_rule import Chosen, ModelRule, Refused, Via, Why, choose_model
+
+GOOD = GGUFSummary("qwen3", {"Q4_K": "blk.0.attn_q.weight", "F32": "output_norm.weight"},
+                   "gpt2", None)  # fmt: skip
+
+
+def summary(**changes) -> GGUFSummary:
+    return GGUFSummary(**{**{f: getattr(GOOD, f) for f in GOOD.__slots__}, **changes})
+
+
+def test_a_servable_header_has_no_problem() -> None:
+    assert gguf_problem(GOOD) is None
+    assert gguf_problem(summary(tokenizer="llama", rope_scaling="yarn")) is None
+
+
+def test_each_problem_names_what_is_missing() -> None:
+    arch = gguf_problem(summary(architecture="rwkv7"))
+    assert arch == ("its architecture 'rwkv7' is not one batchmlx loads from GGUF (gemma2, "
+                    "gemma3, granite, llama, olmo2, phi3, qwen2, qwen3, smollm3)")  # fmt: skip
+    types = gguf_problem(summary(tensor_types={"IQ2_XS": "blk.3.ffn_up.weight", "TQ1_0": "x",
+                                               "Q4_K": "y"}))  # fmt: skip
+    assert types is not None
+    assert types.startswith("its tensor type IQ2_XS ('blk.3.ffn_up.weight' and others) is not")
+    assert gguf_problem(summary(tokenizer="bert")) == (
+        "its tokenizer 'bert' is not one batchmlx reads (gpt2, llama)"
+    )
+    rope = gguf_problem(summary(rope_scaling="longrope"))
+    assert rope is not None and rope.startswith("its RoPE scaling 'longrope' is not one")
+
+
+def test_the_rule_asks_a_gguf_file_and_refuses_it(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    asked: list[str] = []
+
+    def problem(path: str) -> str | None:
+        asked.append(path)
+        return "its architecture 'rwkv7' is not one batchmlx loads from GGUF (…)"
+
+    choice = choose_model(str(model), ModelRule(), hub_problem=lambda _: None,
+                          gguf_problem=problem)  # fmt: skip
+    assert asked == [str(model.resolve())]
+    assert isinstance(choice, Refused) and choice.why is Why.UNSERVABLE
+    assert choice.message == (
+        f"The provided model {str(model)!r} is not supported by the Batch API. The GGUF file "
+        "'m.gguf' cannot be served: its architecture 'rwkv7' is not one batchmlx loads from "
+        "GGUF (…)."
+    )
+    alias = ModelRule(aliases={"gpt-4o-mini": str(model)})
+    refused = choose_model("gpt-4o-mini", alias, hub_problem=lambda _: None, gguf_problem=problem)
+    assert isinstance(refused, Refused) and refused.why is Why.UNSERVABLE
+    fine = choose_model(str(model), ModelRule(), hub_problem=lambda _: None,
+                        gguf_problem=lambda _: None)  # fmt: skip
+    assert fine == Chosen(str(model), Via.NAMED)
+    assert choose_model(str(model), ModelRule(), hub_problem=lambda _: None) == fine  # not asked

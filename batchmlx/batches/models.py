@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from batchmlx.batches.errors import BatchError
 from batchmlx.config import Settings
-from batchmlx.core.gguf_support import GGUFSummary
+from batchmlx.core.gguf_support import HeaderError, scan_header, summary_of
 from batchmlx.core.gguf_support import gguf_problem as problem_of
 from batchmlx.core.model_rule import (
     Chosen,
@@ -67,29 +67,17 @@ def hub_problem(hub_id: str) -> str | None:
 
 def gguf_problem(path: str) -> str | None:
     """Why the GGUF file at `path` cannot be served (None: it can), judged from its header
-    alone (gguf-py memory-maps it: no tensor is read) by core/gguf_support's rule, the one the
-    converter applies; so an unknown architecture or tensor type fails validation, not every
-    line of a started batch."""
-    try:
-        import gguf
-    except ImportError:  # pragma: no cover - a dependency
-        return None
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # a truncated or foreign file: gguf-py's own words
-        return f"it cannot be read as GGUF ({type(exc).__name__}: {exc})"
+    alone (no tensor is read) by core/gguf_support's rule, the one the converter applies; so an
+    unknown architecture or tensor type fails validation, not every line of a started batch."""
+    import gguf  # the names of ggml's tensor types
 
-    def text(key: str) -> str | None:
-        field = reader.fields.get(key)
-        return None if field is None else bytes(field.parts[field.data[0]]).decode()
-
-    arch = text("general.architecture") or ""
-    types: dict[str, str] = {}
-    for t in reader.tensors:
-        types.setdefault(t.tensor_type.name, t.name)
-    return problem_of(GGUFSummary(architecture=arch, tensor_types=types,
-                                  tokenizer=text("tokenizer.ggml.model"),
-                                  rope_scaling=text(f"{arch}.rope.scaling.type")))  # fmt: skip
+    try:
+        with open(path, "rb") as fh:
+            header = scan_header(fh)
+    except (OSError, HeaderError) as exc:
+        return f"it cannot be read as GGUF: {exc}"
+    names = {int(t): t.name for t in gguf.GGMLQuantizationType}
+    return problem_of(summary_of(header, names))
 
 
 def choose(name: str, rule: ModelRule) -> Chosen | Refused:

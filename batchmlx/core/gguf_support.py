@@ -1,12 +1,18 @@
 """What a GGUF file must hold for batchmlx to serve it: its architecture, its tensor types, its
-tokenizer and RoPE scaling. Pure: the caller reads the file's header (batches/models.py at
-validation, engine/models/gguf when converting) and both judge it here, so a file refused at
-submit time is the file the converter would refuse, with the same message."""
+tokenizer and RoPE scaling. Both the submit-time check (batches/models.py) and the converter
+(engine/models/gguf) judge a header here, so a file refused at submit time is the file the
+converter would refuse, with the same message.
+
+`scan_header` reads just the header from a stream the caller opened, skipping the arrays
+(vocabularies of 150k strings): gguf-py's reader parses every one of them (4 s for a 49k vocab),
+too slow for a check made at each submit."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import BinaryIO
 
 # general.architecture -> the mlx-lm model_type that runs it (docs/models.md lists them)
 ARCHITECTURES: Mapping[str, str] = {
@@ -43,6 +49,19 @@ def listed(names: object) -> str:
     return ", ".join(sorted(str(n) for n in names))  # type: ignore[attr-defined]
 
 
+def summary_of(header: GGUFHeader, type_names: Mapping[int, str]) -> GGUFSummary:
+    """The summary of a scanned header (type_names: ggml type id -> name, gguf-py's)."""
+    types: dict[str, str] = {}
+    for name, type_id in header.tensor_types.items():
+        types.setdefault(type_names.get(type_id, f"type {type_id}"), name)
+    arch = str(header.values.get("general.architecture", ""))
+    tokenizer = header.values.get("tokenizer.ggml.model")
+    scaling = header.values.get(f"{arch}.rope.scaling.type")
+    return GGUFSummary(architecture=arch, tensor_types=types,
+                       tokenizer=None if tokenizer is None else str(tokenizer),
+                       rope_scaling=None if scaling is None else str(scaling))  # fmt: skip
+
+
 def gguf_problem(summary: GGUFSummary) -> str | None:
     """Why a file with this header cannot be served (None: it can), naming what is missing."""
     arch = summary.architecture
@@ -62,3 +81,87 @@ def gguf_problem(summary: GGUFSummary) -> str | None:
         return (f"its RoPE scaling {summary.rope_scaling!r} is not one batchmlx applies "
                 f"({listed(ROPE_SCALINGS)})")  # fmt: skip
     return None
+
+
+# GGUF value types (gguf-py's GGUFValueType) -> struct format of one value; 8 string, 9 array
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+_MAGIC = b"GGUF"
+
+
+class HeaderError(ValueError):
+    """Not a GGUF header this reader knows (the message says what)."""
+
+
+@dataclass
+class GGUFHeader:
+    """A GGUF header's scalar and string keys (arrays skipped) and its tensors' types."""
+
+    values: dict[str, object] = field(default_factory=dict)
+    tensor_types: dict[str, int] = field(default_factory=dict)  # name -> ggml type id
+
+
+def scan_header(fh: BinaryIO) -> GGUFHeader:
+    """The header of the GGUF file open in `fh` (binary, at its start). HeaderError where it is
+    no GGUF (version 2 or 3) or ends early."""
+    if fh.read(4) != _MAGIC:
+        raise HeaderError("it does not start with GGUF's magic bytes")
+    version = _unpack(fh, "<I")
+    if version not in (2, 3):
+        raise HeaderError(f"GGUF version {version} is not one this reader knows (2, 3)")
+    n_tensors, n_kv = _unpack(fh, "<Q"), _unpack(fh, "<Q")
+    header = GGUFHeader()
+    for _ in range(int(n_kv)):
+        key = _string(fh)
+        kind = int(_unpack(fh, "<I"))
+        if kind == _ARRAY:
+            _skip_array(fh)
+        else:
+            header.values[key] = _value(fh, kind)
+    for _ in range(int(n_tensors)):
+        name = _string(fh)
+        dims = int(_unpack(fh, "<I"))
+        fh.read(8 * dims)
+        header.tensor_types[name] = int(_unpack(fh, "<I"))
+        fh.read(8)  # its offset
+    return header
+
+
+def _unpack(fh: BinaryIO, fmt: str) -> int | float | bool:
+    size = struct.calcsize(fmt)
+    raw = fh.read(size)
+    if len(raw) != size:
+        raise HeaderError("the header ends early (a truncated file?)")
+    value: int | float | bool = struct.unpack(fmt, raw)[0]
+    return value
+
+
+def _string(fh: BinaryIO) -> str:
+    size = int(_unpack(fh, "<Q"))
+    raw = fh.read(size)
+    if len(raw) != size:
+        raise HeaderError("the header ends early (a truncated file?)")
+    return raw.decode("utf-8", errors="replace")
+
+
+def _value(fh: BinaryIO, kind: int) -> object:
+    if kind == _STRING:
+        return _string(fh)
+    if kind not in _SCALARS:
+        raise HeaderError(f"unknown GGUF value type {kind}")
+    return _unpack(fh, _SCALARS[kind])
+
+
+def _skip_array(fh: BinaryIO) -> None:
+    kind, count = int(_unpack(fh, "<I")), int(_unpack(fh, "<Q"))
+    if kind == _STRING:
+        for _ in range(count):
+            fh.seek(int(_unpack(fh, "<Q")), 1)
+    elif kind == _ARRAY:
+        for _ in range(count):
+            _skip_array(fh)
+    elif kind in _SCALARS:
+        fh.seek(count * struct.calcsize(_SCALARS[kind]), 1)
+    else:
+        raise HeaderError(f"unknown GGUF value type {kind}")

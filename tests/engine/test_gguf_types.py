@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from batchmlx.core.gguf_support import TENSOR_TYPES
+from batchmlx.core.gguf_support import TENSOR_TYPES, scan_header, summary_of
 from batchmlx.engine.models.gguf.families import Placed, Transform
-from batchmlx.engine.models.gguf.reader import open_gguf
+from batchmlx.engine.models.gguf.reader import open_gguf, summary
 from batchmlx.engine.models.gguf.weights import write_safetensors
 from tests.engine.test_gguf_families import greedy, load
 from tests.gguf_files import CASES, hf_weights, random_model, write_gguf
@@ -80,12 +80,16 @@ def test_type_loads_as_gguf_py_dequantizes_it(type_name: str, tmp_path: Path) ->
     assert checked == sum(w.ndim == 2 for w in weights.values())
     tokens, logits = greedy(loaded.model, [1, 2, 3], 2)
     assert np.isfinite(logits).all()
+    # the submit-time scan of the header (no gguf-py reader) sees what the converter sees
+    with open(path, "rb") as fh:
+        scanned = summary_of(scan_header(fh), {int(t): t.name for t in Q})
+    assert scanned == summary(open_gguf(path))
+    assert scanned.tensor_types[type_name] == "token_embd.weight"
 
 
 def test_unknown_type_is_refused_naming_it(tmp_path: Path) -> None:
     """IQ2_XXS (an i-quant gguf-py reads but batchmlx does not list) is refused by name."""
     from batchmlx.core.gguf_support import gguf_problem
-    from batchmlx.engine.models.gguf.reader import summary
 
     case = replace(CASES["llama"], config=CONFIG)
     weights = hf_weights(random_model(CONFIG))

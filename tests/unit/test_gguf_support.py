@@ -61,3 +61,31 @@ def test_the_rule_asks_a_gguf_file_and_refuses_it(tmp_path: Path) -> None:
                         gguf_problem=lambda _: None)  # fmt: skip
     assert fine == Chosen(str(model), Via.NAMED)
     assert choose_model(str(model), ModelRule(), hub_problem=lambda _: None) == fine  # not asked
+
+
+def test_scan_header_reads_keys_skips_arrays_and_refuses_junk() -> None:
+    import io
+    import struct
+
+    import pytest
+
+    from batchmlx.core.gguf_support import HeaderError, scan_header
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    body = (
+        b"GGUF" + struct.pack("<IQQ", 3, 1, 3)
+        + string("general.architecture") + struct.pack("<I", 8) + string("qwen3")
+        + string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2) + string("a")
+        + string("bc")
+        + string("qwen3.block_count") + struct.pack("<II", 4, 28)
+        + string("blk.0.attn_q.weight") + struct.pack("<IQQIQ", 2, 256, 64, 12, 0)
+    )  # fmt: skip
+    header = scan_header(io.BytesIO(body))
+    assert header.values == {"general.architecture": "qwen3", "qwen3.block_count": 28}
+    assert header.tensor_types == {"blk.0.attn_q.weight": 12}
+    for junk, words in ((b"PK\x03\x04", "magic"), (body[:40], "ends early"),
+                        (b"GGUF" + struct.pack("<I", 7), "version 7")):  # fmt: skip
+        with pytest.raises(HeaderError, match=words):
+            scan_header(io.BytesIO(junk))

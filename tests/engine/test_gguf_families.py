@@ -138,3 +138,26 @@ def test_family_runs_in_the_engine_as_loaded_by_default(family: str, tmp_path: P
     params = SamplingParams(max_tokens=STEPS, temperature=0.0)
     outs = eng.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
     assert [o.token_ids for o in outs] == want
+
+
+def test_phi3_longrope_from_its_factor_tensors(tmp_path: Path) -> None:
+    """Phi-3's 128k scaling: llama.cpp writes its factors as the rope_factors_long/short
+    tensors and the original context as a key; they load as mlx-lm's longrope (SuScaledRoPE)."""
+    case = CASES["phi3"]
+    rot = int(case.config["head_dim"] * case.config["partial_rotary_factor"])
+    rng = np.random.default_rng(2)
+    long = (1 + 4 * rng.random(rot // 2)).astype(np.float32)
+    short = (1 + rng.random(rot // 2)).astype(np.float32)
+    config = {**case.config, "original_max_position_embeddings": 64,
+              "rope_scaling": {"type": "longrope", "long_factor": long.tolist(),
+                               "short_factor": short.tolist()}}  # fmt: skip
+    reference = random_model(config)
+    weights = {**hf_weights(reference), "rope_factors_long.weight": long,
+               "rope_factors_short.weight": short}  # fmt: skip
+    path = write_gguf(tmp_path / "phi.gguf", replace(case, config=config), weights,
+                      extra_keys=lambda w: w.add_rope_scaling_orig_ctx_len(64))  # fmt: skip
+    loaded = load(path, tmp_path / "cache")
+    assert loaded.config["rope_scaling"]["type"] == "longrope"
+    assert loaded.config["original_max_position_embeddings"] == 64
+    long_prompt = PROMPT * 8
+    assert greedy(loaded.model, long_prompt, 3)[0] == greedy(reference, long_prompt, 3)[0]

@@ -32,6 +32,12 @@ TENSOR_TYPES = frozenset(
      "Q6_K"}
 )  # fmt: skip
 TOKENIZERS = frozenset({"gpt2", "llama"})  # BPE (byte-level) and SentencePiece
+# tokenizer.ggml.pre of a gpt2 vocabulary: llama.cpp's names of the splits before BPE, each with
+# its regex in engine/models/gguf/tokenizer.py
+PRE_TOKENIZERS = frozenset(
+    {"default", "gpt-2", "smollm", "starcoder", "refact", "llama-bpe", "llama3", "dbrx",
+     "smaug-bpe", "qwen2", "olmo"}
+)  # fmt: skip
 ROPE_SCALINGS = frozenset({"none", "linear", "yarn"})  # llama3's comes as a rope_freqs tensor
 
 
@@ -43,6 +49,7 @@ class GGUFSummary:
     tensor_types: Mapping[str, str]  # each ggml type in the file -> one tensor of that type
     tokenizer: str | None  # tokenizer.ggml.model
     rope_scaling: str | None  # {arch}.rope.scaling.type, None when absent
+    pre_tokenizer: str | None = None  # tokenizer.ggml.pre (a gpt2 vocabulary's split)
 
 
 def listed(names: object) -> str:
@@ -57,9 +64,11 @@ def summary_of(header: GGUFHeader, type_names: Mapping[int, str]) -> GGUFSummary
     arch = str(header.values.get("general.architecture", ""))
     tokenizer = header.values.get("tokenizer.ggml.model")
     scaling = header.values.get(f"{arch}.rope.scaling.type")
+    pre = header.values.get("tokenizer.ggml.pre")
     return GGUFSummary(architecture=arch, tensor_types=types,
                        tokenizer=None if tokenizer is None else str(tokenizer),
-                       rope_scaling=None if scaling is None else str(scaling))  # fmt: skip
+                       rope_scaling=None if scaling is None else str(scaling),
+                       pre_tokenizer=None if pre is None else str(pre))  # fmt: skip
 
 
 def gguf_problem(summary: GGUFSummary) -> str | None:
@@ -77,6 +86,10 @@ def gguf_problem(summary: GGUFSummary) -> str | None:
     if summary.tokenizer not in TOKENIZERS:
         return (f"its tokenizer {summary.tokenizer!r} is not one batchmlx reads "
                 f"({listed(TOKENIZERS)})")  # fmt: skip
+    pre = summary.pre_tokenizer or "default"
+    if summary.tokenizer == "gpt2" and pre not in PRE_TOKENIZERS:
+        return (f"its pre-tokenizer {pre!r} is not one batchmlx reads "
+                f"({listed(PRE_TOKENIZERS)})")  # fmt: skip
     if summary.rope_scaling not in (None, *ROPE_SCALINGS):
         return (f"its RoPE scaling {summary.rope_scaling!r} is not one batchmlx applies "
                 f"({listed(ROPE_SCALINGS)})")  # fmt: skip

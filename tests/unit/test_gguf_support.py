@@ -32,6 +32,11 @@ def test_each_problem_names_what_is_missing() -> None:
     assert gguf_problem(summary(tokenizer="bert")) == (
         "its tokenizer 'bert' is not one batchmlx reads (gpt2, llama)"
     )
+    assert gguf_problem(summary(pre_tokenizer="gpt-4o")) == (
+        "its pre-tokenizer 'gpt-4o' is not one batchmlx reads (dbrx, default, gpt-2, llama-bpe, "
+        "llama3, olmo, qwen2, refact, smaug-bpe, smollm, starcoder)"
+    )
+    assert gguf_problem(summary(tokenizer="llama", pre_tokenizer="gpt-4o")) is None  # BPE only
     rope = gguf_problem(summary(rope_scaling="longrope"))
     assert rope is not None and rope.startswith("its RoPE scaling 'longrope' is not one")
 

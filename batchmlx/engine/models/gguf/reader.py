@@ -71,11 +71,13 @@ def summary(f: GGUFFile) -> GGUFSummary:
     for t in f.tensors.values():
         types.setdefault(t.type_name, t.name)
     scaling = f.get("rope.scaling.type")
+    pre = f.meta.get("tokenizer.ggml.pre")
     return GGUFSummary(
         architecture=f.arch,
         tensor_types=types,
         tokenizer=f.meta.get("tokenizer.ggml.model"),
         rope_scaling=None if scaling is None else str(scaling),
+        pre_tokenizer=None if pre is None else str(pre),
     )
 
 

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from batchmlx.core.gguf_support import PRE_TOKENIZERS
 from batchmlx.engine.models.gguf.reader import GGUFConversionError
 
 # llama.cpp pre-tokenizer names -> (split regex or None, split digits one by one).
@@ -34,6 +35,8 @@ _PRE_TOKENIZERS: dict[str, tuple[str | None, bool]] = {
     "qwen2": (_QWEN2_REGEX, False),
     "olmo": (_GPT2_REGEX, False),
 }
+
+assert set(_PRE_TOKENIZERS) == PRE_TOKENIZERS  # the names validation accepts
 
 _TOKEN_TYPE_UNKNOWN = 2
 _TOKEN_TYPE_CONTROL = 3

@@ -10,7 +10,7 @@ too slow for a check made at each submit."""
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -39,6 +39,16 @@ PRE_TOKENIZERS = frozenset(
      "smaug-bpe", "qwen2", "olmo"}
 )  # fmt: skip
 ROPE_SCALINGS = frozenset({"none", "linear", "yarn"})  # llama3's comes as a rope_freqs tensor
+# llama.cpp's tensor names the converter maps (blk.N.NAME.weight|bias, or NAME.weight at the top):
+# anything else (a mixture of experts' ffn_gate_inp and *_exps, a vision tower) is refused
+LAYER_TENSORS = frozenset(
+    {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "attn_q_norm",
+     "attn_k_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "ffn_gate", "ffn_up",
+     "ffn_down"}
+)  # fmt: skip
+TOP_TENSORS = frozenset(
+    {"token_embd", "output_norm", "output", "rope_freqs", "rope_factors_long", "rope_factors_short"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,7 @@ class GGUFSummary:
     tokenizer: str | None  # tokenizer.ggml.model
     rope_scaling: str | None  # {arch}.rope.scaling.type, None when absent
     pre_tokenizer: str | None = None  # tokenizer.ggml.pre (a gpt2 vocabulary's split)
+    unknown_tensor: str | None = None  # the first tensor whose name is no known_tensor
 
 
 def listed(names: object) -> str:
@@ -68,7 +79,21 @@ def summary_of(header: GGUFHeader, type_names: Mapping[int, str]) -> GGUFSummary
     return GGUFSummary(architecture=arch, tensor_types=types,
                        tokenizer=None if tokenizer is None else str(tokenizer),
                        rope_scaling=None if scaling is None else str(scaling),
-                       pre_tokenizer=None if pre is None else str(pre))  # fmt: skip
+                       pre_tokenizer=None if pre is None else str(pre),
+                       unknown_tensor=first_unknown(header.tensor_types))  # fmt: skip
+
+
+def known_tensor(name: str) -> bool:
+    """Whether the converter maps a tensor of this llama.cpp name."""
+    base, _, _ = name.rpartition(".")
+    parts = base.split(".")
+    if parts[0] == "blk":
+        return len(parts) == 3 and parts[2] in LAYER_TENSORS
+    return base in TOP_TENSORS
+
+
+def first_unknown(names: Iterable[str]) -> str | None:
+    return next((n for n in names if not known_tensor(n)), None)
 
 
 def gguf_problem(summary: GGUFSummary) -> str | None:
@@ -83,6 +108,9 @@ def gguf_problem(summary: GGUFSummary) -> str | None:
         return (f"its tensor type {first} ({summary.tensor_types[first]!r}"
                 f"{' and others' if len(unknown) > 1 else ''}) is not one batchmlx reads "
                 f"({listed(TENSOR_TYPES)})")  # fmt: skip
+    if summary.unknown_tensor is not None:
+        return (f"its tensor {summary.unknown_tensor!r} is not one batchmlx maps to a model "
+                "(a mixture of experts' or another layer's)")  # fmt: skip
     if summary.tokenizer not in TOKENIZERS:
         return (f"its tokenizer {summary.tokenizer!r} is not one batchmlx reads "
                 f"({listed(TOKENIZERS)})")  # fmt: skip

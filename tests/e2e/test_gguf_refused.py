@@ -53,3 +53,15 @@ def test_unknown_tensor_type_is_refused_at_validation(tmp_path: Path) -> None:
     assert "its tensor type IQ4_NL ('blk.0.attn_v.weight') is not one batchmlx reads" in (
         err.message or ""
     )
+
+
+def test_a_mixture_of_experts_llama_file_is_refused_at_submit(tmp_path: Path) -> None:
+    """Mixtral-style files say `llama` but carry a router and experts: named, not accepted."""
+    cli = make_cli(tmp_path)
+    weights = {**_weights(), "model.layers.0.block_sparse_moe.gate.weight":
+               np.zeros((4, 64), np.float32)}  # fmt: skip
+    model = write_gguf(tmp_path / "moe.gguf", CASES["llama"], weights)
+    path = write_jsonl(tmp_path / "one.jsonl", [request_line("r", chat_body("hi"))])
+    proc = cli("submit", path, "--model", model)
+    assert proc.returncode != 0, describe(proc)
+    assert "its tensor 'blk.0.ffn_gate_inp.weight' is not one batchmlx maps" in proc.stderr

@@ -37,8 +37,25 @@ def test_each_problem_names_what_is_missing() -> None:
         "llama3, olmo, qwen2, refact, smaug-bpe, smollm, starcoder)"
     )
     assert gguf_problem(summary(tokenizer="llama", pre_tokenizer="gpt-4o")) is None  # BPE only
+    moe = gguf_problem(summary(unknown_tensor="blk.0.ffn_gate_inp.weight"))
+    assert moe == ("its tensor 'blk.0.ffn_gate_inp.weight' is not one batchmlx maps to a model "
+                   "(a mixture of experts' or another layer's)")  # fmt: skip
     rope = gguf_problem(summary(rope_scaling="longrope"))
     assert rope is not None and rope.startswith("its RoPE scaling 'longrope' is not one")
+
+
+def test_known_tensor_names() -> None:
+    from batchmlx.core.gguf_support import first_unknown, known_tensor
+
+    for name in ("token_embd.weight", "output.weight", "rope_freqs.weight",
+                 "blk.12.attn_q.bias", "blk.0.post_ffw_norm.weight"):  # fmt: skip
+        assert known_tensor(name), name
+    for name in ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_gate_inp.weight", "v.blk.0.attn_q.weight",
+                 "mm.0.weight", "blk.attn_q.weight"):  # fmt: skip
+        assert not known_tensor(name), name
+    assert first_unknown(["output.weight", "blk.1.ffn_up_exps.weight", "x"]) == (
+        "blk.1.ffn_up_exps.weight"
+    )
 
 
 def test_the_rule_asks_a_gguf_file_and_refuses_it(tmp_path: Path) -> None:

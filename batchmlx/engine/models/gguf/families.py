@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from batchmlx.core.gguf_support import ARCHITECTURES
+from batchmlx.core.gguf_support import ARCHITECTURES, LAYER_TENSORS, TOP_TENSORS
 from batchmlx.engine.models.gguf import rope
 from batchmlx.engine.models.gguf.reader import GGUFConversionError, GGUFFile
 
@@ -36,6 +36,9 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # tensors that are settings, not weights: read into the config
 _CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+# the names validation accepts (core/gguf_support) are the names mapped here
+assert set(_LAYER_NAMES) == LAYER_TENSORS
+assert {*_TOP_NAMES, *_CONFIG_TENSORS} == TOP_TENSORS
 
 
 class Transform(Enum):

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from batchmlx.core.gguf_support import GGUFSummary
+from batchmlx.core.gguf_support import GGUFSummary, first_unknown
 
 # ggml types stored as plain floats: kept in their own width (no dequantization to do)
 FLOAT_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}
@@ -78,6 +78,7 @@ def summary(f: GGUFFile) -> GGUFSummary:
         tokenizer=f.meta.get("tokenizer.ggml.model"),
         rope_scaling=None if scaling is None else str(scaling),
         pre_tokenizer=None if pre is None else str(pre),
+        unknown_tensor=first_unknown(f.tensors),
     )
 
 

@@ -1,9 +1,6 @@
-"""A GGUF file read with gguf-py (memory-mapped: nothing is read until asked), its metadata as
-plain Python values, and its tensors dequantized to numpy one at a time.
-
-No MLX here: the submit-time check (batches/models.py) reads headers through `summary`, and
-the converter streams tensors through `tensor_array`, so peak memory is one tensor's float32
-copy beside what has been written."""
+"""A GGUF file read with gguf-py (memory-mapped: no tensor is read until asked), its metadata
+as plain Python values, and its tensors (or slices of their rows) dequantized to numpy. No MLX.
+(The submit-time check reads less: core/gguf_support.scan_header skips the vocabulary.)"""
 
 from __future__ import annotations
 
@@ -90,8 +87,9 @@ def tensor_array(t: Tensor, rows: slice | None = None) -> np.ndarray:
     raw = np.asarray(t.raw)
     shape = t.shape
     if rows is not None:
-        raw = raw.reshape(-1, raw.shape[-1])[rows]
-        shape = (raw.shape[0], *t.shape[1:]) if len(t.shape) == 2 else (raw.shape[0], t.shape[-1])
+        assert len(t.shape) == 2, t.name  # a matrix's rows: whole blocks, each row its own
+        raw = raw[rows]
+        shape = (raw.shape[0], t.shape[1])
     if t.type_name == "BF16":
         return raw.view(np.uint16).reshape(shape)
     if t.type_name in FLOAT_TYPES:

@@ -48,16 +48,15 @@ def write_safetensors(
         for p in placed:
             for array in _converted(f, p, heads):
                 out.write(memoryview(np.ascontiguousarray(array)).cast("B"))
-                del array
 
 
 def _converted(f: GGUFFile, p: Placed, heads: tuple[int, int]) -> Iterator[np.ndarray]:
     """`p`'s tensor in slices of rows, in order (one piece where rows depend on each other)."""
     t = f.tensors[p.source]
-    if len(t.shape) < 2 or p.transform in (Transform.UNPERMUTE_Q, Transform.UNPERMUTE_K):
+    if len(t.shape) != 2 or p.transform in (Transform.UNPERMUTE_Q, Transform.UNPERMUTE_K):
         yield _transformed(tensor_array(t), p, t.type_name, heads)
         return
-    step = max(1, _SLICE_BYTES // (4 * int(np.prod(t.shape[1:]))))
+    step = max(1, _SLICE_BYTES // (4 * t.shape[1]))
     for start in range(0, t.shape[0], step):
         rows = slice(start, min(start + step, t.shape[0]))
         yield _transformed(tensor_array(t, rows), p, t.type_name, heads)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec, resolve_model
@@ -161,7 +162,16 @@ def test_converted_folder_layout(default_model_dir: Path) -> None:
     # Q4_1 and Q8_0 dequantized on conversion (gguf-py, numpy): float32, no quantization left
     assert "quantization" not in config
     weights = mx.load(str(default_model_dir / "model.safetensors"))
-    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float32
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == mx.float32
+    # llama.cpp's values exactly (MLX's own GGUF reader rounded them through float16)
+    import gguf
+
+    src = dm.default_gguf_path(default_model_dir.parent.parent)
+    tensor = next(t for t in gguf.GGUFReader(str(src)).tensors if t.name == "blk.0.attn_q.weight")
+    assert tensor.tensor_type.name == "Q4_1"
+    want = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    np.testing.assert_array_equal(np.array(q), want)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER_NAME):
         assert (default_model_dir / name).is_file()
 

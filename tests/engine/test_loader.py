@@ -274,3 +274,22 @@ def test_dtype_auto_asks_mlx_for_the_device():
 
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     assert effective_dtype("auto", quantized=True) == ("float32" if on_cpu else "stored")
+
+
+@pytest.mark.real_model
+def test_a_gguf_conversion_is_the_only_copy(engine_cache_dir: Path, tmp_path: Path) -> None:
+    """A GGUF is dequantized to float32 as it is converted (engine/models/gguf): every load,
+    at any dtype, reads that folder; nothing else is written under models/."""
+    src = tmp_path / "src" / "small.gguf"
+    src.parent.mkdir()
+    shutil.copyfile(dm.default_gguf_path(engine_cache_dir), src)
+    cache = tmp_path / "cache"
+    spec = resolve_model(str(src), cache_dir=cache)
+    f32 = load_model(spec, cache_dir=cache, dtype="float32")
+    auto = load_model(spec, cache_dir=cache)
+    assert "quantization" not in f32.config
+    assert f32.path == auto.path
+    assert [p.name for p in (cache / "models").iterdir() if not p.name.startswith(".")] == [
+        f32.path.name
+    ]
+    shutil.rmtree(cache)

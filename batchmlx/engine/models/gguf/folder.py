@@ -1,7 +1,6 @@
 """A GGUF file converted once into an MLX model folder that `mlx_lm.load` reads: config.json
 from its metadata (families.py), model.safetensors written a tensor at a time (weights.py), the
-tokenizer files (tokenizer.py); and the once-only, atomic, locked folder build that the dense
-copy (dense.py) shares."""
+tokenizer files (tokenizer.py); the folder built once, atomically and under a lock."""
 
 from __future__ import annotations
 

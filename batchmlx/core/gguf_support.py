@@ -63,8 +63,8 @@ class GGUFSummary:
     unknown_tensor: str | None = None  # the first tensor whose name is no known_tensor
 
 
-def listed(names: object) -> str:
-    return ", ".join(sorted(str(n) for n in names))  # type: ignore[attr-defined]
+def listed(names: Iterable[str]) -> str:
+    return ", ".join(sorted(names))
 
 
 def summary_of(header: GGUFHeader, type_names: Mapping[int, str]) -> GGUFSummary:

@@ -10,6 +10,8 @@ from dataclasses import replace
 
 from batchmlx.batches.errors import BatchError
 from batchmlx.config import Settings
+from batchmlx.core.gguf_support import HeaderError, scan_header, summary_of
+from batchmlx.core.gguf_support import gguf_problem as problem_of
 from batchmlx.core.model_rule import (
     Chosen,
     ModelRule,
@@ -63,9 +65,24 @@ def hub_problem(hub_id: str) -> str | None:
     return None
 
 
+def gguf_problem(path: str) -> str | None:
+    """Why the GGUF file at `path` cannot be served (None: it can), judged from its header
+    alone (no tensor is read) by core/gguf_support's rule, the one the converter applies; so an
+    unknown architecture or tensor type fails validation, not every line of a started batch."""
+    import gguf  # the names of ggml's tensor types
+
+    try:
+        with open(path, "rb") as fh:
+            header = scan_header(fh)
+    except (OSError, HeaderError) as exc:
+        return f"it cannot be read as GGUF: {exc}"
+    names = {int(t): t.name for t in gguf.GGMLQuantizationType}
+    return problem_of(summary_of(header, names))
+
+
 def choose(name: str, rule: ModelRule) -> Chosen | Refused:
-    """`choose_model` with the hub really asked (validation)."""
-    return choose_model(name, rule, hub_problem=hub_problem)
+    """`choose_model` with the hub and GGUF headers really asked (validation)."""
+    return choose_model(name, rule, hub_problem=hub_problem, gguf_problem=gguf_problem)
 
 
 def chosen_override(name: str, rule: ModelRule) -> str:

@@ -26,6 +26,8 @@ MODEL_ALIASES_ENV = "BATCHMLX_MODEL_ALIASES"  # "NAME=MODEL,NAME=MODEL"
 
 # Why a hub id cannot be fetched (None: it can); the caller's, as it touches cache and network.
 HubProblem = Callable[[str], "str | None"]
+# Why a .gguf file cannot be served (None: it can), from its header; the caller's (file I/O).
+FileProblem = Callable[[str], "str | None"]
 
 
 class Via(Enum):
@@ -59,6 +61,7 @@ class Why(Enum):
     NO_FILE = "no_file"  # a path with no model there
     UNFETCHABLE = "unfetchable"  # a hub model neither cached nor fetchable
     BAD_ALIAS = "bad_alias"  # its alias names a model that cannot run here
+    UNSERVABLE = "unservable"  # a .gguf file of an architecture or type batchmlx cannot load
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +76,14 @@ def not_supported(name: str) -> str:
     return f"The provided model {name!r} is not supported by the Batch API."
 
 
-def choose_model(name: str, rule: ModelRule, *, hub_problem: HubProblem) -> Chosen | Refused:
-    """The model that answers `name` under `rule`, or why it is refused."""
+def choose_model(
+    name: str, rule: ModelRule, *, hub_problem: HubProblem, gguf_problem: FileProblem | None = None
+) -> Chosen | Refused:
+    """The model that answers `name` under `rule`, or why it is refused. gguf_problem: asked of
+    a .gguf file this process would load (None: not asked)."""
     target = rule.aliases.get(name)
     if target is not None:
-        return _alias(name, target, rule, hub_problem)
+        return _alias(name, target, rule, hub_problem, gguf_problem)
     spec = resolve_model(name, cache_dir=Path())
     if spec is not None and _same(spec, rule.serving):
         return Chosen(rule.serving, Via.NAMED)
@@ -86,7 +92,8 @@ def choose_model(name: str, rule: ModelRule, *, hub_problem: HubProblem) -> Chos
             problem = hub_problem(name) if spec.kind == "hub" else None
             if problem is not None:
                 return Refused(_unfetchable(name, name, problem), Why.UNFETCHABLE)
-            return Chosen(name, Via.NAMED)
+            unservable = _unservable(name, spec, gguf_problem)
+            return unservable or Chosen(name, Via.NAMED)
         if _looks_like_path(name):  # a model asked for by its place: never replaced silently
             return Refused(f"{not_supported(name)} There is no MLX model folder (with a "
                            f"config.json) or .gguf file at {name!r}.", Why.NO_FILE)  # fmt: skip
@@ -134,7 +141,10 @@ def truthy(text: str | None) -> bool:
     return (text or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _alias(name: str, target: str, rule: ModelRule, hub_problem: HubProblem) -> Chosen | Refused:
+def _alias(
+    name: str, target: str, rule: ModelRule, hub_problem: HubProblem,
+    gguf_problem: FileProblem | None,
+) -> Chosen | Refused:  # fmt: skip
     spec = resolve_model(target, cache_dir=Path())
     if spec is None:  # parse_aliases refuses these; a folder may have gone since
         return Refused(
@@ -148,7 +158,18 @@ def _alias(name: str, target: str, rule: ModelRule, hub_problem: HubProblem) -> 
     problem = hub_problem(target) if spec.kind == "hub" else None
     if problem is not None:
         return Refused(_unfetchable(name, target, problem), Why.UNFETCHABLE)
-    return Chosen(target, Via.ALIAS)
+    return _unservable(name, spec, gguf_problem) or Chosen(target, Via.ALIAS)
+
+
+def _unservable(name: str, spec: ModelSpec, gguf_problem: FileProblem | None) -> Refused | None:
+    """A .gguf file whose header says it cannot be served: refused before the batch starts."""
+    if spec.kind != "gguf" or gguf_problem is None:
+        return None
+    problem = gguf_problem(spec.source)
+    if problem is None:
+        return None
+    return Refused(f"{not_supported(name)} The GGUF file {Path(spec.source).name!r} cannot be "
+                   f"served: {problem}.", Why.UNSERVABLE)  # fmt: skip
 
 
 def _unfetchable(name: str, hub_id: str, problem: str) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 from batchmlx.core.models import DEFAULT_MODEL_NAME, ModelSpec, resolve_model
@@ -158,12 +159,19 @@ def test_converted_folder_layout(default_model_dir: Path) -> None:
     assert config["model_type"] == "llama"
     assert config["rope_traditional"] is True
     assert config["tie_word_embeddings"] is True
-    assert config["quantization"]["bits"] == 4
-    assert config["quantization"]["model.embed_tokens"] == {
-        "group_size": 32,
-        "bits": 8,
-        "mode": "affine",
-    }
+    # Q4_1 and Q8_0 dequantized on conversion (gguf-py, numpy): float32, no quantization left
+    assert "quantization" not in config
+    weights = mx.load(str(default_model_dir / "model.safetensors"))
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == mx.float32
+    # llama.cpp's values exactly (MLX's own GGUF reader rounded them through float16)
+    import gguf
+
+    src = dm.default_gguf_path(default_model_dir.parent.parent)
+    tensor = next(t for t in gguf.GGUFReader(str(src)).tensors if t.name == "blk.0.attn_q.weight")
+    assert tensor.tensor_type.name == "Q4_1"
+    want = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    np.testing.assert_array_equal(np.array(q), want)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER_NAME):
         assert (default_model_dir / name).is_file()
 
@@ -266,3 +274,22 @@ def test_dtype_auto_asks_mlx_for_the_device():
 
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     assert effective_dtype("auto", quantized=True) == ("float32" if on_cpu else "stored")
+
+
+@pytest.mark.real_model
+def test_a_gguf_conversion_is_the_only_copy(engine_cache_dir: Path, tmp_path: Path) -> None:
+    """A GGUF is dequantized to float32 as it is converted (engine/models/gguf): every load,
+    at any dtype, reads that folder; nothing else is written under models/."""
+    src = tmp_path / "src" / "small.gguf"
+    src.parent.mkdir()
+    shutil.copyfile(dm.default_gguf_path(engine_cache_dir), src)
+    cache = tmp_path / "cache"
+    spec = resolve_model(str(src), cache_dir=cache)
+    f32 = load_model(spec, cache_dir=cache, dtype="float32")
+    auto = load_model(spec, cache_dir=cache)
+    assert "quantization" not in f32.config
+    assert f32.path == auto.path
+    assert [p.name for p in (cache / "models").iterdir() if not p.name.startswith(".")] == [
+        f32.path.name
+    ]
+    shutil.rmtree(cache)

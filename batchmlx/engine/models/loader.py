@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +21,6 @@ from batchmlx.engine.host.linear import HostFormat
 from batchmlx.engine.models import first_run as notes
 from batchmlx.engine.models import quick
 from batchmlx.engine.models.default_model import ensure_default_gguf
-from batchmlx.engine.models.dense import cached_dense, save_dense
 from batchmlx.engine.models.gguf import convert_gguf
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -65,9 +63,10 @@ def load_model(
     weights as stored (quantized stays quantized); "stored" keeps them as stored anywhere;
     "float32"/"float16" dequantize every layer to that dtype; "bfloat16" is the host bf16
     format on the CPU (MLX's own bf16 elsewhere); "int8" gives int8 weights computed by oneDNN
-    (CPU only). A folder batchmlx converted is dequantized once: later loads read the saved
-    float32 copy (dense.py). `backend`: the CPU backend the host formats compute with (oneDNN,
-    threads, the weights cache's switch; default: the process's, engine/host/backend.py)."""
+    (CPU only). A GGUF file is dequantized once, as it is converted (engine/models/gguf):
+    every load reads that float32 folder. `backend`: the CPU backend the host formats compute
+    with (oneDNN, threads, the weights cache's switch; default: the process's,
+    engine/host/backend.py)."""
     backend = backend or current()
     if dtype not in ("auto", "stored", "int8") and dtype not in _DTYPES:
         raise ValueError(
@@ -78,36 +77,31 @@ def load_model(
     written = notes.writes()
     with _collector_paused():
         folder = model_folder(spec, cache_dir=cache_dir)
-        ours = spec.kind in ("default", "gguf")  # a folder batchmlx converted: dense.py caches it
-        # the host formats start from the float32 copy of a folder batchmlx converted (exact
-        # norms, a fast load); any other model is converted layer by layer as it is stored
+        ours = spec.kind in ("default", "gguf")  # a float32 folder batchmlx converted
+        # the host formats start from that float32 folder (exact norms, a fast load); any
+        # other model is converted layer by layer as it is stored
         source = "float32" if host and ours else ("stored" if host else dtype)
-        dense = _dense_copy(Path(folder), source) if ours else None
         # lazy for the host formats: each layer's weights are read as it is converted, so the
         # float weights never all sit in memory beside the converted ones
-        if ours and quick.quick_loadable(Path(dense or folder)):  # no transformers: ~0.9 s less
-            model, tokenizer, config = quick.load_quick(Path(dense or folder),
-                                                        lazy=host is not None)  # fmt: skip
+        if ours and quick.quick_loadable(Path(folder)):  # no transformers: ~0.9 s less
+            model, tokenizer, config = quick.load_quick(Path(folder), lazy=host is not None)
         else:
             import mlx_lm  # heavy import (transformers); keep it off module import
 
-            model, tokenizer, config = mlx_lm.load(str(dense or folder), return_config=True,
+            model, tokenizer, config = mlx_lm.load(str(folder), return_config=True,
                                                    lazy=host is not None)  # fmt: skip
     quantized = "quantization" in config
     source = effective_dtype(source, quantized=quantized)
     if source in _DTYPES and (quantized or host is None):  # (a host format casts as it goes)
         dequantize_model(model, _DTYPES[source])
-        if ours and quantized:
-            save_dense(Path(folder), source, model)
     if host or source in _DTYPES:
         config = {k: v for k, v in config.items() if k not in _QUANTIZATION_KEYS}
-    path = Path(dense or folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
-    if host:  # keyed on the folder converted, not on its float32 copy (absent at first start)
-        _to_host(model, host, Path(folder) if spec.kind != "hub" else path, Path(cache_dir),
-                 backend)  # fmt: skip
+    path = Path(folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
+    if host:
+        _to_host(model, host, path, Path(cache_dir), backend)
     log.info("model %s: weights as %s on %s, from %s", spec.name,
              f"{host.value} (oneDNN)" if host else source, mx.default_device(),
-             Path(dense or folder).name)  # fmt: skip
+             Path(folder).name)  # fmt: skip
     if notes.writes() != written:  # a first run: say what the cache holds now
         notes.note("the model cache %s now holds %s", cache_dir,
                    notes.size_text(notes.disk_use(Path(cache_dir))))  # fmt: skip
@@ -131,7 +125,7 @@ def _to_host(
     from batchmlx.engine.host import weights_cache as host_cache
     from batchmlx.engine.host.linear import to_host_format
 
-    # float32 is not packed: its rows load as fast from the float32 copy as from a cache
+    # float32 is not packed: its rows load as fast from a float32 folder as from a cache
     if fmt is HostFormat.F32 or not backend.settings.weights_cache or not source.is_dir():
         to_host_format(model, fmt, backend=backend)
         return
@@ -200,13 +194,6 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def _dense_copy(folder: Path, dtype: str) -> Path | None:
-    """The saved dense copy of `folder` that `dtype` would dequantize it to, if there is one."""
-    quantized = "quantization" in json.loads((folder / "config.json").read_text())
-    want = effective_dtype(dtype, quantized=quantized)
-    return cached_dense(folder, want) if quantized and want in _DTYPES else None
 
 
 def effective_dtype(dtype: str, *, quantized: bool, on_cpu: bool | None = None) -> str:

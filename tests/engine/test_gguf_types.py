@@ -1,0 +1,133 @@
+"""Every tensor type batchmlx reads from GGUF (core/gguf_support.TENSOR_TYPES): a llama file
+whose matrices are stored in that type loads through the real loader, and each weight equals
+gguf-py's own dequantization of the file; the conversion's peak memory is one tensor's, not
+the model's."""
+
+from __future__ import annotations
+
+import tracemalloc
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from batchmlx.core.gguf_support import TENSOR_TYPES, scan_header, summary_of
+from batchmlx.engine.models.gguf.families import Placed, Transform
+from batchmlx.engine.models.gguf.reader import open_gguf, summary
+from batchmlx.engine.models.gguf.weights import write_safetensors
+from tests.engine.test_gguf_families import greedy, load
+from tests.gguf_files import CASES, hf_weights, random_model, write_gguf
+
+Q = gguf.GGMLQuantizationType
+# where each block keeps its float16 scales (d, and dmin/m), as gguf-py's dequantize reads them
+_SCALES = {
+    Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q8_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2),
+    Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q2_K: (-4, -2), Q.Q3_K: (-2,), Q.Q6_K: (-2,),
+}  # fmt: skip
+# hidden 256: the K-quants' blocks are 256 values of a row
+CONFIG = {**CASES["llama"].config, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+
+
+def random_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random bytes of a `qtype` tensor of `shape`, its scales small finite float16s."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape)) // block
+    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    for at in _SCALES[qtype]:
+        scale = rng.uniform(0.001, 0.01, n_blocks).astype(np.float16).view(np.uint8)
+        raw[:, at : (at + 2) or None] = scale.reshape(n_blocks, 2)
+    return raw.reshape(*shape[:-1], shape[-1] // block * size)
+
+
+def stored_as(type_name: str, rng: np.random.Generator):
+    qtype = Q[type_name]
+
+    def quantize(name: str, value: np.ndarray):
+        if value.ndim != 2:
+            return None  # norms stay F32, as llama.cpp keeps them
+        if qtype == Q.F16:
+            return value.astype(np.float16), qtype
+        if qtype == Q.BF16:
+            return gguf.quants.quantize(value, qtype), qtype
+        return random_blocks(qtype, value.shape, rng), qtype
+
+    return quantize
+
+
+@pytest.mark.parametrize("type_name", sorted(TENSOR_TYPES - {"F32"}))
+def test_type_loads_as_gguf_py_dequantizes_it(type_name: str, tmp_path: Path) -> None:
+    case = replace(CASES["llama"], config=CONFIG)
+    weights = hf_weights(random_model(CONFIG))
+    rng = np.random.default_rng(0)
+    path = write_gguf(tmp_path / f"m.{type_name}.gguf", case, weights,
+                      quantize=stored_as(type_name, rng))  # fmt: skip
+    loaded = load(path, tmp_path / "cache")
+    params = dict(tree_flatten(loaded.model.parameters()))
+    reader = gguf.GGUFReader(str(path))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, CONFIG["num_hidden_layers"])
+    checked = 0
+    for key in weights:
+        base, _, suffix = key.rpartition(".")
+        t = next(t for t in reader.tensors if t.name == f"{names.get_name(base)}.{suffix}")
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        got = np.array(params[key].astype(mx.float32))
+        np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=key)
+        checked += t.tensor_type.name == type_name
+    assert checked == sum(w.ndim == 2 for w in weights.values())
+    tokens, logits = greedy(loaded.model, [1, 2, 3], 2)
+    assert np.isfinite(logits).all()
+    # the submit-time scan of the header (no gguf-py reader) sees what the converter sees
+    with open(path, "rb") as fh:
+        scanned = summary_of(scan_header(fh), {int(t): t.name for t in Q})
+    assert scanned == summary(open_gguf(path))
+    assert scanned.tensor_types[type_name] == "token_embd.weight"
+
+
+def test_unknown_type_is_refused_naming_it(tmp_path: Path) -> None:
+    """IQ2_XXS (an i-quant gguf-py reads but batchmlx does not list) is refused by name."""
+    from batchmlx.core.gguf_support import gguf_problem
+
+    case = replace(CASES["llama"], config=CONFIG)
+    weights = hf_weights(random_model(CONFIG))
+
+    def iq(name: str, value: np.ndarray):
+        if name != "blk.1.ffn_down.weight":
+            return None
+        block, size = gguf.GGML_QUANT_SIZES[Q.IQ2_XXS]
+        raw = np.zeros((value.shape[0], value.shape[1] // block * size), np.uint8)
+        return raw, Q.IQ2_XXS
+
+    path = write_gguf(tmp_path / "iq.gguf", case, weights, quantize=iq)
+    problem = gguf_problem(summary(open_gguf(path)))
+    assert problem is not None
+    assert problem.startswith("its tensor type IQ2_XXS ('blk.1.ffn_down.weight') is not one")
+
+
+def test_conversion_memory_is_one_tensor_not_the_model(tmp_path: Path) -> None:
+    """Eight Q8_0 tensors of 8M values (32 MB each as float32): the peak of Python/numpy
+    allocations while writing is under one tensor's float32 size (the model's is eight): the
+    rows go out in slices."""
+    rows, cols, count = 4096, 2048, 8
+    w = gguf.GGUFWriter(str(tmp_path / "big.gguf"), "llama")
+    rng = np.random.default_rng(1)
+    for i in range(count):
+        w.add_tensor(f"t{i}", random_blocks(Q.Q8_0, (rows, cols), rng), raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = open_gguf(tmp_path / "big.gguf")
+    placed = [Placed(f"t{i}", f"t{i}", Transform.NONE) for i in range(count)]
+    tracemalloc.start()
+    write_safetensors(f, placed, (1, 1), tmp_path / "out.safetensors")
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    one = rows * cols * 4
+    assert peak < one / 2, f"peak {peak / one:.2f} tensors"
+    out = mx.load(str(tmp_path / "out.safetensors"))
+    want = gguf.quants.dequantize(f.tensors["t7"].raw, Q.Q8_0)
+    np.testing.assert_array_equal(np.array(out["t7"]), want)

@@ -152,7 +152,7 @@ def _probe(model: Any, window: int | None) -> str | None:
     else what went wrong."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from batchmlx.engine.kv.paged import BatchLayout, PagedKVStorage
+    from batchmlx.engine.kv.paged import BatchLayout, PackedLayout, PagedKVStorage
     from batchmlx.engine.runners.paged_forward import PagedForward, model_dims
 
     try:
@@ -175,9 +175,11 @@ def _probe(model: Any, window: int | None) -> str | None:
             tables.append(list(range(nxt, nxt + n)))
             nxt += n
         runner = PagedForward(model, storage)
+        # the host step runs packed steps (the ones the engine will give it); MLX padded ones
+        kind = PackedLayout if runner.host is not None else BatchLayout
 
         def run(chunks, starts):
-            layout = BatchLayout.build(
+            layout = kind.build(
                 block_size=_PROBE_BLOCK, n_kv_heads=n_kv, token_chunks=chunks, starts=starts,
                 block_tables=tables, share_prefix=window is None,
             )  # fmt: skip

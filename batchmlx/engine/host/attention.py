@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from batchmlx.engine.host.backend import HostBackend, current
+from batchmlx.engine.host.elementwise import softcap as cap_scores
 from batchmlx.engine.host.onednn import OneDNN
 from batchmlx.engine.kv.paged import additive_bias
 
@@ -79,10 +80,12 @@ def _attend(
     prefix: tuple[np.ndarray, np.ndarray] | None = None,
     valid: np.ndarray | None = None,
     backend: HostBackend | None = None,
+    softcap: float | None = None,
 ) -> np.ndarray:
     """`_attend_tiles` split over the worker threads: a prompt's query tiles (the later,
     larger ones first), or a single tile's sequences in two halves. valid [B, Q]: which
-    queries are real (padded chunks); None: all."""
+    queries are real (padded chunks); None: all. softcap: scores -> softcap * tanh(scores /
+    softcap) before the mask (gemma2)."""
     b, h, rep, ql, d = q.shape
     out = np.empty_like(q)
     backend = backend or current()
@@ -102,6 +105,8 @@ def _attend(
                 out,
                 q0,
                 min(ql, q0 + tile),
+                None,
+                softcap,
             )  # fmt: skip
             for q0 in starts
         ]
@@ -114,7 +119,7 @@ def _attend(
             return (q[r0:r1], k[r0:r1], v[r0:r1],
                     None if bias is None else bias[r0:r1] if bias.shape[0] > 1 else bias,
                     causal_offset, tile, prefix, out[r0:r1], 0, ql,
-                    None if valid is None else valid[r0:r1])  # fmt: skip
+                    None if valid is None else valid[r0:r1], softcap)  # fmt: skip
 
         jobs = [pool.submit(_attend_tiles, *rows(half, b))] if half < b else []
         _attend_tiles(*rows(0, half))
@@ -135,6 +140,7 @@ def _attend_tiles(
     first: int,
     last: int,
     valid: np.ndarray | None = None,
+    softcap: float | None = None,
 ) -> None:
     """softmax(q k^T + bias) v over [the shared prefix keys, if any] + each sequence's keys,
     for queries first..last, into out. valid [B, Q] (one tile only): the prefix part scores
@@ -153,6 +159,8 @@ def _attend_tiles(
         qc = q[:, :, :, q0:q1].reshape(b, h, rep * t, d)
         kt, vt = (k, v) if kc == kl else (k[:, :, :kc], v[:, :, :kc])
         s = np.matmul(qc, kt.swapaxes(-1, -2))  # [B, H, rep*t, kc]
+        if softcap is not None:
+            cap_scores(s, softcap)
         if bias is not None:
             s.reshape(b, h, rep, t, kc)[...] += bias[:, :, None, q0:q1, :kc]
         m = s.max(axis=-1, keepdims=True)
@@ -166,7 +174,7 @@ def _attend_tiles(
                 qp = qp[:, sel]
             flat = m.transpose(1, 0, 2, 3).reshape(h, b * rep * t)  # a copy: [H, B*rep*t]
             row_max = np.ascontiguousarray(flat[:, sel])
-            part = prefix_part(qp, prefix, row_max)
+            part = prefix_part(qp, prefix, row_max, softcap=softcap)
             flat[:, sel] = row_max
             m = flat.reshape(h, b, rep * t, 1).transpose(1, 0, 2, 3)
         np.subtract(s, m, out=s)
@@ -256,6 +264,7 @@ def decode_attention(
     bias: np.ndarray,
     prefix: tuple[np.ndarray, np.ndarray] | None = None,
     backend: HostBackend | None = None,
+    softcap: float | None = None,
 ) -> np.ndarray:
     """One query per sequence (decode rows) in numpy: q [S, H, rep, D] already scaled; k, v
     [S, H, L, D]; bias [S, 1, 1, L] additive; prefix (keys, values) [H, P, D] every sequence
@@ -266,7 +275,7 @@ def decode_attention(
     lib = backend.attention_onednn()
     if lib is not None:
         backend.pool()  # (numpy's BLAS single-threaded first: the scores' calls are numpy's)
-        return _decode_rows(q, k, v, bias, prefix, lib)
+        return _decode_rows(q, k, v, bias, prefix, lib, softcap)
     if s > 1 and backend.pool_threads > 1 and s * h * rep * k.shape[2] >= MIN_SPLIT_DECODE_SCORES:
         out = np.empty(q.shape, np.float32)
         half = (s + 1) // 2
@@ -274,13 +283,13 @@ def decode_attention(
 
         def part(a: int, b: int) -> None:
             out[a:b] = _decode_rows(q[a:b], k[a:b], v[a:b], bias[a:b] if bias.shape[0] > 1
-                                    else bias, prefix)  # fmt: skip
+                                    else bias, prefix, None, softcap)  # fmt: skip
 
         job = pool.submit(part, half, s)
         part(0, half)
         job.result()
         return out
-    return _decode_rows(q, k, v, bias, prefix)
+    return _decode_rows(q, k, v, bias, prefix, None, softcap)
 
 
 def _decode_rows(
@@ -290,6 +299,7 @@ def _decode_rows(
     bias: np.ndarray,
     prefix: tuple[np.ndarray, np.ndarray] | None,
     lib: OneDNN | None = None,
+    softcap: float | None = None,
 ) -> np.ndarray:
     """lib: oneDNN, which runs the probabilities-times-values product over all S x H
     (sequence, KV head) pairs as one batched primitive on its own threads (numpy: one small
@@ -300,13 +310,15 @@ def _decode_rows(
     s, h, rep, d = q.shape
     kl = k.shape[2]
     sc = np.matmul(q, k.swapaxes(-1, -2))  # [S, H, rep, L]
+    if softcap is not None:
+        cap_scores(sc, softcap)
     sc += bias
     m = sc.max(axis=-1, keepdims=True)
     part = None
     if prefix is not None:  # every row's queries against the one copy of the prefix
         qp = q.transpose(1, 0, 2, 3).reshape(h, s * rep, d)
         row_max = np.ascontiguousarray(m.reshape(s, h, rep).transpose(1, 0, 2)).reshape(h, -1)
-        part = prefix_part(qp, prefix, row_max, lib)
+        part = prefix_part(qp, prefix, row_max, lib, softcap)
         m = row_max.reshape(h, s, rep).transpose(1, 0, 2)[..., None]
     sc -= m
     np.exp(sc, out=sc)
@@ -336,6 +348,7 @@ def prefix_part(
     prefix: tuple[np.ndarray, np.ndarray],
     row_max: np.ndarray,
     lib: OneDNN | None = None,
+    softcap: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Queries qp [H, R, D] against a prefix's keys and values [H, P, D] every one of them
     sees: row_max [H, R] (contiguous) holds each row's max over its own keys and is raised in
@@ -358,6 +371,8 @@ def prefix_part(
         r1 = min(r, r0 + rows)
         sc = buf[: h * (r1 - r0) * p].reshape(h, r1 - r0, p)
         product(qp[:, r0:r1], kt, sc)
+        if softcap is not None:
+            cap_scores(sc, softcap)
         top = row_max[:, r0:r1]
         np.maximum(top, sc.max(axis=-1), out=top)
         sc -= top[..., None]

@@ -10,9 +10,15 @@ buffer MLX owns (no copy back).
 
 Small arrays (a decode step) stay in MLX: there its passes hit cache and the host's evaluation
 and thread hand-off cost more than they save (crossover about 300 tokens x 1,536).
+
+The host steps (engine/host/step.py) take their gated MLPs from here too, on numpy arrays:
+SwiGLU, gemma's GeGLU (gelu's tanh approximation) and gemma2's soft-capping.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -75,6 +81,41 @@ def swiglu_halves(
     """silu(gate) * up of a fused gate-up GEMM's output gu [M, 2I] (gate the first half of each
     row, up the second), as [M, I] float32: rows tile by tile (each tile's passes in L2), the
     halves of a large one on two threads. The host steps' MLP (engine/host/step.py)."""
+    return _gated_halves(gu, _swiglu_tile, out, backend)
+
+
+def geglu_halves(
+    gu: np.ndarray, out: np.ndarray | None = None, backend: HostBackend | None = None
+) -> np.ndarray:
+    """gelu_approx(gate) * up (gemma's MLP), as `swiglu_halves`."""
+    return _gated_halves(gu, _geglu_tile, out, backend)
+
+
+# gelu's tanh approximation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), nn.gelu_approx
+_GELU_C = np.float32(math.sqrt(2 / math.pi))
+_GELU_K = np.float32(0.044715)
+
+
+def _geglu_tile(g: np.ndarray, u: np.ndarray, out: np.ndarray, s: np.ndarray) -> None:
+    """out = gelu_approx(g) * u for one tile, s its scratch (nn.gelu_approx's formula)."""
+    np.multiply(g, g, out=s)
+    s *= g
+    s *= _GELU_K
+    s += g
+    s *= _GELU_C
+    np.tanh(s, out=s)
+    s += np.float32(1.0)
+    s *= g
+    s *= np.float32(0.5)
+    np.multiply(s, u, out=out)
+
+
+Tile = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def _gated_halves(
+    gu: np.ndarray, tile: Tile, out: np.ndarray | None, backend: HostBackend | None
+) -> np.ndarray:
     m, two = gu.shape
     i = two // 2
     if out is None:
@@ -82,18 +123,28 @@ def swiglu_halves(
     rows = max(1, TILE // i)  # rows per tile
     if ATTENTION_THREADS > 1 and m * i >= MIN_HOST_ELEMENTS:
         mid = m // 2
-        job = (backend or current()).pool().submit(_swiglu_rows, gu, out, i, mid, m, rows)
-        _swiglu_rows(gu, out, i, 0, mid, rows)
+        job = (backend or current()).pool().submit(_gated_rows, gu, out, i, mid, m, rows, tile)
+        _gated_rows(gu, out, i, 0, mid, rows, tile)
         job.result()
     else:
-        _swiglu_rows(gu, out, i, 0, m, rows)
+        _gated_rows(gu, out, i, 0, m, rows, tile)
     return out
 
 
-def _swiglu_rows(gu: np.ndarray, out: np.ndarray, i: int, lo: int, hi: int, rows: int) -> None:
-    """out[lo:hi] = silu(gate) * up of gu's rows lo..hi, `rows` rows a tile."""
+def _gated_rows(
+    gu: np.ndarray, out: np.ndarray, i: int, lo: int, hi: int, rows: int, tile: Tile
+) -> None:
+    """out[lo:hi] = act(gate) * up of gu's rows lo..hi, `rows` rows a tile."""
     scratch = np.empty((min(rows, max(hi - lo, 1)), i), np.float32)
     with np.errstate(over="ignore"):
         for a in range(lo, hi, rows):
             b = min(hi, a + rows)
-            _swiglu_tile(gu[a:b, :i], gu[a:b, i:], out[a:b], scratch[: b - a])
+            tile(gu[a:b, :i], gu[a:b, i:], out[a:b], scratch[: b - a])
+
+
+def softcap(x: np.ndarray, cap: float) -> None:
+    """x -> cap * tanh(x / cap) in place: gemma2's attention scores and logits, as mlx-lm
+    computes them (a division, tanh, a product)."""
+    x /= np.float32(cap)
+    np.tanh(x, out=x)
+    x *= np.float32(cap)

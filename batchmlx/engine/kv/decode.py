@@ -76,6 +76,9 @@ class DecodePlan:
     # [H, P / block_size] pool runs of a prefix all the rows share, to gather this step (it
     # is then kept while the same blocks are shared: they are complete, never written again)
     prefix_runs: mx.array | None = None
+    # [S] position of each slot's query (a free slot: 0), host-side: the host step's
+    # sliding-window layers limit the mask with it (key j of a slot is at position j)
+    positions: np.ndarray | None = None
 
     def fetch(
         self, layer: int, kpool: mx.array, vpool: mx.array, keys: mx.array, values: mx.array
@@ -316,4 +319,5 @@ class DecodeKV:
             mask=m,
             bias=additive_bias(m),
             prefix_runs=prefix_runs,
+            positions=lengths - 1 if not prefix else None,
         )

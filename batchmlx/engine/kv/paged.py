@@ -227,6 +227,10 @@ class Segment:
     # ROWS only: the step's plan for the decodes' dense KV (decode_kv.DecodePlan), or None:
     # keys and values gathered from the pool
     dense: Any = None
+    # [B, Q] position of each query and [K] of each gathered key, host-side: the host step's
+    # sliding-window layers limit the mask with them (engine/host/step_kv.py)
+    query_pos: np.ndarray | None = None
+    key_pos: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -287,7 +291,7 @@ class PackedLayout:
                 table[r, : len(block_tables[i])] = block_tables[i]
             qpos = st[:, None] + np.arange(q)[None, :]
             qvalid = np.arange(q)[None, :] < lens[:, None]
-            runs, mask, prefix, _, kpos = _key_view(
+            runs, mask, prefix, qwin, kpos = _key_view(
                 block_size, h, table, st, lens, qpos, qvalid, share_prefix
             )
             seg = Segment(
@@ -301,6 +305,8 @@ class PackedLayout:
                 prefix,
                 additive_bias(mask),
                 int(st.max()) - int(kpos[0]),
+                query_pos=qwin,
+                key_pos=kpos,
             )
             if kind is SegmentKind.CHUNKS:
                 member_first = np.concatenate([[0], np.cumsum(lens)[:-1]])
@@ -462,8 +468,8 @@ class PagedLayerCache:
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
-            if isinstance(self.layout, PackedLayout):  # the engine never packs these
-                raise NotImplementedError("sliding-window layers run padded steps")
+            if isinstance(self.layout, PackedLayout):  # packed only for the host step
+                raise NotImplementedError("sliding-window layers run padded steps in MLX")
             return self.layout.window_mask(window_size)
         if isinstance(self.layout, PackedLayout):
             return None  # each segment carries its own mask

@@ -111,9 +111,12 @@ class PagedRunner:
         self.pool.backed_blocks = self.storage.capacity_blocks  # reuse before growing
         self.forward_pass = PagedForward(model, self.storage)
         # mixed steps need the packed layout: padded, one prompt chunk would cost every decode
-        # row its length (a model without the attention seam, or with sliding-window layers,
-        # whose masks the packed segments do not carry, keeps prefill-or-decode steps)
-        self.mixed_steps = cfg.mixed_steps and self.forward_pass.packs and sliding_window is None
+        # row its length (a model without the attention seam, or with sliding-window layers
+        # whose steps run in MLX, keeps prefill-or-decode steps; the host step masks windows)
+        fp = self.forward_pass
+        self.mixed_steps = (
+            cfg.mixed_steps and fp.packs and (sliding_window is None or fp.packs_windows)
+        )
         # the decodes' KV kept contiguous (packed steps only), in at most half the KV bound
         # and at most decode.BUDGET_BYTES
         self.decode_kv = (

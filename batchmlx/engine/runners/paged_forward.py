@@ -7,6 +7,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from batchmlx.engine.host.linear import HostLinear
 from batchmlx.engine.host.step import HostStep
 from batchmlx.engine.kernels.attention import (
     AttentionRoute,
@@ -23,10 +24,18 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
     n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None)
     head_dim = getattr(attn, "head_dim", None)
     if head_dim is None:
-        head_dim = attn.k_proj.weight.shape[0] // n_kv
-        if hasattr(attn.k_proj, "bits"):  # quantized: packed columns, rows are outputs
-            head_dim = attn.k_proj.scales.shape[0] // n_kv
+        head_dim = _outputs(attn.k_proj) // n_kv
     return len(layers), int(n_kv), int(head_dim)
+
+
+def _outputs(layer: nn.Module) -> int:
+    """A linear layer's output features, in any of its forms."""
+    if isinstance(layer, HostLinear):  # one reader of a (maybe shared) host GEMM: its slice
+        start, end = layer._gemm.splits[layer._index]
+        return end - start
+    if hasattr(layer, "bits"):  # quantized: packed columns, rows are outputs
+        return int(layer.scales.shape[0])
+    return int(layer.weight.shape[0])
 
 
 class PagedForward:
@@ -46,14 +55,21 @@ class PagedForward:
         self.storage = storage
         self.body, self.head = _split(model)
         self.attention = AttentionRoute(model, prefix_attention)
-        # packed steps on the host alone, where the model is one it runs (host_step.py)
-        self.host = HostStep.of(model, storage) if self.packs else None
+        # packed steps on the host alone, where the model is one it runs (engine/host/step.py)
+        self.host = HostStep.of(model, storage)
 
     @property
     def packs(self) -> bool:
-        """Whether this model can run PackedLayout steps: its attention has the seam the
-        packed attention needs (else steps use the padded BatchLayout, unmixed)."""
-        return self.attention.paged is not None
+        """Whether this model can run PackedLayout steps: the host step runs them, or its
+        attention has the seam the packed attention in MLX needs (else steps use the padded
+        BatchLayout, unmixed)."""
+        return self.host is not None or self.attention.paged is not None
+
+    @property
+    def packs_windows(self) -> bool:
+        """Whether packed steps may hold sliding-window layers: the host step masks each
+        window's keys; MLX's packed attention does not (those models run padded steps)."""
+        return self.host is not None
 
     def forward(self, layout: BatchLayout | PackedLayout, rows: list[int] | None) -> mx.array:
         """Hidden states of each sequence's last new token → logits [len(rows), V].

@@ -1,0 +1,210 @@
+"""A host step's keys and values (engine/host/step.py): each token's new rows written to the
+paged pool (and the decodes' into their dense copy, kv/decode.py), and each segment's attention
+over the keys its rows see, in engine/host/attention.py's kernels. A sliding-window layer's
+segments add their window to the step's mask (built once a step per window size); gemma2's
+soft-capped scores go through the same kernels with their cap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from batchmlx.engine.host import attention as host_attention
+from batchmlx.engine.host.backend import HostBackend
+from batchmlx.engine.kv.decode import DecodePlan
+from batchmlx.engine.kv.paged import PackedLayout, PagedKVStorage, Segment, SegmentKind
+
+
+class StepKV:
+    """One host step's keys and values: every token's new rows into the pool (and the decodes'
+    into their dense copy, when the step has its plan), and each segment's attention over the
+    keys its rows see, as attention._segment regroups them. The pool's and the copy's arrays
+    are MLX's, evaluated; they are written through numpy views of their buffers, as the MLX
+    path's in-place scatters write them."""
+
+    def __init__(self, storage: PagedKVStorage, layout: PackedLayout, backend: HostBackend) -> None:
+        self.storage = storage
+        self.run = storage.block_size * storage.head_dim
+        self.write_rows = np.asarray(layout.write_rows)  # token-major, then head
+        self.segments = [_SegmentPlan.of(seg, backend) for seg in layout.segments]
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+               window: int | None = None, softcap: float | None = None) -> np.ndarray:  # fmt: skip
+        """q [T, Hq, D] (scaled, rotated), k, v [T, H, D] (k rotated): writes k, v and returns
+        the attention output [T, Hq, D] in row order. window: the layer sees each query's last
+        `window` keys only; softcap: its scores are soft-capped (gemma2)."""
+        s = self.storage
+        t, h, d = k.shape
+        kpool, vpool = view(s.keys[layer]), view(s.values[layer])
+        kpool[self.write_rows] = k.reshape(t * h, d)
+        vpool[self.write_rows] = v.reshape(t * h, d)
+        kr, vr = kpool.reshape(-1, self.run), vpool.reshape(-1, self.run)
+        out = np.empty(q.shape, np.float32)
+        for p in self.segments:
+            rows = slice(p.seg.first, p.seg.first + p.seg.length)
+            out[rows] = p.attend(layer, q[rows], k[rows], v[rows], kpool, vpool, kr, vr,
+                                 window, softcap)  # fmt: skip
+        return out
+
+
+@dataclass(slots=True)
+class _SegmentPlan:
+    """One segment's indices as numpy (read once a step, used by every layer)."""
+
+    seg: Segment
+    bias: np.ndarray
+    gather: np.ndarray | None  # [B, H, K / block_size] pool runs (no dense copy)
+    prefix_runs: np.ndarray | None  # [H, P / block_size] a shared prefix's runs
+    dense: _DensePlan | None = None
+    pad_rows: np.ndarray | None = None  # CHUNKS
+    real_rows: np.ndarray | None = None
+    valid: np.ndarray | None = None  # CHUNKS behind a prefix: [B, Q] the real queries
+    backend: HostBackend | None = None  # its attention's thread pool and oneDNN
+    windows: dict[int, np.ndarray] = field(default_factory=dict)  # bias within each window
+
+    @classmethod
+    def of(cls, seg: Segment, backend: HostBackend | None = None) -> _SegmentPlan:
+        plan = seg.dense
+        if plan is not None:
+            return cls(seg, np.asarray(plan.bias), None, None, _DensePlan.of(plan),
+                       backend=backend)  # fmt: skip
+        p = cls(seg, np.asarray(seg.bias), np.asarray(seg.gather_runs),
+                None if seg.prefix_runs is None else np.asarray(seg.prefix_runs),
+                backend=backend)  # fmt: skip
+        if seg.kind is SegmentKind.CHUNKS:
+            p.pad_rows, p.real_rows = np.asarray(seg.pad_rows), np.asarray(seg.real_rows)
+            if p.prefix_runs is not None and seg.queries <= host_attention.TILE_QUERIES:
+                valid = np.zeros(seg.batch * seg.queries, dtype=bool)
+                valid[p.real_rows] = True
+                p.valid = valid.reshape(seg.batch, seg.queries)
+        return p
+
+    def window_bias(self, window: int) -> np.ndarray:
+        """The step's bias with the keys outside each query's last `window` masked too (as
+        BatchLayout.window_mask, and mlx-lm's mask for a rotating cache of that size)."""
+        if window not in self.windows:
+            if self.dense is not None:  # a slot's key j is at position j
+                pos = self.dense.plan.positions
+                if pos is None:
+                    raise NotImplementedError("a window behind a shared prefix")
+                keys = np.arange(self.bias.shape[-1])
+                near = (keys[None, :] > pos[:, None] - window)[:, None, None, :]
+            else:
+                if self.prefix_runs is not None:
+                    raise NotImplementedError("a window behind a shared prefix")
+                qpos, kpos = self.seg.query_pos, self.seg.key_pos
+                assert qpos is not None and kpos is not None
+                near = (kpos[None, None, :] > qpos[:, :, None] - window)[:, None]
+            self.windows[window] = np.where(near, self.bias, np.float32(-np.inf))
+        return self.windows[window]
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+               kpool: np.ndarray, vpool: np.ndarray, kr: np.ndarray,
+               vr: np.ndarray, window: int | None = None,
+               softcap: float | None = None) -> np.ndarray:  # fmt: skip
+        """This segment's rows: q [n, Hq, D], k, v [n, H, D] -> [n, Hq, D]."""
+        seg = self.seg
+        n, hq, d = q.shape
+        h = k.shape[1]
+        rep = hq // h
+        bias = self.bias if window is None else self.window_bias(window)
+        if self.dense is not None:
+            keys, values, prefix = self.dense.fetch(layer, kpool, vpool, k, v)
+            dp = self.dense
+            qs = q if dp.slot_rows is None else q[dp.slot_rows]
+            o = host_attention.decode_attention(qs.reshape(-1, h, rep, d), keys, values,
+                                                bias, prefix, self.backend,
+                                                softcap)  # fmt: skip
+            o = o.reshape(-1, hq, d)
+            return o if dp.row_slots is None else o[dp.row_slots]
+        b = seg.batch
+        keys = kr[self.gather].reshape(b, h, -1, d)
+        values = vr[self.gather].reshape(b, h, -1, d)
+        prefix = None
+        if self.prefix_runs is not None:
+            prefix = (kr[self.prefix_runs].reshape(h, -1, d),
+                      vr[self.prefix_runs].reshape(h, -1, d))  # fmt: skip
+        if seg.kind is SegmentKind.ROWS:
+            o = host_attention.decode_attention(q.reshape(n, h, rep, d), keys, values,
+                                                bias, prefix, self.backend, softcap)  # fmt: skip
+            return o.reshape(n, hq, d)
+        if seg.kind is SegmentKind.CHUNK:  # one sequence: [1, H, rep, L, D]
+            q5 = q.transpose(1, 0, 2).reshape(1, h, rep, n, d)
+        else:  # padded chunks: [B, H, rep, Q, D]
+            q5 = q[self.pad_rows].reshape(b, seg.queries, h, rep, d).transpose(0, 2, 3, 1, 4)
+        o = host_attention._attend(np.ascontiguousarray(q5), keys, values, bias,
+                                   seg.causal_offset, host_attention.TILE_QUERIES, prefix,
+                                   self.valid, self.backend, softcap)  # fmt: skip
+        if seg.kind is SegmentKind.CHUNK:
+            return o.reshape(hq, n, d).transpose(1, 0, 2)
+        o = o.reshape(b, hq, seg.queries, d).transpose(0, 2, 1, 3).reshape(-1, hq, d)
+        return o[self.real_rows]
+
+
+@dataclass(slots=True)
+class _DensePlan:
+    """A DecodePlan's indices as numpy; `fetch` is DecodePlan.fetch in numpy."""
+
+    plan: DecodePlan
+    write_rows: np.ndarray
+    join: tuple[np.ndarray, np.ndarray] | None
+    rebuild: np.ndarray | None
+    prefix_runs: np.ndarray | None
+    slot_rows: np.ndarray | None
+    row_slots: np.ndarray | None
+
+    @classmethod
+    def of(cls, plan: DecodePlan) -> _DensePlan:
+        def host(a: mx.array | None) -> np.ndarray | None:
+            return None if a is None else np.asarray(a)
+
+        join = None if plan.join_rows is None else (host(plan.join_rows), host(plan.join_src))
+        rebuild = None if plan.rebuild_runs is None else np.asarray(plan.rebuild_runs).reshape(-1)
+        return cls(plan, np.asarray(plan.write_rows), join, rebuild, host(plan.prefix_runs),
+                   host(plan.slot_rows), host(plan.row_slots))  # fmt: skip
+
+    def fetch(self, layer: int, kpool: np.ndarray, vpool: np.ndarray, k: np.ndarray,
+              v: np.ndarray) -> tuple:  # fmt: skip
+        """The copy's keys and values [S, H, L, D] with the new rows in, and the shared
+        prefix's [H, P, D] (or None)."""
+        plan = self.plan
+        kv = plan.owner
+        d = kpool.shape[-1]
+        run = kv.block_size * d
+        out = []
+        for pool, new, arrays in ((kpool, k, kv.keys), (vpool, v, kv.values)):
+            if self.rebuild is not None:  # the pool already holds the step's new rows
+                buf = mx.zeros((self.rebuild.shape[0] * kv.block_size, d), mx.float32)
+                mx.eval(buf)
+                np.take(pool.reshape(-1, run), self.rebuild, axis=0,
+                        out=view(buf).reshape(-1, run))  # fmt: skip
+                arrays[layer] = buf
+                arr = view(buf)
+            else:
+                arr = view(arrays[layer])
+                if self.join is not None:
+                    arr[self.join[0]] = pool[self.join[1]]
+                arr[self.write_rows] = new.reshape(-1, d)
+            out.append(arr.reshape(plan.slots, kv.n_kv_heads, plan.capacity, d))
+        if self.prefix_runs is not None:  # gathered this step, kept while shared
+            h = kv.n_kv_heads
+            kp = kpool.reshape(-1, run)[self.prefix_runs].reshape(h, -1, d)
+            vp = vpool.reshape(-1, run)[self.prefix_runs].reshape(h, -1, d)
+            kv.prefix[layer] = (mx.array(kp), mx.array(vp))
+        prefix = None
+        if kv.prefix_blocks:
+            pk, pv = kv.prefix[layer]
+            prefix = (view(pk), view(pv))
+        return out[0], out[1], prefix
+
+
+def view(a: mx.array) -> np.ndarray:
+    """A writable numpy view of an evaluated float32 MLX array's buffer."""
+    mx.eval(a)
+    out = np.asarray(a)
+    if not out.flags.writeable:  # pragma: no cover - MLX exported a read-only buffer
+        raise RuntimeError("MLX array not writable through numpy")
+    return out

@@ -1,0 +1,344 @@
+"""The host step (engine/host/step.py) for every family it composes (engine/host/family.py):
+tiny random-weight models built from mlx-lm's own classes, float32 weights in the float32 host
+format, against mlx-lm's own forward on the same weights: logits of a ragged prefill and of
+decode steps past the sliding window within float32 rounding, greedy tokens of staggered
+requests through the whole engine (mixed steps, the decodes' dense copy) equal to mlx-lm's
+`generate_step`. And each part matters: the same step with one part of its Family dropped
+(q/k norm, norm offset, window, soft-cap, ...) leaves that tolerance."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.generate import generate_step
+from mlx_lm.models import (
+    gemma2,
+    gemma3_text,
+    granite,
+    llama,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    smollm3,
+)
+from mlx_lm.models.cache import make_prompt_cache
+
+from batchmlx.core.engine_api import EngineSettings
+from batchmlx.core.request import GenerationRequest, SamplingParams
+from batchmlx.engine.choose import make_engine
+from batchmlx.engine.host.family import (
+    Activation,
+    Family,
+    Norms,
+    QKNorm,
+    describe,
+)
+from batchmlx.engine.host.linear import HostFormat, to_host_format
+from batchmlx.engine.host.step import HostStep
+from batchmlx.engine.kv.paged import PackedLayout, PagedKVStorage
+from batchmlx.engine.runners.paged import PagedRunner
+from batchmlx.engine.runners.paged_forward import PagedForward, model_dims
+
+VOCAB = 128
+BASE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=512,
+            intermediate_size=96, rms_norm_eps=1e-5)  # fmt: skip
+# max |host - mlx-lm| / max |mlx-lm| of a step's logits: float32 either side, the sums in
+# another order (measured <= 1.1e-5 on these models)
+TOLERANCE = 1e-4
+# the same with one part dropped: at least this far off (measured >= 0.19: gemma3's GeGLU)
+DROPPED = 5e-2
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    module: Any
+    args: dict
+    drops: tuple[str, ...]  # the parts whose removal the test shows
+
+
+def _layers(f: Family, **change: Any) -> Family:
+    return replace(f, layers=tuple(replace(la, **change) for la in f.layers))
+
+
+def _plain_rope(f: Family) -> Family:
+    """Every RoPE as a plain one of base 10,000 (drops llama3, yarn, su scaling)."""
+    return replace(f, layers=tuple(
+        replace(la, rope=None if la.rope is None else replace(
+            la.rope, base=10000.0, scale=1.0, freqs=None, mscale=1.0))
+        for la in f.layers))  # fmt: skip
+
+
+DROPS: dict[str, Callable[[Family], Family]] = {
+    "q/k norm": lambda f: replace(f, qk_norm=QKNorm.NONE),
+    "norm offset": lambda f: replace(f, norm_offset=0.0),
+    # the norms after each sublayer moved before it (llama's places)
+    "norm placement": lambda f: replace(
+        f, norms=Norms(f.norms.post_attn, None, f.norms.post_mlp, None)
+    ),
+    "gelu": lambda f: replace(f, activation=Activation.SILU),
+    "embedding scale": lambda f: replace(f, embed_scale=None),
+    "residual scale": lambda f: replace(f, residual_scale=None),
+    "logit divisor": lambda f: replace(f, logit_divisor=None),
+    "attention soft-cap": lambda f: replace(f, attn_softcap=None),
+    "final soft-cap": lambda f: replace(f, final_softcap=None),
+    "sliding window": lambda f: _layers(f, window=None),
+    "rope scaling": _plain_rope,
+    "local rope base": lambda f: _layers(f, rope=f.layers[-1].rope),
+    "no-rope layers": lambda f: _layers(f, rope=next(la.rope for la in f.layers if la.rope)),
+}
+
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=16)  # fmt: skip
+SPECS = [
+    Spec("llama", llama, dict(model_type="llama", rope_theta=1e4, head_dim=16), ()),
+    Spec(
+        "llama3",
+        llama,
+        dict(model_type="llama", rope_theta=5e5, head_dim=16, rope_scaling=LLAMA3),
+        ("rope scaling",),
+    ),  # fmt: skip
+    # mistral is mlx-lm's llama; its sliding window as mlx-lm's llama layer_types give it
+    Spec(
+        "mistral-window",
+        llama,
+        dict(
+            model_type="llama",
+            rope_theta=1e4,
+            head_dim=16,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+        ("sliding window",),
+    ),  # fmt: skip
+    Spec("qwen2", qwen2, dict(model_type="qwen2", rope_theta=1e4), ()),  # q, k, v biases
+    Spec("qwen3", qwen3, dict(model_type="qwen3", rope_theta=1e4, head_dim=16), ("q/k norm",)),
+    Spec(
+        "qwen3-yarn",
+        qwen3,
+        dict(
+            model_type="qwen3",
+            rope_theta=1e4,
+            head_dim=16,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
+        ),
+        ("rope scaling",),
+    ),  # fmt: skip
+    Spec(
+        "gemma3_text",
+        gemma3_text,
+        dict(
+            model_type="gemma3_text",
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=5,
+            sliding_window_pattern=2,
+        ),
+        (
+            "q/k norm",
+            "norm offset",
+            "norm placement",
+            "gelu",
+            "embedding scale",
+            "sliding window",
+            "local rope base",
+        ),
+    ),  # fmt: skip
+    Spec(
+        "gemma2",
+        gemma2,
+        dict(
+            model_type="gemma2",
+            head_dim=16,
+            rope_theta=1e4,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            query_pre_attn_scalar=16,
+        ),
+        ("attention soft-cap", "final soft-cap", "embedding scale"),
+    ),  # fmt: skip
+    Spec("phi3", phi3, dict(model_type="phi3", rope_theta=1e4, partial_rotary_factor=0.5), ()),
+    Spec(
+        "phi3-longrope",
+        phi3,
+        dict(
+            model_type="phi3",
+            rope_theta=1e4,
+            max_position_embeddings=512,
+            original_max_position_embeddings=32,
+            rope_scaling=dict(
+                type="longrope",
+                short_factor=[1.0] * 8,
+                long_factor=[1.0, 1.5, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
+            ),
+        ),
+        ("rope scaling",),
+    ),  # fmt: skip
+    Spec(
+        "granite",
+        granite,
+        dict(
+            model_type="granite",
+            rope_theta=1e4,
+            attention_multiplier=0.3,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            logits_scaling=4.0,
+            attention_bias=True,
+            mlp_bias=True,
+        ),
+        ("embedding scale", "residual scale", "logit divisor"),
+    ),  # fmt: skip
+    Spec(
+        "olmo2", olmo2, dict(model_type="olmo2", rope_theta=1e4), ("q/k norm", "norm placement")
+    ),  # fmt: skip
+    Spec(
+        "smollm3",
+        smollm3,
+        dict(model_type="smollm3", rope_theta=1e4, head_dim=16, no_rope_layer_interval=2),
+        ("no-rope layers",),
+    ),  # fmt: skip
+]
+
+
+def build(spec: Spec, host: bool) -> Any:
+    """The family's tiny model in float32 (weights scaled up: argmaxes decided by the context,
+    not near-ties); host: its layers in the float32 host format."""
+    mx.random.seed(0)
+    model = spec.module.Model(spec.module.ModelArgs.from_dict({**BASE, **spec.args}))
+    model.set_dtype(mx.float32)
+    model.update(tree_map(lambda p: p * 2.0, model.parameters()))
+    mx.eval(model.parameters())
+    return to_host_format(model, HostFormat.F32) if host else model
+
+
+@pytest.fixture(scope="module", params=SPECS, ids=[s.name for s in SPECS])
+def pair(request):
+    """(spec, mlx-lm's model, the same weights in the host format)."""
+    spec = request.param
+    ref = build(spec, host=False)
+    return spec, ref, to_host_format(copy.deepcopy(ref), HostFormat.F32)
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(1, VOCAB, size=n).tolist() for n in (14, 3, 9)]
+
+
+def reference(model, prompt: list[int], decodes: int) -> tuple[list[np.ndarray], list[int]]:
+    """mlx-lm's logits of the prompt's last token and of `decodes` greedy steps after it, and
+    the tokens it chose."""
+    cache = make_prompt_cache(model)
+    out = model(mx.array([prompt]), cache=cache)[0, -1]
+    logits, tokens = [np.array(out)], []
+    for _ in range(decodes):
+        tokens.append(int(np.argmax(logits[-1])))
+        logits.append(np.array(model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]))
+    return logits, tokens
+
+
+def host_logits(model, ps: list[list[int]], fed: list[list[int]], family: Family | None = None):
+    """Through the host step: the prompts as one ragged packed prefill, then one packed
+    decode step per token of `fed` (each prompt's tokens to feed). Logits per step [S, V]."""
+    n_layers, n_kv, head_dim = model_dims(model)
+    bs = 4
+    blocks = [-(-(len(p) + len(f)) // bs) for p, f in zip(ps, fed, strict=True)]
+    storage = PagedKVStorage(num_layers=n_layers, n_kv_heads=n_kv, head_dim=head_dim,
+                             block_size=bs, dtype=mx.float32, max_blocks=1 + sum(blocks),
+                             grow_blocks=1 + sum(blocks))  # fmt: skip
+    tables, nxt = [], 1
+    for n in blocks:
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    fwd = PagedForward(model, storage)
+    assert fwd.host is not None
+    if family is not None:
+        fwd.host = HostStep(model, storage, family=family)
+    windowless = not describe(model).windows  # type: ignore[union-attr]
+
+    def step(chunks, starts):
+        layout = PackedLayout.build(block_size=bs, n_kv_heads=n_kv, token_chunks=chunks,
+                                    starts=starts, block_tables=tables,
+                                    share_prefix=windowless)  # fmt: skip
+        return np.array(fwd.forward(layout, None))
+
+    out = [step(ps, [0] * len(ps))]
+    for j in range(len(fed[0])):
+        out.append(step([[f[j]] for f in fed], [len(p) + j for p in ps]))
+    return out
+
+
+def test_the_host_step_covers_it(pair):
+    spec, ref, host = pair
+    fam = describe(host)
+    assert isinstance(fam, Family), fam
+    assert fam.name == spec.module.__name__
+
+
+def test_logits_equal_mlx_lms_forward(pair):
+    """A ragged prefill and 8 decode steps (past gemma3's window of 5 and beyond the
+    prompts' lengths), logits within float32 rounding of mlx-lm's, argmaxes equal."""
+    spec, ref, host = pair
+    ps = prompts()
+    refs = [reference(ref, p, 8) for p in ps]
+    got = host_logits(host, ps, [toks for _, toks in refs])
+    for step, logits in enumerate(got):
+        want = np.stack([r[0][step] for r in refs])
+        diff = float(np.abs(logits - want).max() / np.abs(want).max())
+        assert diff < TOLERANCE, (spec.name, step, diff)
+        assert (logits.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_each_part_matters(pair):
+    """Dropping any one of the family's parts moves the logits well past the tolerance: the
+    test above would catch a part the step forgot."""
+    spec, ref, host = pair
+    fam = describe(host)
+    assert isinstance(fam, Family)
+    ps = prompts()
+    refs = [reference(ref, p, 8) for p in ps]
+    fed = [toks for _, toks in refs]
+    for part in spec.drops:
+        dropped = DROPS[part](fam)
+        assert dropped != fam, part
+        got = host_logits(host, ps, fed, family=dropped)
+        worst = max(float(np.abs(g - np.stack([r[0][s] for r in refs])).max()
+                          / np.abs(np.stack([r[0][s] for r in refs])).max())
+                    for s, g in enumerate(got))  # fmt: skip
+        assert worst > DROPPED, (spec.name, part, worst)
+
+
+def test_greedy_tokens_equal_mlx_lm_through_the_engine(pair):
+    """make_engine's choice (paged, every step on the host), staggered requests of different
+    lengths with mixed steps and the decodes' dense copy: mlx-lm's greedy tokens."""
+    spec, ref, host = pair
+    rng = np.random.default_rng(8)
+    ps = [rng.integers(1, VOCAB, size=n).tolist() for n in (13, 4, 9, 21, 2)]
+    new = 12
+    want = [[int(t) for t, _ in generate_step(mx.array(p), ref, max_tokens=new)] for p in ps]
+    eng = make_engine(host, None, name=spec.name, context_length=256, config=EngineSettings(
+        block_size=4, cache_memory_mb=16, max_prefill_tokens=16, max_batch_size=4))  # fmt: skip
+    runner = eng.runner
+    assert isinstance(runner, PagedRunner) and runner.mixed_steps
+    params = SamplingParams(max_tokens=new, temperature=0.0)
+    eng.add(GenerationRequest("r0", ps[0], params))
+    eng.add(GenerationRequest("r1", ps[1], params))
+    outs = {o.request_id: o for o in eng.step()}
+    for i, p in enumerate(ps[2:], start=2):  # joining while the first ones decode
+        eng.add(GenerationRequest(f"r{i}", p, params))
+        outs.update({o.request_id: o for o in eng.step()})
+    while eng.has_unfinished():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert [outs[f"r{i}"].token_ids for i in range(len(ps))] == want
+    host_step = runner.forward_pass.host
+    assert host_step is not None and host_step.steps == runner.stats.steps
+    assert runner.stats.mixed_steps > 0

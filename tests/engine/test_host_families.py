@@ -342,3 +342,24 @@ def test_greedy_tokens_equal_mlx_lm_through_the_engine(pair):
     host_step = runner.forward_pass.host
     assert host_step is not None and host_step.steps == runner.stats.steps
     assert runner.stats.mixed_steps > 0
+
+
+def test_a_family_it_does_not_cover_keeps_the_mlx_path_and_says_why(caplog):
+    """A mixture-of-experts model in a host format: no Family, MLX steps, one log line."""
+    import logging
+
+    from mlx_lm.models import qwen3_moe
+
+    spec = Spec("qwen3_moe", qwen3_moe, dict(
+        model_type="qwen3_moe", rope_theta=1e4, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=32, norm_topk_prob=True), ())  # fmt: skip
+    model = build(spec, host=True)
+    assert describe(model) == "architecture mlx_lm.models.qwen3_moe"
+    storage = PagedKVStorage(num_layers=4, n_kv_heads=2, head_dim=16, block_size=4,
+                             dtype=mx.float32, max_blocks=8)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="batchmlx.engine"):
+        assert HostStep.of(model, storage) is None
+    lines = [r.getMessage() for r in caplog.records if "steps run in MLX" in r.getMessage()]
+    why = "architecture mlx_lm.models.qwen3_moe"
+    assert lines == [f"steps run in MLX, not on the host alone: {why}"]

@@ -41,13 +41,15 @@ from batchmlx.engine.host.family import (
     QKNorm,
     describe,
 )
-from batchmlx.engine.host.linear import HostFormat, to_host_format
+from batchmlx.engine.host.linear import HostFormat, runs_here, to_host_format
 from batchmlx.engine.host.step import HostStep
 from batchmlx.engine.kv.paged import PackedLayout, PagedKVStorage
 from batchmlx.engine.runners.paged import PagedRunner
 from batchmlx.engine.runners.paged_forward import PagedForward, model_dims
 
 VOCAB = 128
+# the format a CPU gets by default (bf16 in oneDNN 3.2 needs AVX-512)
+DEFAULT_FORMAT = HostFormat.BF16 if runs_here(HostFormat.BF16) else HostFormat.F32
 BASE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=512,
             intermediate_size=96, rms_norm_eps=1e-5)  # fmt: skip
@@ -363,3 +365,18 @@ def test_a_family_it_does_not_cover_keeps_the_mlx_path_and_says_why(caplog):
     lines = [r.getMessage() for r in caplog.records if "steps run in MLX" in r.getMessage()]
     why = "architecture mlx_lm.models.qwen3_moe"
     assert lines == [f"steps run in MLX, not on the host alone: {why}"]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "phi3"])
+def test_the_default_host_format_is_paged_on_the_host(name):
+    """In the CPU's default host format (bf16 where oneDNN has it) the paged probe accepts the
+    host step's logits (bf16 rounding flips past the float32 bound sent qwen3 and phi3 to
+    mlx-lm's unpaged batching), and every step runs on the host."""
+    spec = next(s for s in SPECS if s.name == name)
+    mx.random.seed(0)
+    model = spec.module.Model(spec.module.ModelArgs.from_dict({**BASE, **spec.args}))
+    mx.eval(model.parameters())
+    model = to_host_format(model, DEFAULT_FORMAT)
+    eng = make_engine(model, None, name=name, context_length=256, config=EngineSettings(
+        block_size=4, cache_memory_mb=16, max_batch_size=4))  # fmt: skip
+    assert isinstance(eng.runner, PagedRunner) and eng.runner.forward_pass.host is not None

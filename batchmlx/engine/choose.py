@@ -13,7 +13,9 @@ Decided once per model at load time, from the caches mlx-lm makes for it and one
   against mlx-lm's own forward) raises or differs → unpaged: an architecture the paged seam does
   not fit (e.g. multi-head latent attention) falls back rather than failing later. mlx-lm's
   llama code with plain caches (PAGED_MODULES: the default model's family, tested paged against
-  mlx-lm in tests/engine) skips the probe, which cost about 0.4 s of every start.
+  mlx-lm in tests/engine) skips the probe, which cost about 0.4 s of every start; so does a
+  model whose every step the host step runs (engine/host/step.py `covers`: each family it
+  describes is tested paged against mlx-lm in tests/engine/test_host_families.py).
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ def plan_architecture(model: Any) -> ArchPlan:
                 f"{sorted({c.keep for c in rotating})} tokens: not one plain sliding window",
             )
         window = sizes.pop()
-    probed = window is not None or type(model).__module__ not in PAGED_MODULES
+    module = type(model).__module__
+    # every step on the host: the host step is tested paged for each family it describes
+    on_host = _on_host(model)
+    probed = (window is not None or module not in PAGED_MODULES) and not on_host
     if probed:
         failure = _probe(model, window)
         if failure is not None:
@@ -91,8 +96,16 @@ def plan_architecture(model: Any) -> ArchPlan:
         what.append(f"mixture of {experts} experts")
     reason = ", ".join(what) or "standard attention"
     if not probed:
-        reason += f" ({type(model).__module__}: tested paged, not probed)"
+        where = " on the host step" if on_host else ""
+        reason += f" ({module}{where}: tested paged, not probed)"
     return ArchPlan(EnginePath.PAGED, reason, window)
+
+
+def _on_host(model: Any) -> bool:
+    """Whether the host step will run every packed step of `model` (engine/host/step.py)."""
+    from batchmlx.engine.host.step import covers
+
+    return covers(model) is not None
 
 
 def _unpaged(model: Any, reason: str) -> ArchPlan:
@@ -143,9 +156,9 @@ def _host_tolerance(model: Any) -> float | None:
     steps (on the host, or in MLX over the host layers) against mlx-lm's forward over the same
     layers differ in the order of float32 sums, whose last bits move some GEMM inputs across a
     bf16 rounding (or int8 quantization) step: tests/engine/test_host_step.py measures up to
-    4.7e-3 (bf16) and 1.7e-2 (int8) of the largest logit; 135M-shaped qwen3 and phi3 probes
-    2.9e-3 and 1.4e-3, past the float32 bound, sent them to the unpaged engine. A block the
-    paged step got wrong is off by the logits' own size."""
+    4.7e-3 (bf16) and 1.7e-2 (int8) of the largest logit; a 135M-shaped phi3's probe was
+    1.4e-3 off, past the float32 bound, and went to the unpaged engine. A block the paged
+    step got wrong is off by the logits' own size."""
     from batchmlx.engine.host.linear import HostEmbedding, HostFormat
 
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -168,7 +181,7 @@ def _probe(model: Any, window: int | None) -> str | None:
     else what went wrong."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from batchmlx.engine.kv.paged import BatchLayout, PackedLayout, PagedKVStorage
+    from batchmlx.engine.kv.paged import BatchLayout, PagedKVStorage
     from batchmlx.engine.runners.paged_forward import PagedForward, model_dims
 
     try:
@@ -190,12 +203,10 @@ def _probe(model: Any, window: int | None) -> str | None:
         for n in blocks:
             tables.append(list(range(nxt, nxt + n)))
             nxt += n
-        runner = PagedForward(model, storage)
-        # the host step runs packed steps (the ones the engine will give it); MLX padded ones
-        kind = PackedLayout if runner.host is not None else BatchLayout
+        runner = PagedForward(model, storage, host_steps=False)  # (those are not probed)
 
         def run(chunks, starts):
-            layout = kind.build(
+            layout = BatchLayout.build(
                 block_size=_PROBE_BLOCK, n_kv_heads=n_kv, token_chunks=chunks, starts=starts,
                 block_tables=tables, share_prefix=window is None,
             )  # fmt: skip

@@ -31,9 +31,10 @@ from mlx_lm.models import (
 )
 from mlx_lm.models.cache import make_prompt_cache
 
+from batchmlx.config import HostSettings
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
-from batchmlx.engine.choose import make_engine
+from batchmlx.engine.choose import make_engine, plan_architecture
 from batchmlx.engine.host.family import (
     Activation,
     Family,
@@ -42,7 +43,7 @@ from batchmlx.engine.host.family import (
     describe,
 )
 from batchmlx.engine.host.linear import HostFormat, runs_here, to_host_format
-from batchmlx.engine.host.step import HostStep
+from batchmlx.engine.host.step import HostStep, backend_of
 from batchmlx.engine.kv.paged import PackedLayout, PagedKVStorage
 from batchmlx.engine.runners.paged import PagedRunner
 from batchmlx.engine.runners.paged_forward import PagedForward, model_dims
@@ -331,6 +332,7 @@ def test_greedy_tokens_equal_mlx_lm_through_the_engine(pair):
         block_size=4, cache_memory_mb=16, max_prefill_tokens=16, max_batch_size=4))  # fmt: skip
     runner = eng.runner
     assert isinstance(runner, PagedRunner) and runner.mixed_steps
+    assert "on the host step: tested paged, not probed" in plan_architecture(host).reason
     params = SamplingParams(max_tokens=new, temperature=0.0)
     eng.add(GenerationRequest("r0", ps[0], params))
     eng.add(GenerationRequest("r1", ps[1], params))
@@ -368,15 +370,23 @@ def test_a_family_it_does_not_cover_keeps_the_mlx_path_and_says_why(caplog):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "phi3"])
-def test_the_default_host_format_is_paged_on_the_host(name):
-    """In the CPU's default host format (bf16 where oneDNN has it) the paged probe accepts the
-    host step's logits (bf16 rounding flips past the float32 bound sent qwen3 and phi3 to
-    mlx-lm's unpaged batching), and every step runs on the host."""
+def test_the_default_host_format_is_paged(name, monkeypatch):
+    """In the CPU's default host format (bf16 where oneDNN has it): paged with every step on
+    the host, unprobed; with host steps off, the paged probe of the MLX path over the same
+    host layers judges by the format's bound (bf16 rounding flips past the float32 one sent
+    phi3, here and at the 135M shape, to mlx-lm's unpaged batching)."""
     spec = next(s for s in SPECS if s.name == name)
     mx.random.seed(0)
     model = spec.module.Model(spec.module.ModelArgs.from_dict({**BASE, **spec.args}))
     mx.eval(model.parameters())
     model = to_host_format(model, DEFAULT_FORMAT)
-    eng = make_engine(model, None, name=name, context_length=256, config=EngineSettings(
-        block_size=4, cache_memory_mb=16, max_batch_size=4))  # fmt: skip
+    cfg = EngineSettings(block_size=4, cache_memory_mb=16, max_batch_size=4)
+    plan = plan_architecture(model)
+    assert plan.paged and "on the host step: tested paged, not probed" in plan.reason
+    eng = make_engine(model, None, name=name, context_length=256, config=cfg)
     assert isinstance(eng.runner, PagedRunner) and eng.runner.forward_pass.host is not None
+    monkeypatch.setattr(backend_of(model), "settings", HostSettings(host_steps=False))
+    plan = plan_architecture(model)
+    assert plan.paged and "not probed" not in plan.reason, plan.reason
+    eng = make_engine(model, None, name=name, context_length=256, config=cfg)
+    assert isinstance(eng.runner, PagedRunner) and eng.runner.forward_pass.host is None

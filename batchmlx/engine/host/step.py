@@ -45,7 +45,7 @@ log = logging.getLogger("batchmlx.engine")
 # mlx-lm modules whose models the host step composes (engine/host/family.py's CODE)
 ARCHITECTURES = tuple(CODE)
 
-__all__ = ["ARCHITECTURES", "HostRope", "HostStep", "backend_of", "unsupported"]
+__all__ = ["ARCHITECTURES", "HostRope", "HostStep", "backend_of", "covers", "unsupported"]
 
 
 def backend_of(model: nn.Module) -> HostBackend:
@@ -110,9 +110,24 @@ def unsupported(model: nn.Module, storage: PagedKVStorage) -> str | None:
     return _host_layers_missing(model, fam, storage)
 
 
-def _host_layers_missing(model: nn.Module, fam: Family, storage: PagedKVStorage) -> str | None:
+def covers(model: nn.Module) -> Family | None:
+    """The Family the host step runs `model` with (host steps on, every layer in a host
+    format, so its KV float32), else None. The engine skips its paged probe for such a model:
+    each family is tested paged on the host against mlx-lm's own forward
+    (tests/engine/test_host_families.py)."""
+    if not backend_of(model).settings.host_steps:
+        return None
+    fam = describe(model)
+    if isinstance(fam, str) or _host_layers_missing(model, fam, None) is not None:
+        return None
+    return fam
+
+
+def _host_layers_missing(
+    model: nn.Module, fam: Family, storage: PagedKVStorage | None
+) -> str | None:
     inner = model.model
-    if storage.dtype != mx.float32:
+    if storage is not None and storage.dtype != mx.float32:
         return f"KV stored as {storage.dtype}"
     if not isinstance(getattr(inner, "embed_tokens", None), HostEmbedding):
         return "embedding not in a host format"

@@ -50,13 +50,16 @@ class PagedForward:
         model: nn.Module,
         storage: PagedKVStorage,
         prefix_attention: PrefixAttention = shared_prefix_attention,
+        *,
+        host_steps: bool = True,
     ) -> None:
+        """host_steps False: every step in MLX (the engine's probe of the MLX path)."""
         self.model = model
         self.storage = storage
         self.body, self.head = _split(model)
         self.attention = AttentionRoute(model, prefix_attention)
         # packed steps on the host alone, where the model is one it runs (engine/host/step.py)
-        self.host = HostStep.of(model, storage)
+        self.host = HostStep.of(model, storage) if host_steps else None
 
     @property
     def packs(self) -> bool:

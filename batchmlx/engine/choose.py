@@ -55,8 +55,10 @@ class ArchPlan:
         return self.path is EnginePath.PAGED
 
 
-def plan_architecture(model: Any) -> ArchPlan:
-    """The engine path for `model` (an mlx-lm nn.Module), and why."""
+def plan_architecture(model: Any, packed: bool = True) -> ArchPlan:
+    """The engine path for `model` (an mlx-lm nn.Module), and why. packed: the engine runs
+    packed (mixed) steps, the only ones the host step takes; without them every step is
+    MLX's, which the probe checks."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
     try:
@@ -82,7 +84,7 @@ def plan_architecture(model: Any) -> ArchPlan:
         window = sizes.pop()
     module = type(model).__module__
     # every step on the host: the host step is tested paged for each family it describes
-    on_host = _on_host(model)
+    on_host = packed and _on_host(model)
     probed = (window is not None or module not in PAGED_MODULES) and not on_host
     if probed:
         failure = _probe(model, window)
@@ -236,7 +238,7 @@ def make_engine(
     from batchmlx.engine.runners.mlx_lm import mlx_lm_engine
     from batchmlx.engine.runners.paged import paged_engine
 
-    plan = plan_architecture(model)
+    plan = plan_architecture(model, packed=config.mixed_steps)
     model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
     log.info("model %s (%s): %s engine, %s", name, model_type, plan.path.value, plan.reason)
     if plan.paged:

@@ -390,3 +390,14 @@ def test_the_default_host_format_is_paged(name, monkeypatch):
     assert plan.paged and "not probed" not in plan.reason, plan.reason
     eng = make_engine(model, None, name=name, context_length=256, config=cfg)
     assert isinstance(eng.runner, PagedRunner) and eng.runner.forward_pass.host is None
+
+
+def test_without_packed_steps_the_mlx_path_is_probed():
+    """An engine without mixed (packed) steps runs every step in MLX: a model the host step
+    covers is probed there like any other (gemma2's own attention cannot batch paged MLX
+    steps: mlx-lm's unpaged engine)."""
+    spec = next(s for s in SPECS if s.name == "gemma2")
+    model = build(spec, host=True)
+    assert "on the host step" in plan_architecture(model).reason
+    plan = plan_architecture(model, packed=False)
+    assert not plan.paged and "paged probe" in plan.reason, plan.reason

@@ -407,8 +407,9 @@ def test_without_packed_steps_the_mlx_path_is_probed():
 # max |host - MLX| / max |MLX| in the packed formats: the same GEMM inputs but for last-bit
 # differences of float32 sums, some of which cross a bf16 rounding (or int8 quantization) step.
 # Measured: bf16 <= 6e-3 but gemma2's 1.65e-2 (one step; its logits capped at 3, and 7-15%
-# off float32's in either path), int8 < 1e-4 (test_host_step.py's bound kept)
-PACKED_TOLERANCE = {HostFormat.BF16: 3e-2, HostFormat.INT8: 6e-2}
+# off float32's in either path); int8 < 1e-4 through q8's grouped kernel (test_host_step.py's
+# 0.2 kept for oneDNN's per-channel int8, where one flipped 8-bit rounding moves a product)
+PACKED_TOLERANCE = {HostFormat.BF16: 3e-2, HostFormat.INT8: 0.2}
 
 
 @pytest.mark.parametrize("fmt", host_formats(packed_only=True))

@@ -347,6 +347,7 @@ def test_greedy_tokens_equal_mlx_lm_through_the_engine(pair):
     host_step = runner.forward_pass.host
     assert host_step is not None and host_step.steps == runner.stats.steps
     assert runner.stats.mixed_steps > 0
+    assert runner.decode_kv is not None and runner.decode_kv.rebuilds >= 1  # the dense copy too
 
 
 def test_a_family_it_does_not_cover_keeps_the_mlx_path_and_says_why(caplog):

@@ -109,8 +109,8 @@ def rope_of(module: nn.Module, head_dim: int, heads: int) -> HostRope | None:
     if kind is nn.RoPE:
         return HostRope(int(module.dims), bool(module.traditional), float(module.base),
                         float(module.scale), head_dim, heads)  # fmt: skip
-    if kind.__name__ == "NoPE":  # an identity (smollm3: every fourth layer)
-        return None
+    if kind.__module__ == "mlx_lm.models.smollm3" and kind.__name__ == "NoPE":
+        return None  # an identity (smollm3: every fourth layer by default)
     freqs = getattr(module, "_freqs", None)
     if freqs is None:
         raise NotCovered(f"rope {kind.__name__}")

@@ -5,11 +5,15 @@ Why a kernel of our own: oneDNN 3.2 (the CPU build on PyPI) scales an int8 GEMM 
 channel and per tensor only. Per-channel weights with per-token activations lost too much
 (teacher-forced top-1 0.877 against float32 on alice29.txt, KLD 0.034; llama.cpp's Q8_0 0.956 /
 0.0039), while groups along K are what Q8_0 and OpenVINO GenAI's CPU default do
-(benchmarks/RESULTS-int8.md: G=64 0.952 / 0.0058; G=32 0.954 / 0.0039). And grouped int8 is
+(benchmarks/RESULTS-int8.md: G=64 0.952 / 0.0058; G=32 0.954 / 0.0039; here, with a bf16 head,
+G=32 measured 0.9625 / 0.0032: benchmarks/RESULTS-fidelity.md). And grouped int8 is
 batch-invariant by construction: integer sums are exact and the float epilogue is the same per
-element whatever the batch (q8.c's header). Measured against oneDNN at the default model's
-shapes (1 thread, 2026-12-06, a loaded machine): 1.6-5x its bf16 GEMM at 1-8 rows, 0.8-3x at
-64, about even at 512; per-channel s8 in oneDNN 0.4-2.8x.
+element whatever the batch (q8.c's header). Not yet the fastest: one 135M layer's four GEMMs
+on one thread of a 2-core Xeon whose oneDNN bf16 runs on AMX (load 1.7, 2026-12-06) took
+0.145 / 0.35 / 1.07 / 1.98 / 8.0 ms at 1 / 8 / 32 / 64 / 256 rows against bf16's 0.38 / 0.39 /
+0.54 / 0.83 / 3.4: ahead at a stream's width, 0.4-0.5x from 32 rows up. The epilogue is the
+cost: each group of 32 adds a convert, a subtract, a multiply and an FMA per 16 outputs beside
+8 VNNI products, on the same vector ports.
 
 The library ships prebuilt (native/libbatchmlx_q8.so, ~60 KB, for x86-64 Linux, glibc 2.17+)
 so that a user needs no compiler: `python -m batchmlx.engine.host.q8 --build` remakes it from

@@ -126,7 +126,10 @@ def test_float32_matmul_is_the_float32_product(lead) -> None:
     x, w, b = _rand((*lead, k), 1), _rand((n, k), 2, 0.05), _rand((n,), 3)
     layer = _linear(w, b, HostFormat.F32)
     got = np.array(layer(mx.array(x)))
-    assert got.shape == (*lead, n) and layer._gemm._w.md is None  # numpy's BLAS, not packed
+    assert got.shape == (*lead, n)
+    # oneDNN's brgemm where it has one for float32 (AVX-512: batch-invariant), else numpy's BLAS
+    onednn_f32 = current().onednn_available() and current().onednn().brgemm(onednn.DataType.F32)
+    assert (layer._gemm._w.md is not None) == onednn_f32
     ref = x.reshape(-1, k).astype(np.float64) @ w.T.astype(np.float64) + b
     np.testing.assert_allclose(got.reshape(-1, n), ref, rtol=1e-5, atol=1e-5)
 

@@ -198,7 +198,8 @@ class SharedGemm:
                 for w, b in zip(weights, biases, strict=True)])  # fmt: skip
         if self._q8 is not None:
             pass  # packed above; `plain` (an embedding's rows) only for lookups
-        elif fmt is HostFormat.F32:  # numpy's BLAS reads the rows as they are: nothing to pack
+        elif fmt is HostFormat.F32 and not self._onednn_f32():
+            # numpy's BLAS reads the rows as they are: nothing to pack
             assert plain is not None
             self.packed = plain.data
             self._w = Packed(None, np.asarray(self.packed), *full.shape, fmt.data_type, False)
@@ -215,6 +216,14 @@ class SharedGemm:
     def _grouped(self, n: int, k: int) -> bool:
         """int8 through the grouped kernel (q8.py): where it runs here and takes this shape."""
         return self.fmt is HostFormat.INT8 and q8.available() and q8.fits(n, k)
+
+    def _onednn_f32(self) -> bool:
+        """float32 in oneDNN's brgemm kernels where it has them (AVX-512): their rows are the
+        same at every M (batch invariance) and they were faster than numpy's BLAS there (135M
+        shapes, 2-core Xeon, 2026-12-06: 29 against 86 ms for the head at M = 64); numpy's
+        BLAS elsewhere (2.6x oneDNN's float32 on a Zen 3 host), whose M = 1 product is a GEMV
+        that sums in another order."""
+        return self.backend.onednn_available() and self.backend.onednn().brgemm(DataType.F32)
 
     def _adopt(self, hit: dict[str, mx.array | np.ndarray], n: int, k: int,
                keep_plain: bool) -> bool:  # fmt: skip
@@ -278,6 +287,9 @@ class SharedGemm:
             lib = self.backend.onednn()
             bits = x if x.dtype == np.uint16 else lib.to_bf16(as_rows(x))
             lib.matmul(np.ascontiguousarray(bits), self._w, out)
+        elif self.fmt is HostFormat.F32 and self._w.md is not None:
+            x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, self._w.k)
+            self.backend.onednn().matmul(x, self._w, out)
         elif self.fmt is HostFormat.F32:
             with numpy_blas.threads(self.backend.threads.or_cpus()):
                 np.matmul(np.ascontiguousarray(x, dtype=np.float32), self._w.buffer.T, out=out)

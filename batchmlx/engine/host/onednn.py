@@ -35,9 +35,17 @@ INSTALL_HINT = (
 _LIB_NAMES = ("libdnnl.so.3.2", "libdnnl.so.3*", "libdnnl.so")
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_SCALES = 1, 17, 33, 4096
 _TAG_ANY, _QUERY_WEIGHTS_MD = 1, 131  # dnnl_format_tag_any, dnnl_query_weights_md
+_QUERY_IMPL_INFO = 8  # dnnl_query_impl_info_str: the kernel a primitive descriptor chose
 _p = ctypes.c_void_p
 # Primitives kept (one per shape and type seen); past this many they are all dropped and remade
 MAX_PRIMITIVES = 2048
+# A float matmul of fewer rows than this runs with the kernel oneDNN picks for this many (zero
+# rows added below where it would pick another), so that a row's result never depends on how
+# many rows share its GEMM (batch invariance): with AMX, oneDNN 3.2 takes its AVX-512 BF16
+# kernel, which pairs the products in another order, for the 49,152 x 576 head at M <= 2 and a
+# 12,288 x 576 one at M <= 8; each of its kernels alone gives every row the same bits at every
+# M (checked 1-1,000 rows, 1 and 2 threads, tests/engine/test_invariance.py)
+CANONICAL_ROWS = 64
 
 
 class OneDNNUnavailable(RuntimeError):
@@ -50,6 +58,11 @@ class DataType(enum.IntEnum):
     BF16 = 2
     F32 = 3  # (also the float32 host format's weights)
     S8 = 5
+
+    @property
+    def numpy(self) -> type:
+        """The numpy type holding it (bf16 as its bits)."""
+        return {DataType.BF16: np.uint16, DataType.F32: np.float32, DataType.S8: np.int8}[self]
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +111,7 @@ class OneDNN:
         lib.dnnl_primitive_attr_set_scales_mask.argtypes = [_p, ctypes.c_int, ctypes.c_int]
         lib.dnnl_stream_create.argtypes = [_p, _p, ctypes.c_uint]
         lib.dnnl_primitive_destroy.argtypes = lib.dnnl_memory_destroy.argtypes = [_p]
+        lib.dnnl_primitive_desc_query.argtypes = [_p, ctypes.c_int, ctypes.c_int, _p]
         lib.dnnl_primitive_desc_query_md.restype = _p
         lib.dnnl_primitive_desc_query_md.argtypes = [_p, ctypes.c_int, ctypes.c_int]
         lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
@@ -114,7 +128,9 @@ class OneDNN:
         self._ok(lib.dnnl_engine_create(ctypes.byref(self.engine), 1, ctypes.c_size_t(0)))
         self._ok(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, 1))
         self._prims: dict[tuple, tuple] = {}
+        self._rows: dict[tuple, int] = {}  # (M, weights' shape and type) -> the M it runs as
         self._supported: dict[tuple[int, bool], bool] = {}
+        self._brgemm: dict[DataType, bool] = {}
         self._lock = threading.Lock()
         self._local = _Local()
         self._omp_set = _omp_setter()
@@ -212,6 +228,20 @@ class OneDNN:
             self.lib.dnnl_memory_desc_destroy(anyfmt)
         return self._supported[key]
 
+    def brgemm(self, dt: DataType) -> bool:
+        """Whether this library's matmul for `dt` is one of its brgemm kernels (AVX-512 and
+        up), whose rows come out the same at every M (`rows_for`); the float32 host format
+        takes oneDNN then, numpy's BLAS else (whose M = 1 product is a GEMV, summed in another
+        order than its GEMM's)."""
+        if dt not in self._brgemm:
+            ok = self.supports(dt)
+            if ok:
+                w = self.pack(np.zeros((64, 64), dt.numpy), dt, scaled=False)
+                ok = self.kernel(1, w).startswith("brg:")
+                self.lib.dnnl_memory_desc_destroy(w.md)
+            self._brgemm[dt] = ok
+        return self._brgemm[dt]
+
     def _exact_s8(self) -> bool:
         """Whether s8 x s8 products come out exact. Without VNNI (plain AVX2) oneDNN pairs
         products in 16-bit saturating adds (vpmaddubsw): 127 x 127 + 127 x 127 saturates, and
@@ -270,11 +300,45 @@ class OneDNN:
             self._omp_set(want)  # this thread's team size (OpenMP keeps it per thread)
             self._local.threads = want
 
+    def kernel(self, m: int, w: Packed) -> str:
+        """The implementation oneDNN picks for a matmul of `m` rows by `w` ("brg:avx512_core_amx",
+        ...)."""
+        pd = self._matmul_pd(m, w.n, w.k, w.dt, w.scaled, w.md)
+        name = ctypes.c_char_p()
+        status = self.lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0, ctypes.byref(name))
+        self.lib.dnnl_primitive_desc_destroy(pd)
+        self._ok(status)
+        return (name.value or b"").decode()
+
+    def rows_for(self, m: int, w: Packed) -> int:
+        """The rows a matmul of `m` rows by `w` runs with: `m`, or the fewest rows past it whose
+        kernel is the one CANONICAL_ROWS rows get (see there). int8 products are integer sums,
+        exact whatever the kernel: always `m`. Decided once per (M, shape)."""
+        key = (m, w.n, w.k, int(w.dt), w.scaled)
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = m
+            if w.dt is not DataType.S8 and m < CANONICAL_ROWS:
+                want = self.kernel(CANONICAL_ROWS, w)
+                while rows < CANONICAL_ROWS and self.kernel(rows, w) != want:
+                    rows += 1
+            self._rows[key] = rows
+        return rows
+
     def matmul(self, x: np.ndarray, w: Packed, out: np.ndarray,
                scales: np.ndarray | None = None) -> None:  # fmt: skip
         """out[M, N] = x[M, K] . w[N, K]^T (* scales[N], when `w` was packed scaled); x of the
-        weights' type (bf16 as uint16), out float32, both C-contiguous."""
+        weights' type (bf16 as uint16), out float32, both C-contiguous. Row i of out depends
+        on row i of x alone, bit for bit, whatever M (`rows_for`)."""
         m = x.shape[0]
+        rows = self.rows_for(m, w)
+        if rows != m:  # zero rows below: the canonical kernel (~+20% on the head at M = 1)
+            padded = np.zeros((rows, w.k), x.dtype)
+            padded[:m] = x
+            full = np.empty((rows, w.n), np.float32)
+            self.matmul(padded, w, full, scales)
+            out[...] = full[:m]
+            return
         key = (m, w.n, w.k, int(w.dt), w.scaled)  # one layout per shape: buffers set per call
         arrays = (x, w.buffer, out) if scales is None else (x, w.buffer, out, scales)
         self._execute(key, lambda: self._primitive(m, w), arrays)

@@ -32,6 +32,7 @@ from batchmlx.engine.kv.paged import (
     SegmentKind,
     additive_bias,
     gather_prefix,
+    key_room,
 )
 
 # L grows in steps of this many blocks (a rebuild every 32 steps at block size 16): more room
@@ -215,8 +216,7 @@ class DecodeKV:
         from); None when it would not fit the budget or would be mostly padding."""
         bs, h = self.block_size, self.n_kv_heads
         need = max(positions) + 1
-        step = GROWTH_BLOCKS * bs
-        cap = -(-need // step) * step
+        cap = key_room(need, GROWTH_BLOCKS * bs)  # (a multiple of KEY_GROUP too)
         held = sum(positions) + len(positions)
         too_big = (len(seq_ids) * cap + len(prefix) * bs) * self._slot_bytes > self.budget_bytes
         if too_big or len(seq_ids) > MAX_SLOTS or len(seq_ids) * need > MAX_PADDING * held:

@@ -16,6 +16,7 @@ lets any mlx-lm architecture with the standard cache protocol run paged.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,6 +336,18 @@ class PackedLayout:
 # behind 7 of each sequence's own) only added the cascade's merge to every layer (width-64
 # decode steps 128 -> 120 ms without it), while a 900-token system prompt is read once.
 MIN_CASCADE_BLOCKS = 8
+# A step's keys are padded (masked) to a multiple of this many, and the host's decode attention
+# scores them this many at a time: each score GEMM call then has the same shape whatever the
+# batch's longest sequence, so a row's scores and sums do not depend on its neighbours (numpy's
+# BLAS picks its kernel by shape: a 3 x 64 by 64 x L product gave other bits at L = 160 than at
+# L = 700, measured 2026-12-06; engine/host/attention.py)
+KEY_GROUP = 32
+
+
+def key_room(keys: int, block_size: int) -> int:
+    """`keys` rounded up to whole blocks and to a multiple of KEY_GROUP."""
+    step = math.lcm(block_size, KEY_GROUP)
+    return -(-keys // step) * step
 
 
 def _chunk_groups(lens: list[int]) -> list[list[int]]:
@@ -374,8 +387,8 @@ def _key_view(
     k = int(ends.max())
     # keys are gathered whole blocks at a time (16x fewer indices than per token); the
     # tail of the last block is masked out
-    nkb = -(-k // block_size)
-    k = nkb * block_size
+    k = key_room(k, block_size)
+    nkb = k // block_size
     gather = table[:, :nkb]  # entries past a sequence's own blocks are 0: scratch, masked
     if gather.shape[1] < nkb:
         gather = np.pad(gather, ((0, 0), (0, nkb - gather.shape[1])))

@@ -1,0 +1,194 @@
+"""Batch invariance (issue 47): a request's greedy tokens and log-probs are the same bits alone
+and inside a batch. Kernel by kernel (every GEMM path: row i of A @ W at M = 1..70 is the row
+computed alone, at one and two threads; decode attention beside longer sequences), then through
+the real engine on a random-weight model of the default model's shapes at each host format
+(alone in simple mode, joining running batches of several widths, behind a prefix-cache hit),
+and on the real default model at the default dtype. docs/engine.md, "Batch invariance", says
+what is guaranteed and what is not (a shared prefix's cascade, prompt chunks cut differently)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.models import llama
+
+from batchmlx.core.request import GenerationRequest, SamplingParams
+from batchmlx.engine.host import attention as host_attention
+from batchmlx.engine.host.backend import current
+from batchmlx.engine.host.linear import HostFormat, SharedGemm, to_host_format
+from batchmlx.engine.kv.paged import KEY_GROUP
+from tests.engine.helpers import host_formats
+from tests.engine.test_engine_tiny import engine, staggered
+
+pytestmark = pytest.mark.skipif(not current().onednn_available(), reason="oneDNN (onednn-cpu-gomp)")
+
+# the default model's GEMM shapes (N, K): q+k+v, o, gate+up, down, the tied head
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "head": (49152, 576)}  # fmt: skip
+ROWS = 70
+
+
+def _oneDNN_float32() -> bool:
+    return current().onednn().brgemm(HostFormat.F32.data_type)
+
+
+def _invariant_formats() -> list:
+    """The host formats, float32 skipped where it runs on numpy's BLAS (no oneDNN brgemm: an
+    AVX2-only CPU), whose one-row product is a GEMV summed in another order."""
+    out = []
+    for p in host_formats():
+        (fmt,) = p.values
+        marks = list(p.marks)
+        if fmt is HostFormat.F32 and not _oneDNN_float32():
+            marks.append(pytest.mark.skip(reason="float32 on numpy's BLAS: not invariant"))
+        out.append(pytest.param(fmt, id=p.id, marks=marks))
+    return out
+
+
+FORMATS = _invariant_formats()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_every_gemm_row_is_the_row_computed_alone(fmt, name):
+    n, k = SHAPES[name]
+    rng = np.random.default_rng(0)
+    gemm = SharedGemm([mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05)], fmt)
+    a = rng.standard_normal((ROWS, k)).astype(np.float32)
+    threads = gemm.backend.threads
+    before = threads.n
+    try:
+        for count in (2, 1):
+            threads.n = count
+            alone = np.concatenate([gemm.host(a[i : i + 1]) for i in range(ROWS)])
+            differ = [m for m in range(1, ROWS + 1) if not (gemm.host(a[:m]) == alone[:m]).all()]
+            assert differ == [], (count, differ)
+    finally:
+        threads.n = before
+
+
+def test_decode_attention_rows_are_the_rows_computed_alone():
+    """One query per sequence over its keys, beside sequences up to 30x longer: the keys
+    padded (masked) to the batch's longest, as the engine pads them (to KEY_GROUP)."""
+    rng = np.random.default_rng(0)
+    h, rep, d = 3, 3, 64
+    lengths = [int(x) for x in rng.integers(1, 900, 40)] + [33, 64, 1000]
+    room = -(-max(lengths) // KEY_GROUP) * KEY_GROUP
+    q = rng.standard_normal((len(lengths), h, rep, d)).astype(np.float32) * 0.3
+    k = rng.standard_normal((len(lengths), h, room, d)).astype(np.float32)
+    v = rng.standard_normal((len(lengths), h, room, d)).astype(np.float32)
+    seen = np.arange(room)[None, :] < np.array(lengths)[:, None]
+    bias = np.where(seen, np.float32(0), np.float32(-np.inf))[:, None, None, :]
+    batch = host_attention.decode_attention(q, k, v, bias)
+    for i, n in enumerate(lengths):
+        own = -(-n // KEY_GROUP) * KEY_GROUP
+        one = [np.ascontiguousarray(a[i : i + 1, ..., :own, :]) for a in (k, v)]
+        alone = host_attention.decode_attention(
+            q[i : i + 1], *one, np.ascontiguousarray(bias[i : i + 1, ..., :own])
+        )
+        assert (alone[0] == batch[i]).all(), (i, n)
+
+
+def _model(fmt: HostFormat):
+    """A 2-layer random llama of the default model's widths (576 hidden, 9 query and 3 KV heads
+    of 64, 1,536 MLP, 49,152 vocabulary): its GEMMs take the kernels the real model's take."""
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=576, num_hidden_layers=2, intermediate_size=1536,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    m = llama.Model(args)
+    m.set_dtype(mx.float32)
+    m.update(tree_map(lambda p: p * 4.0, m.parameters()))  # argmax decided by the context
+    mx.eval(m.parameters())
+    return to_host_format(m, fmt)
+
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=2)
+CFG = dict(block_size=8, cache_memory_mb=256, max_prefill_tokens=8192, max_batch_size=128)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 49152, size=int(rng.integers(5, 70))).tolist() for _ in range(n)]
+
+
+def _bits(out) -> tuple[list[int], list[float]]:
+    return out.token_ids, [t.logprob for t in out.logprobs]
+
+
+def _joined(model, target: GenerationRequest, width: int, before=()) -> object:
+    """`target` arriving at step 2 into a batch running `width - 1` others (half from step 0,
+    the rest joining while it decodes, at steps 4-9), after the requests `before` (step 0)."""
+    others = [GenerationRequest(f"o{i}", p, SamplingParams(max_tokens=8 + i % 9, temperature=0.0))
+              for i, p in enumerate(_prompts(width - 1, width))]  # fmt: skip
+    first = (width - 1) // 2
+    work = [(0, r) for r in before] + [(0, r) for r in others[:first]] + [(2, target)]
+    work += [(4 + i % 6, r) for i, r in enumerate(others[first:])]
+    return staggered(engine(model, **CFG), work)[target.request_id]
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def model(request):
+    return request.param, _model(request.param)
+
+
+@pytest.mark.parametrize("width", [1, 2, 8, 48])
+def test_a_request_gives_the_same_bits_alone_and_in_running_batches(model, width):
+    fmt, m = model
+    target = _prompts(1, 99)[0]
+    (alone,) = engine(m, simple=True, **CFG).generate([GenerationRequest("x", target, PARAMS)])
+    got = _joined(m, GenerationRequest("x", target, PARAMS), width)
+    assert _bits(got) == _bits(alone)
+
+
+def test_the_same_bits_behind_a_prefix_cache_hit_alone_and_in_a_batch(model):
+    """A sibling sharing the target's first 5 blocks runs first: the target's prompt hits them
+    in simple mode and in a running batch alike (fewer than MIN_CASCADE_BLOCKS: no cascade)."""
+    fmt, m = model
+    rng = np.random.default_rng(7)
+    shared = rng.integers(1, 49152, size=40).tolist()
+    sibling = GenerationRequest(
+        "s", shared + [5, 6, 7], SamplingParams(max_tokens=1, temperature=0.0)
+    )
+    target = shared + rng.integers(1, 49152, size=13).tolist()
+    alone = engine(m, simple=True, **CFG).generate(
+        [sibling, GenerationRequest("x", target, PARAMS)]
+    )[1]
+    assert alone.cached_tokens == 40
+    got = _joined(m, GenerationRequest("x", target, PARAMS), 8, before=[sibling])
+    assert got.cached_tokens == 40
+    assert _bits(got) == _bits(alone)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_real_model_chats_give_the_same_bits_alone_and_in_running_batches(default_model):
+    """The default model at the default dtype: 6 chats, each alone in simple mode, then each
+    joining a batch of 7 or 23 others (the system prompt is shorter than the cascade's 8 blocks)."""
+    from tests.engine.test_engine_real import QUESTIONS, chat_ids, make_engine
+
+    tok = default_model.tokenizer
+    eos = default_model.eos_token_ids
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=True, top_logprobs=2)
+    questions = QUESTIONS + ["Say hello.", "Write a haiku about the sea."]
+    prompts = [chat_ids(tok, q) for q in questions]
+    simple = make_engine(default_model, simple=True)
+    alone = simple.generate(
+        [GenerationRequest(f"x{i}", p, params, eos) for i, p in enumerate(prompts)]
+    )
+    for width in (8, 24):
+        for i, p in enumerate(prompts):
+            others = [GenerationRequest(f"o{j}", chat_ids(tok, f"Count to {j + 3}.", system=None),
+                                        SamplingParams(max_tokens=6 + j % 11, temperature=0.0), eos)
+                      for j in range(width - 1)]  # fmt: skip
+            work = [(0, r) for r in others[: width // 2]] + [
+                (2, GenerationRequest("x", p, params, eos))
+            ]
+            work += [(4 + j % 5, r) for j, r in enumerate(others[width // 2 :])]
+            e = make_engine(default_model, max_batch_size=64, max_prefill_tokens=8192)
+            got = staggered(e, work)["x"]
+            assert _bits(got) == _bits(alone[i]), (width, questions[i])

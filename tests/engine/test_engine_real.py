@@ -135,8 +135,8 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model_f32, pro
     from batchmlx.engine.kv import paged as kv_cache
 
     monkeypatch.setattr(kv_cache, "MIN_CASCADE_BLOCKS", 1)  # the template's 2-block prefix too
-    # float32 weights: the MLX path's kernels (no host steps, which need a host weight format),
-    # their own sums, and no bf16 near-ties
+    # float32 weights (no bf16 near-ties) through the MLX path's kernels: each engine's host
+    # steps turned off (float32 runs them where oneDNN has float32 brgemm kernels)
     default_model = default_model_f32
     tok = default_model.tokenizer
     story = " ".join(f"Line {i}: the library opens at nine and closes at five." for i in range(30))
@@ -145,7 +145,9 @@ def test_fast_kernels_keep_greedy_tokens_on_a_long_prompt(default_model_f32, pro
     eos = [tok.eos_token_id]
 
     def run(**cfg):
-        out = make_engine(default_model, **cfg).generate(greedy_reqs(long + prompts[:5], eos, n=8))
+        e = make_engine(default_model, **cfg)
+        e.runner.forward_pass.host = None
+        out = e.generate(greedy_reqs(long + prompts[:5], eos, n=8))
         return [o.token_ids for o in out]
 
     host_swiglus = []

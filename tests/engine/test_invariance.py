@@ -192,3 +192,13 @@ def test_real_model_chats_give_the_same_bits_alone_and_in_running_batches(defaul
             e = make_engine(default_model, max_batch_size=64, max_prefill_tokens=8192)
             got = staggered(e, work)["x"]
             assert _bits(got) == _bits(alone[i]), (width, questions[i])
+
+
+def test_float32_runs_on_the_host_where_onednn_has_brgemm_kernels():
+    """`--dtype float32` takes the float32 host format (host steps: batch-invariant) where
+    oneDNN has float32 brgemm kernels, MLX's own float32 elsewhere."""
+    from batchmlx.engine.models.loader import host_format
+
+    want = HostFormat.F32 if _oneDNN_float32() else None
+    assert host_format("float32", on_cpu=True) is want
+    assert host_format("float32", on_cpu=False) is None

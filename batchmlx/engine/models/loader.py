@@ -144,9 +144,10 @@ def host_format(
     backend "auto" and "bfloat16" mean bf16 weights through oneDNN (MLX's own bf16 CPU matmul
     runs at a few GFLOP/s). Where this CPU's oneDNN has no bf16 matmul (3.2's needs AVX-512:
     an AVX2-only CPU), "auto" means float32 weights through oneDNN, which the host steps run
-    as fast as any format there, and "bfloat16" MLX's own bf16. Where oneDNN cannot load they
-    fall back, with a warning, to float32 and to MLX's bf16. "int8" needs oneDNN and its int8
-    matmul (OneDNNUnavailable says what is missing)."""
+    as fast as any format there, and "bfloat16" MLX's own bf16. "float32" means float32
+    weights through oneDNN's brgemm kernels where it has them (AVX-512), else MLX's float32.
+    Where oneDNN cannot load they fall back, with a warning, to float32 and to MLX's bf16.
+    "int8" needs oneDNN and its int8 matmul (OneDNNUnavailable says what is missing)."""
     from batchmlx.engine.host import onednn
 
     backend = backend or current()
@@ -161,14 +162,21 @@ def host_format(
             raise onednn.OneDNNUnavailable("this CPU's oneDNN has no int8 matmul: use --dtype "
                                            "auto")  # fmt: skip
         return HostFormat.INT8
-    if not on_cpu or dtype not in ("auto", "bfloat16"):
+    if not on_cpu or dtype not in ("auto", "bfloat16", "float32"):
         return None
     try:
         lib = backend.onednn()
     except onednn.OneDNNUnavailable as exc:
+        if dtype == "float32":  # MLX's own float32
+            return None
         fallback = "float32" if dtype == "auto" else "bfloat16 in MLX's own (slow) CPU kernels"
         log.warning("weights as %s: %s", fallback, exc)
         return None
+    if dtype == "float32":
+        # the same float32 arithmetic on the host (host steps) where oneDNN has float32 brgemm
+        # kernels (AVX-512): batch-invariant there (docs/engine.md), and far faster than MLX's
+        # float32 path (a 2,048-token step 2.5 s against 146 s: benchmarks/fidelity.py)
+        return HostFormat.F32 if lib.brgemm(onednn.DataType.F32) else None
     if lib.supports(onednn.DataType.BF16):
         return HostFormat.BF16
     if dtype == "bfloat16":

@@ -39,8 +39,6 @@ def test_cascade_equals_attention_over_concatenated_keys(q_len: int, rep: int) -
 def test_layout_finds_the_prefix_every_sequence_shares(monkeypatch) -> None:
     from batchmlx.engine.kv import paged as kv_cache
 
-    # keys in whole blocks alone (not padded to the host decode attention's KEY_GROUP)
-    monkeypatch.setattr(kv_cache, "KEY_GROUP", 1)
     # blocks of 4; sequences share blocks 1 and 2, then diverge; all computed up to position 10
     tables = [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
 

@@ -75,14 +75,9 @@ def test_a_copy_past_its_budget_is_not_made_and_steps_gather(model):  # noqa: F8
 
 
 @pytest.fixture
-def kv(monkeypatch) -> DecodeKV:
+def kv() -> DecodeKV:
     import mlx.core as mx
 
-    from batchmlx.engine.kv import paged
-
-    # room counted in blocks alone (not padded to the host decode attention's KEY_GROUP), so
-    # the plans below stay small enough to follow by hand
-    monkeypatch.setattr(paged, "KEY_GROUP", 1)
     storage = PagedKVStorage(num_layers=1, n_kv_heads=2, head_dim=4, block_size=4,
                              dtype=mx.float32, max_blocks=64)  # fmt: skip
     return DecodeKV(storage, budget_bytes=1 << 20)

@@ -111,9 +111,9 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, top_logpr
 CFG = dict(block_size=8, cache_memory_mb=256, max_prefill_tokens=8192, max_batch_size=128)
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
+def _prompts(n: int, seed: int, longest: int = 70) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(1, 49152, size=int(rng.integers(5, 70))).tolist() for _ in range(n)]
+    return [rng.integers(1, 49152, size=int(rng.integers(5, longest))).tolist() for _ in range(n)]
 
 
 def _bits(out) -> tuple[list[int], list[float]]:
@@ -142,6 +142,22 @@ def test_a_request_gives_the_same_bits_alone_and_in_running_batches(model, width
     target = _prompts(1, 99)[0]
     (alone,) = engine(m, simple=True, **CFG).generate([GenerationRequest("x", target, PARAMS)])
     got = _joined(m, GenerationRequest("x", target, PARAMS), width)
+    assert _bits(got) == _bits(alone)
+
+
+@pytest.mark.parametrize("width", [2, 8, 48])
+def test_the_same_bits_when_prompts_arrive_together(model, width):
+    """The target's 150-token prompt prefilled in the same step as the others' (up to 230
+    tokens: the engine's context is 256), each chunk attending alone, not padded into a batch
+    of chunks (whose tiles gave 22 of 150 rows other bits beside a 300-token chunk); then
+    decoding among them."""
+    fmt, m = model
+    target = np.random.default_rng(98).integers(1, 49152, size=150).tolist()
+    (alone,) = engine(m, simple=True, **CFG).generate([GenerationRequest("x", target, PARAMS)])
+    others = [GenerationRequest(f"o{i}", p, SamplingParams(max_tokens=8 + i % 9, temperature=0.0))
+              for i, p in enumerate(_prompts(width - 1, width, longest=230))]  # fmt: skip
+    batch = [*others[: width // 2], GenerationRequest("x", target, PARAMS), *others[width // 2 :]]
+    (got,) = [o for o in engine(m, **CFG).generate(batch) if o.request_id == "x"]
     assert _bits(got) == _bits(alone)
 
 

@@ -111,8 +111,10 @@ class DecodePlan:
 class DecodeKV:
     """The dense copy of the decoding sequences' KV (see the module docstring)."""
 
-    def __init__(self, storage: PagedKVStorage, budget_bytes: int) -> None:
+    def __init__(self, storage: PagedKVStorage, budget_bytes: int, key_group: int = 1) -> None:
         self.block_size = storage.block_size
+        # the room is a multiple of this many keys (the host steps: kv/paged.KEY_GROUP)
+        self.key_group = key_group
         self.n_kv_heads = storage.n_kv_heads
         self.num_layers = storage.num_layers
         # bytes per key slot: keys and values of every layer
@@ -216,7 +218,7 @@ class DecodeKV:
         from); None when it would not fit the budget or would be mostly padding."""
         bs, h = self.block_size, self.n_kv_heads
         need = max(positions) + 1
-        cap = key_room(need, GROWTH_BLOCKS * bs)  # (a multiple of KEY_GROUP too)
+        cap = key_room(need, GROWTH_BLOCKS * bs, self.key_group)
         held = sum(positions) + len(positions)
         too_big = (len(seq_ids) * cap + len(prefix) * bs) * self._slot_bytes > self.budget_bytes
         if too_big or len(seq_ids) > MAX_SLOTS or len(seq_ids) * need > MAX_PADDING * held:

@@ -258,8 +258,12 @@ class PackedLayout:
         starts: list[int],
         block_tables: list[list[int]],
         share_prefix: bool = True,
+        host: bool = False,
     ) -> PackedLayout:
-        """Lay out a step like BatchLayout.build, without padding."""
+        """Lay out a step like BatchLayout.build, without padding. host (the host steps, made
+        batch-invariant): each prompt chunk its own segment, never padded into a batch with
+        another (its tiles, and so its bits, then depend on it alone), and each segment's keys
+        padded to a multiple of KEY_GROUP."""
         h = n_kv_heads
         singles = [i for i, c in enumerate(token_chunks) if len(c) == 1]
         chunks = [i for i, c in enumerate(token_chunks) if len(c) > 1]
@@ -293,7 +297,7 @@ class PackedLayout:
             qpos = st[:, None] + np.arange(q)[None, :]
             qvalid = np.arange(q)[None, :] < lens[:, None]
             runs, mask, prefix, qwin, kpos = _key_view(
-                block_size, h, table, st, lens, qpos, qvalid, share_prefix
+                block_size, h, table, st, lens, qpos, qvalid, share_prefix, KEY_GROUP if host else 1
             )
             seg = Segment(
                 first,
@@ -319,7 +323,10 @@ class PackedLayout:
 
         if singles:
             segment(singles, SegmentKind.ROWS)
-        for group in _chunk_groups([len(token_chunks[i]) for i in chunks]):
+        lens = [len(token_chunks[i]) for i in chunks]
+        groups = (_chunk_groups(lens) if not host
+                  else [[j] for j in sorted(range(len(lens)), key=lambda j: -lens[j])])  # fmt: skip
+        for group in groups:
             members = [chunks[j] for j in group]
             segment(members, SegmentKind.CHUNK if len(members) == 1 else SegmentKind.CHUNKS)
         return PackedLayout(
@@ -344,9 +351,9 @@ MIN_CASCADE_BLOCKS = 8
 KEY_GROUP = 32
 
 
-def key_room(keys: int, block_size: int) -> int:
-    """`keys` rounded up to whole blocks and to a multiple of KEY_GROUP."""
-    step = math.lcm(block_size, KEY_GROUP)
+def key_room(keys: int, block_size: int, group: int | None = None) -> int:
+    """`keys` rounded up to whole blocks and to a multiple of `group` (KEY_GROUP)."""
+    step = math.lcm(block_size, KEY_GROUP if group is None else group)
     return -(-keys // step) * step
 
 
@@ -376,18 +383,20 @@ def _key_view(
     qpos: np.ndarray,
     qvalid: np.ndarray,
     share_prefix: bool = True,
+    key_group: int = 1,
 ) -> tuple[mx.array, mx.array, mx.array | None, np.ndarray, np.ndarray]:
     """The keys a batch of sequences attends to: (gather runs [B, H, K / block_size], mask
     [B, 1, Q, K], shared prefix runs or None, query positions [B, Q] and key positions [K] for
     window masks). table [B, blocks]: each sequence's block ids; st, lens [B]: first position
     and count of its new tokens; qpos, qvalid [B, Q]. share_prefix False: no cascade attention
-    (its prefix part has no mask, so a model with sliding-window layers must not use it)."""
+    (its prefix part has no mask, so a model with sliding-window layers must not use it).
+    key_group: the keys padded (masked) to a multiple of it (the host steps: KEY_GROUP)."""
     b = table.shape[0]
     ends = st + lens  # keys each sequence sees after this step's writes
     k = int(ends.max())
     # keys are gathered whole blocks at a time (16x fewer indices than per token); the
     # tail of the last block is masked out
-    k = key_room(k, block_size)
+    k = key_room(k, block_size, key_group)
     nkb = k // block_size
     gather = table[:, :nkb]  # entries past a sequence's own blocks are 0: scratch, masked
     if gather.shape[1] < nkb:

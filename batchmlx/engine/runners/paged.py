@@ -31,7 +31,7 @@ from batchmlx.engine.grammar import Grammars
 from batchmlx.engine.kv.budget import kv_block_budget, size_buffer_cache
 from batchmlx.engine.kv.decode import BUDGET_BYTES as DECODE_KV_BUDGET
 from batchmlx.engine.kv.decode import DecodeKV
-from batchmlx.engine.kv.paged import BatchLayout, PackedLayout, PagedKVStorage
+from batchmlx.engine.kv.paged import KEY_GROUP, BatchLayout, PackedLayout, PagedKVStorage
 from batchmlx.engine.runners.paged_forward import PagedForward, model_dims
 
 # A KV pool growth makes room for this many more tokens of every running sequence at most (or
@@ -120,7 +120,11 @@ class PagedRunner:
         # the decodes' KV kept contiguous (packed steps only), in at most half the KV bound
         # and at most decode.BUDGET_BYTES
         self.decode_kv = (
-            DecodeKV(self.storage, budget_bytes=min(kv_bound // 2, DECODE_KV_BUDGET))
+            DecodeKV(
+                self.storage,
+                budget_bytes=min(kv_bound // 2, DECODE_KV_BUDGET),
+                key_group=KEY_GROUP if self.forward_pass.host is not None else 1,
+            )  # fmt: skip
             if self.mixed_steps and cfg.dense_decode
             else None
         )
@@ -273,14 +277,14 @@ class PagedRunner:
             self.storage.ensure_capacity(max_block + 1, self._kv_forecast())
             self.pool.backed_blocks = self.storage.capacity_blocks
         # mixed steps run packed: a step costs its real tokens, not B x its longest chunk
-        layout = (PackedLayout if self.mixed_steps else BatchLayout).build(
-            block_size=self.cfg.block_size,
-            n_kv_heads=self.storage.n_kv_heads,
-            token_chunks=chunks,
-            starts=starts,
-            block_tables=tables,
-            share_prefix=self.sliding_window is None,
-        )
+        shape = dict(block_size=self.cfg.block_size, n_kv_heads=self.storage.n_kv_heads,
+                     token_chunks=chunks, starts=starts, block_tables=tables,
+                     share_prefix=self.sliding_window is None)  # fmt: skip
+        if self.mixed_steps:
+            # host steps: laid out for batch invariance (kv/paged.py, PackedLayout.build)
+            layout = PackedLayout.build(**shape, host=self.forward_pass.host is not None)
+        else:
+            layout = BatchLayout.build(**shape)
         dense = self.decode_kv
         if dense is not None:
             dense.attach(layout, [s.seq.seq_id for s in step.seqs], chunks, starts, tables)

@@ -51,6 +51,10 @@ class EngineSettings:
     # decodes keep their keys and values contiguous from step to step (engine/kv/decode.py)
     # rather than gathering them from the paged pool every step
     dense_decode: bool = True
+    # a prefix every sequence of a step shares is attended once for all (cascade attention);
+    # off: gathered with each sequence's keys, so a request's bits do not depend on whether
+    # its neighbours share its prompt (batch invariance, docs/engine.md), at a cost there
+    cascade_attention: bool = True
     # compute threads (BLAS, host kernels); None: the CPUs this process may use that other
     # processes leave free, looked at again between steps (engine/host/threads.py; `doctor`)
     threads: int | None = None

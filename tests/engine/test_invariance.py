@@ -218,3 +218,18 @@ def test_float32_runs_on_the_host_where_onednn_has_brgemm_kernels():
     want = HostFormat.F32 if _oneDNN_float32() else None
     assert host_format("float32", on_cpu=True) is want
     assert host_format("float32", on_cpu=False) is None
+
+
+def test_without_cascade_attention_the_same_bits_behind_a_shared_prompt(model):
+    """Eight requests behind one 96-token prompt (12 blocks of 8, past MIN_CASCADE_BLOCKS):
+    with cascade_attention off each decodes over its own keys, and gives simple mode's bits
+    (the same prefix-cache hits both ways: the first computes the prompt, the others hit it)."""
+    fmt, m = model
+    rng = np.random.default_rng(11)
+    shared = rng.integers(1, 49152, size=96).tolist()
+    reqs = [GenerationRequest(f"r{i}", shared + rng.integers(1, 49152, size=3 + 2 * i).tolist(),
+                              PARAMS) for i in range(8)]  # fmt: skip
+    alone = engine(m, simple=True, **CFG).generate(reqs)
+    got = engine(m, cascade_attention=False, **CFG).generate(reqs)
+    assert [o.cached_tokens for o in got] == [o.cached_tokens for o in alone]
+    assert [_bits(o) for o in got] == [_bits(o) for o in alone]

@@ -277,9 +277,12 @@ class PagedRunner:
             self.storage.ensure_capacity(max_block + 1, self._kv_forecast())
             self.pool.backed_blocks = self.storage.capacity_blocks
         # mixed steps run packed: a step costs its real tokens, not B x its longest chunk
+        # a shared prefix attended once for all (cascade): not with sliding windows (its
+        # prefix part has no mask) or where turned off (batch invariance)
+        share = self.sliding_window is None and self.cfg.cascade_attention
         shape = dict(block_size=self.cfg.block_size, n_kv_heads=self.storage.n_kv_heads,
                      token_chunks=chunks, starts=starts, block_tables=tables,
-                     share_prefix=self.sliding_window is None)  # fmt: skip
+                     share_prefix=share)  # fmt: skip
         if self.mixed_steps:
             # host steps: laid out for batch invariance (kv/paged.py, PackedLayout.build)
             layout = PackedLayout.build(**shape, host=self.forward_pass.host is not None)

@@ -36,8 +36,16 @@ FAILING = {"bad_message": "invalid_value", "bad_temperature": "invalid_value"}
 
 def batch_file_lines() -> list[dict[str, Any]]:
     return [
+        # "What is the capital of France?" behind this system prompt is a three-way tie of first
+        # tokens in float32 (The 24.695, La 24.693, Le 24.665): which one bf16 takes moved with
+        # the last digits of the weights; this question ends at EOS in every --dtype
         request_line(
-            "paris", chat_body("What is the capital of France?", temperature=0, max_tokens=12)
+            "paris",
+            chat_body(
+                "What is the capital of France? Answer in one sentence.",
+                temperature=0,
+                max_tokens=12,
+            ),
         ),
         request_line("color", chat_body("Name a primary color.", temperature=0, max_tokens=8)),
         request_line(

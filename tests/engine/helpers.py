@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from batchmlx.engine.host import q8
 from batchmlx.engine.host.linear import HostFormat, runs_here
 
 
@@ -54,3 +55,16 @@ def assert_greedy_texts_agree(got: list, want: list, *, margin: float = 0.1) -> 
         top = dict(w.logprobs[i].top)
         assert g.token_ids[i] in top, (w.request_id, i, top)
         assert top[w.token_ids[i]] - top[g.token_ids[i]] < margin, (w.request_id, i, top)
+
+
+def grouped_exact(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The grouped int8 kernel's definition (engine/host/q8.py) in float64: per group, the
+    exact integer product times the activation's and the weight's scales, in group order."""
+    p, t = q8.quantize_groups(x)
+    q, s = q8.quantize_groups(w)
+    out = np.zeros((x.shape[0], w.shape[0]))
+    for g in range(q8.groups(x.shape[1])):
+        cut = slice(g * q8.GROUP, (g + 1) * q8.GROUP)
+        part = p[:, cut].astype(np.int64) @ q[:, cut].T.astype(np.int64)
+        out += part * (t[:, g : g + 1].astype(np.float64) * s[None, :, g].astype(np.float64))
+    return out

@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from batchmlx.engine.host import onednn, q8
+from batchmlx.engine.host import onednn
 from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.linear import (
     HostEmbedding,
@@ -22,7 +22,7 @@ from batchmlx.engine.host.linear import (
     to_host_format,
 )
 from batchmlx.engine.host.onednn import OneDNNUnavailable
-from tests.engine.helpers import bf16_bits, host_formats, where_it_runs
+from tests.engine.helpers import bf16_bits, grouped_exact, host_formats, where_it_runs
 
 needs_onednn = pytest.mark.skipif(
     not current().onednn_available(), reason="oneDNN (onednn-cpu-gomp)"
@@ -88,13 +88,7 @@ def test_int8_matmul_is_the_quantized_product_and_near_float64(lead) -> None:
     assert got.shape == (*lead, n)
     # exactly the product of the quantized operands (int32 sums are exact), to float32 rounding
     if layer._gemm._q8 is not None:  # our kernel: groups of q8.GROUP along K on both sides
-        p, t = q8.quantize_groups(x.reshape(-1, k))
-        q, s = q8.quantize_groups(w)
-        exact = b.astype(np.float64)
-        for g in range(q8.groups(k)):
-            cut = slice(g * q8.GROUP, (g + 1) * q8.GROUP)
-            part = p[:, cut].astype(np.float64) @ q[:, cut].T.astype(np.float64)
-            exact = exact + part * t[:, g : g + 1] * s[None, :, g]
+        exact = grouped_exact(x.reshape(-1, k), w) + b
     else:  # oneDNN's s8 GEMM: per output channel and per token
         p, t = quantize_rows(x.reshape(-1, k))
         plain = layer._gemm.plain

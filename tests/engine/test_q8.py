@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from batchmlx.engine.host import q8
+from tests.engine.helpers import grouped_exact
 
 LINUX_X86 = sys.platform.startswith("linux") and platform.machine() == "x86_64"
 needs_kernel = pytest.mark.skipif(not q8.available(), reason="no AVX-512 VNNI here")
@@ -32,19 +33,6 @@ def _rand(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
-def _exact(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The kernel's definition in float64: per group, the exact integer product times the
-    activation's and the weight's scales, summed in group order."""
-    p, t = q8.quantize_groups(x)
-    q, s = q8.quantize_groups(w)
-    out = np.zeros((x.shape[0], w.shape[0]))
-    for g in range(q8.groups(x.shape[1])):
-        cut = slice(g * q8.GROUP, (g + 1) * q8.GROUP)
-        part = p[:, cut].astype(np.int64) @ q[:, cut].T.astype(np.int64)
-        out += part * (t[:, g : g + 1].astype(np.float64) * s[None, :, g].astype(np.float64))
-    return out
-
-
 def _run(x: np.ndarray, w: q8.Q8Weights, threads: int = 1, pool=None) -> np.ndarray:
     out = np.full((x.shape[0], w.n), np.nan, np.float32)
     q8.matmul(x, w, out, threads=threads, pool=pool)
@@ -56,7 +44,7 @@ def _run(x: np.ndarray, w: q8.Q8Weights, threads: int = 1, pool=None) -> np.ndar
 def test_the_product_of_the_grouped_quantized_operands(m: int, n: int, k: int) -> None:
     x, w = _rand((m, k), 1), _rand((n, k), 2, 0.05)
     got = _run(x, q8.Q8Weights.pack(w))
-    exact = _exact(x, w)
+    exact = grouped_exact(x, w)
     # float32 scale products and one FMA per group: within a few float32 roundings
     np.testing.assert_allclose(got, exact, rtol=2e-6, atol=2e-6 * np.abs(exact).max())
     # and the quantization's error of the float product: Q8_0-like, about 0.5% here

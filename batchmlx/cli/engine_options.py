@@ -17,8 +17,9 @@ from batchmlx.core.engine_api import EngineSettings
 
 PANEL = "Engine options"  # their own section of each command's --help
 DTYPE_HELP = (
-    "Weights: auto (float32 on the CPU, as stored on Metal/CUDA), stored, float32, …; int8: "
-    "int8 linear layers on a Linux x86-64 CPU (oneDNN; pip install 'batchmlx[cpu-int8]')"
+    "Weights: auto (bf16 GEMMs with float32 sums on the CPU, float32 without AVX-512; as stored "
+    "on Metal/CUDA), bfloat16, float32, stored; int8: Q8_0-like int8 in groups of 32 (AVX-512 "
+    "VNNI CPUs). README, 'Precision per --dtype'"
 )
 
 

@@ -88,6 +88,14 @@ def worker(
 
     settings = _with_retention(settings_of(ctx), retention_days)
     settings = with_model_rule(settings, strict_models, model_alias)  # its --inbox's files
+    if model is not None:  # a file it cannot serve fails here, not each line of a batch
+        from batchmlx.batches.errors import BatchError
+        from batchmlx.batches.models import chosen_override, rule_of
+
+        try:
+            chosen_override(model, rule_of(settings))
+        except BatchError as exc:
+            raise fail(f"--model: {exc}") from None
     if metrics_port is not None:  # a port in use fails here, in one line, before any work
         _serve_metrics(metrics_port, metrics_host)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)

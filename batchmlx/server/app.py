@@ -14,7 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from batchmlx.batches.models import serving_rule
+from batchmlx.batches.errors import BatchError
+from batchmlx.batches.models import chosen_override, rule_of, serving_rule
 from batchmlx.config import Settings
 from batchmlx.core.models import resolve_model
 from batchmlx.ingest import INBOX_HOOKS
@@ -44,6 +45,10 @@ class _CurrentWorker:
 
 def create_app(settings: Settings, options: ServerOptions, *, host: str) -> Starlette:
     """The app for a server bound to `host` (which decides the Host names it answers to)."""
+    try:  # the submit-time check (a GGUF's header among it): a file it cannot serve fails here
+        chosen_override(options.model, rule_of(settings))
+    except BatchError as exc:
+        raise ValueError(f"--model: {exc}") from None
     spec = resolve_model(options.model, cache_dir=settings.cache_dir)
     if spec is None:
         raise ValueError(f"model {options.model!r} cannot be resolved")

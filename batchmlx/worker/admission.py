@@ -18,7 +18,7 @@ from batchmlx.core.records import ClaimedRequest
 from batchmlx.faults import crash_point
 from batchmlx.store import BatchRef, Store
 from batchmlx.worker.build import ServingModel
-from batchmlx.worker.inflight import InFlight
+from batchmlx.worker.inflight import InFlight, ModelUnavailable
 from batchmlx.worker.online import ONLINE_PRIORITY, OnlineTicket
 from batchmlx.worker.options import WorkerOptions
 from batchmlx.worker.translate import server_error_result
@@ -54,7 +54,8 @@ class Admission:
         try:
             loaded = fl.ensure_model(fl.loaded.name if fl.loaded else self.model_for(None))
         except Exception as exc:
-            log.error("online requests: the model could not be loaded", exc_info=exc)
+            if not isinstance(exc, ModelUnavailable):  # (that one is logged by ensure_model)
+                log.error("online requests: the model could not be loaded", exc_info=exc)
             err = server_error_result(f"The model could not be loaded: {exc}")
             for t in tickets:
                 fl.deliver(t.id, err)
@@ -124,6 +125,8 @@ class Admission:
             return
         try:
             self._start(self.inflight.ensure_model(self.model_for(c.model)), c)
+        except ModelUnavailable as exc:  # logged once by ensure_model
+            self.inflight.deliver(c.id, server_error_result(f"The request could not start: {exc}"))
         except Exception as exc:  # tied to this request (or its batch's model)
             log.error("request %s of %s could not start", c.custom_id, c.batch_id, exc_info=exc)
             self.inflight.deliver(c.id, server_error_result(f"The request could not start: {exc}"))

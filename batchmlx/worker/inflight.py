@@ -43,8 +43,15 @@ from batchmlx.worker.translate import (
 
 # what an online request gets when the media pool is full (a batch row waits for room instead)
 MEDIA_BUSY = "Too many requests here are waiting for their images to be fetched; retry shortly."
+# a model that failed to load is not tried again for this long: every line of its batch gets
+# the same answer at once, rather than one conversion attempt and one traceback per line
+RETRY_LOAD_S = 60.0
 
 log = logging.getLogger("batchmlx.worker")
+
+
+class ModelUnavailable(Exception):
+    """The model a request needs cannot be loaded here (its message says why, in one line)."""
 
 
 class InFlight:
@@ -67,6 +74,7 @@ class InFlight:
         self.metrics = EngineMetrics()  # this process's registry and chart series
         self.post = Poster()  # engine thread -> the loop that owns `online`
         self.media = MediaPool()  # requests whose media are read before they enter the engine
+        self.unloadable: dict[str, tuple[float, str]] = {}  # model -> (when it failed, why)
 
     # -- the model -----------------------------------------------------------------------------
     def ensure_model(self, name: str) -> ServingModel:
@@ -74,7 +82,19 @@ class InFlight:
             return self.loaded
         if self.pending or self.online_pending or self.media:
             raise RuntimeError("cannot switch models while requests run")
-        loaded = self.build(name)
+        failed = self.unloadable.get(name)
+        if failed is not None and self.clock() - failed[0] < RETRY_LOAD_S:
+            raise ModelUnavailable(failed[1])
+        try:
+            loaded = self.build(name)
+        except Exception as exc:
+            why = f"the model {name!r} cannot be loaded: {exc}"
+            # once per model and RETRY_LOAD_S; the traceback only for what is no known refusal
+            known = isinstance(exc, (OSError, ValueError))
+            log.error("%s", why, exc_info=None if known else exc)
+            self.unloadable[name] = (self.clock(), why)
+            raise ModelUnavailable(why) from None
+        self.unloadable.pop(name, None)
         loaded.engine.on_token = self._on_token
         self.loaded = loaded
         return loaded

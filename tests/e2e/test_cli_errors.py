@@ -132,6 +132,25 @@ def test_unresolvable_model_option_is_refused(cli: Cli, tmp_path: Path) -> None:
     assert cli.json("list") == []
 
 
+@pytest.mark.parametrize("command", ["worker", "serve"])
+def test_a_model_option_naming_a_file_it_cannot_serve_stops_at_start(
+    cli: Cli, tmp_path: Path, command: str
+) -> None:
+    """The submit-time check, at a worker's or server's start: not a traceback per line later."""
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00")  # a header that ends at its version
+    with socket.socket() as s:  # a free port: the model is refused before it would listen
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    extra = ("--until-idle",) if command == "worker" else ("--port", port)
+    proc = cli(command, "--model", bad, *extra, timeout=WORKER_IDLE_S)
+    assert proc.returncode == 1, describe(proc)
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --model: model '{bad}' cannot be resolved: The GGUF file 'broken.gguf' cannot be "
+        "served: it cannot be read as GGUF: the header ends early (a truncated file?)."
+    ]
+
+
 def test_bad_completion_window_is_refused(cli: Cli, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "one.jsonl", [request_line("r", chat_body("hi"))])
     proc = cli("submit", path, "--model", "default", "--completion-window", "soon")

@@ -236,3 +236,37 @@ def test_a_more_urgent_batch_is_claimed_first_at_its_engine_priority(tmp_path: P
     assert [rig.engine.priorities[r] for r in rig.engine.admitted] == (
         [engine_priority(-3)] * 2 + [engine_priority(0)] * 2
     )
+
+
+def test_a_model_that_cannot_load_fails_each_line_once_without_retrying_per_line(
+    tmp_path: Path, caplog: Any
+) -> None:
+    settings = Settings(home=tmp_path / "home", cache_dir=tmp_path / "cache", poll_s=0.01)
+    builds: list[str] = []
+
+    def build(name: str) -> Any:
+        builds.append(name)
+        raise ValueError("model.gguf cannot be read as GGUF: the tensor data ends early")
+
+    async def main():
+        store = await Store.open(settings.db_path)
+        batch = await batches.intake.submit(store, settings, _file(6), filename="in.jsonl", now=T0)
+        opts = WorkerOptions(until_idle=True, engine=EngineSettings(max_batch_size=4))
+        worker = Worker(store, settings, opts, clock=lambda: T0 + 1, engine_factory=build)
+        await worker.run()
+        rec = await store.get_batch(batch.id)
+        await store.close()
+        return rec
+
+    with caplog.at_level("ERROR", logger="batchmlx.worker"):
+        rec = asyncio.run(main())
+    assert rec.request_counts.failed == 6 and rec.request_counts.completed == 0
+    assert builds == ["default"]  # tried once, not once per line
+    errors = _lines(settings, rec.error_file_id)
+    assert len(errors) == 6
+    for line in errors:
+        body = line["response"]["body"]["error"]
+        assert line["response"]["status_code"] == 500
+        assert "the model 'default' cannot be loaded: model.gguf cannot be read" in body["message"]
+    logged = [r for r in caplog.records if "cannot be loaded" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is None  # one line, no traceback

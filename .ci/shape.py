@@ -67,8 +67,8 @@ def circles(package: str) -> list[str]:
 ENVIRON_READS_ALLOWED = {
     "batchmlx/config.py": "the one place settings are read from the environment",
     "batchmlx/faults.py": "test infrastructure: fault points read where they fire (tests/crash)",
-    "batchmlx/engine/host/fast_blas.py": "the fast-BLAS re-exec builds the child's environment "
-    "before anything else loads (LD_PRELOAD, its switch and marker)",
+    "batchmlx/engine/host/fast_blas.py": "the fast BLAS is chosen before anything else loads "
+    "(its switch, LD_PRELOAD and the re-exec marker), and a re-exec's environment built",
     "batchmlx/cli/common.py": "report_error's traceback switch, which must work when loading "
     "the settings is what failed",
     "batchmlx/batches/models.py": "HF_HUB_OFFLINE: huggingface_hub's own variable, read at the "

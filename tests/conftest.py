@@ -22,10 +22,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config) -> None:
-    # MLX's Linux CPU wheel links a reference BLAS; batchmlx preloads an optimized one by
-    # re-executing the process once (engine/host/fast_blas.py). Do the same for pytest,
-    # before any test imports MLX, so the engine tests run at the speed users get. No-op where
-    # none is found.
+    # MLX's Linux CPU wheel links a reference BLAS; batchmlx loads an optimized one ahead of
+    # MLX (engine/host/fast_blas.py). Do the same for pytest, before any test imports MLX, so
+    # the engine tests run at the speed users get. No-op where none is found.
     from batchmlx.engine.host.fast_blas import ensure_fast_blas
 
     ensure_fast_blas()

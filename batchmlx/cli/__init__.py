@@ -1,6 +1,6 @@
 """The command line: parse, call batches/, the store, the worker or the server, print. Imports no
-MLX at import time, nor the store (SQLAlchemy, Alembic: about 0.4 s): the console script decides
-first whether to re-execute onto the fast BLAS (`entry.main`), before it imports the typer app
+MLX at import time, nor the store (SQLAlchemy, Alembic: about 0.4 s): the console script puts a
+command that runs a model on the fast BLAS first (`entry.main`), before it imports the typer app
 (`app` here is loaded on first use), and each command imports what it runs.
 
     commands.py        the typer app: --database-url into Settings, the list of commands
@@ -9,7 +9,7 @@ first whether to re-execute onto the fast BLAS (`entry.main`), before it imports
     engine_options.py  the engine options worker, serve and submit --wait share
     show.py            how a batch is printed
     progress.py        submit --wait's progress bar (tokens/s, ETA)
-    entry.py           the console script: fast BLAS re-exec, quick exit
+    entry.py           the console script: fast BLAS, quick exit
 """
 
 from typing import Any
@@ -21,7 +21,7 @@ __all__ = ["app", "main", "runs_model"]
 
 def __getattr__(name: str) -> Any:
     # the app (typer, every command module: ~60-90 ms) only when asked for: the console script
-    # re-executes onto the fast BLAS before it needs it, and would import it twice
+    # may re-execute onto the fast BLAS before it needs it, and would import it twice
     if name == "app":
         from batchmlx.cli.commands import app
 

@@ -1,7 +1,8 @@
 """The console script's entry: the global options moved before the command, a command that may
-run a model moved onto a fast BLAS (a re-execution of this same command line), then the app (any
-error it ends with told in one line), then a quick exit. Neither typer nor the app is imported
-before the re-execution is decided: a re-executed command would import them twice."""
+run a model put on a fast BLAS (loaded into this process before MLX, or else a re-execution of
+this same command line), then the app (any error it ends with told in one line), then a quick
+exit. Neither typer nor the app is imported before that: a re-executed command would import
+them twice."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _hoist_database_url(argv: list[str]) -> list[str]:
     return front + rest
 
 
-# commands that never load a model: no re-execution onto the fast BLAS (about 0.5 s each)
+# commands that never load a model: no fast BLAS looked for
 _NO_MODEL_COMMANDS = frozenset({"status", "list", "results", "cancel", "watch", "purge", "example"})
 
 
@@ -49,9 +50,9 @@ def runs_model(argv: list[str]) -> bool:
 
 
 def main() -> None:  # pragma: no cover - the console script
-    """Entry point: on Linux, a command that may run a model first moves onto a fast BLAS
-    (re-executes once); then the CLI. Not inside `app`, so tests that call the app in-process
-    never re-execute pytest."""
+    """Entry point: on Linux, a command that may run a model first loads a fast BLAS (or
+    re-executes once onto it); then the CLI. Not inside `app`, so tests that call the app
+    in-process never touch pytest's BLAS (tests/conftest.py loads it once)."""
     # a command imports its libraries once and keeps them: a rarer first-generation collection
     # spares the collector walking that import graph again and again (~60 ms of a submit,
     # ~20 ms of a results command, measured)
@@ -61,8 +62,8 @@ def main() -> None:  # pragma: no cover - the console script
         if runs_model(argv):
             from batchmlx.engine.host.fast_blas import ensure_fast_blas
 
-            # reruns this interpreter's own command line (sys.orig_argv): the options, the
-            # database URL among them, travel in argv, and this same parse runs again there
+            # where it cannot load here, it reruns this interpreter's own command line
+            # (sys.orig_argv): the options, the database URL among them, travel in argv
             ensure_fast_blas()
         code: int | str | None = run(argv)
     except SystemExit as exc:

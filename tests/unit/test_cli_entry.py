@@ -1,6 +1,7 @@
-"""The console script's entry: which command lines move onto the fast BLAS (a re-execution,
-about 0.5 s), the database URL carried through it in argv, its quick exit keeping output and exit
-codes; and the engine options the model commands share."""
+"""The console script's entry: which command lines move onto the fast BLAS (loaded in process,
+or a re-execution where it cannot be), the database URL carried through a re-execution in argv,
+its quick exit keeping output and exit codes; and the engine options the model commands
+share."""
 
 from __future__ import annotations
 
@@ -46,12 +47,14 @@ def test_only_commands_that_may_run_a_model_reexecute(argv, expected):
 
 # Prints a line each time the interpreter starts: twice when the CLI re-executes itself.
 _ENTRY = "print('started', flush=True); from batchmlx.cli import main; main()"
+# MLX imported before the entry: too late to load the BLAS in process, so it re-executes
+_LATE = "print('started', flush=True); import mlx.core; from batchmlx.cli import main; main()"
 
 
-def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _cli(home: Path, *args: str, entry: str = _ENTRY) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in (REEXEC_MARKER, "LD_PRELOAD")}
     env.update(BATCHMLX_HOME=str(home), PYTHONPATH=str(Path(__file__).parents[2]))
-    return subprocess.run([sys.executable, "-c", _ENTRY, *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-c", entry, *args], env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
 
 
@@ -66,7 +69,12 @@ def test_results_and_list_run_without_reexecuting(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "batch_nope" in missing.stderr
     doctor = _cli(tmp_path, "doctor", "--no-measure")
     assert doctor.returncode == 0, doctor.stderr
-    assert doctor.stdout.count("started") == 2  # a model command still re-executes
+    assert doctor.stdout.count("started") == 1  # a model command loads it in process
+    assert "loaded in this process" in doctor.stdout
+    late = _cli(tmp_path, "doctor", "--no-measure", entry=_LATE)
+    assert late.returncode == 0, late.stderr
+    assert late.stdout.count("started") == 2  # where it cannot, it re-executes
+    assert "re-executed by batchmlx" in late.stdout
 
 
 def test_the_database_url_after_the_command_survives_the_reexecution(tmp_path: Path) -> None:
@@ -75,7 +83,8 @@ def test_the_database_url_after_the_command_survives_the_reexecution(tmp_path: P
     if reexec_env({}) is None:
         pytest.skip("no fast BLAS to re-execute onto here")
     db = tmp_path / "elsewhere.db"
-    done = _cli(tmp_path / "home", "worker", "--until-idle", "--database-url", f"sqlite:///{db}")
+    done = _cli(tmp_path / "home", "worker", "--until-idle", "--database-url", f"sqlite:///{db}",
+                entry=_LATE)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("started") == 2  # re-executed
     assert db.is_file() and not (tmp_path / "home" / "batchmlx.db").exists()

@@ -109,6 +109,7 @@ def recorded_exec(monkeypatch, tree) -> list[tuple[str, list[str], dict[str, str
     monkeypatch.setattr(accel, "python_prefixes", lambda: [tree["prefix"]])
     monkeypatch.setattr(accel, "_default_lib_dirs", lambda: [tree["lib_dir"]])
     monkeypatch.setattr(accel, "_site_dirs", lambda: [])  # no pip-installed OpenBLAS
+    monkeypatch.setattr(accel, "_loaded", [])  # (pytest's own, loaded by conftest.py)
     for key in ("LD_PRELOAD", accel.REEXEC_MARKER, accel.SWITCH):
         monkeypatch.delenv(key, raising=False)
     _touch(tree["mkl"])
@@ -186,7 +187,7 @@ def test_module_does_not_import_mlx() -> None:
 
 
 def test_doctor_cli_prints_json() -> None:
-    # Real path: re-executes onto whatever fast BLAS this machine has, then measures a matmul.
+    # Real path: loads whatever fast BLAS this machine has, then measures a matmul.
     out = subprocess.run(
         [sys.executable, "-m", "batchmlx.engine.host.fast_blas"],
         capture_output=True,
@@ -195,7 +196,7 @@ def test_doctor_cli_prints_json() -> None:
         timeout=300,
     )
     report = json.loads(out.stdout)
-    assert set(report["active_blas"]) == {"name", "library", "env", "note"}
+    assert set(report["active_blas"]) == {"name", "library", "env", "note", "runtime"}
     assert report["matmul_gflops_1024_f32"] > 0
 
 
@@ -317,30 +318,44 @@ def test_the_runtime_folder_is_tried_first(tmp_path: Path) -> None:
     assert choice.env["LD_LIBRARY_PATH"].split(":")[0] == str(tmp_path / "rt")
 
 
+_BOUND_TO = """
+import ctypes, sys
+from batchmlx.engine.host.fast_blas import active_blas, ensure_fast_blas
+ensure_fast_blas()
+import mlx.core as mx
+a = mx.ones((256, 256)); mx.eval(mx.matmul(a, a, stream=mx.cpu))
+# the cblas_sgemm libmlx binds to: the first one in the process's global scope
+at = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
+owner = [l.split()[-1] for l in open("/proc/self/maps") if len(l.split()) > 5
+         and int(l.split("-")[0], 16) <= at < int(l.split()[0].split("-")[1], 16)]
+print(active_blas().name, owner[0])
+sys.stdout.write(open("/proc/self/maps").read())
+"""
+
+
 @needs_cmeel
-def test_fast_blas_loads_without_any_system_libgfortran(tmp_path: Path) -> None:
-    # The re-executed process must not depend on a system libgfortran: the chosen OpenBLAS runs
-    # MLX's matmul with numpy's vendored Fortran runtime, whatever /usr/lib holds.
+@pytest.mark.parametrize("route", ["in process", "re-executed"])
+def test_fast_blas_loads_without_any_system_libgfortran(tmp_path: Path, route: str) -> None:
+    # Loaded in this process (or, where that cannot be, in a re-executed one), the chosen
+    # OpenBLAS is what MLX's matmul binds to, with numpy's vendored Fortran runtime (renamed
+    # in the cache, or found on LD_LIBRARY_PATH), whatever /usr/lib holds.
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", accel.REEXEC_MARKER)}
     env["BATCHMLX_CACHE_DIR"] = str(tmp_path / "cache")
     env[accel.SWITCH] = "openblas"
-    code = (
-        "import mlx.core as mx, sys; a = mx.ones((256, 256));"
-        "mx.eval(mx.matmul(a, a, stream=mx.cpu));"
-        "from batchmlx.engine.host.fast_blas import active_blas; print(active_blas().name);"
-        "sys.stdout.write(open('/proc/self/maps').read())"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", f"from batchmlx.engine.host.fast_blas import ensure_fast_blas; "
-         f"ensure_fast_blas(['-c', {code!r}])"],
-        env=env, capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+    code = _BOUND_TO
+    if route == "re-executed":  # MLX imported first: too late to load it in this process
+        code = ("import mlx.core\nfrom batchmlx.engine.host.fast_blas import ensure_fast_blas\n"
+                f"ensure_fast_blas(['-c', {_BOUND_TO!r}])\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
     first, maps = out.stdout.split("\n", 1)
-    assert first == "openblas", out.stderr
-    assert "cmeel.prefix/lib/libopenblas" in maps
+    name, owner = first.split()
+    assert name == "openblas", out.stderr
+    assert "cmeel.prefix/lib/libopenblas" in owner  # not MLX's reference BLAS
     gfortran = {line.split()[-1] for line in maps.splitlines() if "libgfortran" in line}
     # numpy's copy serves OpenBLAS (mlx_cpu.libs may map its own for MLX's LAPACK); no system one
-    assert any("numpy.libs" in path for path in gfortran), gfortran
+    ours = str(tmp_path / "cache" / "fortran-runtime")
+    assert any("numpy.libs" in path or path.startswith(ours) for path in gfortran), gfortran
     assert not any(path.startswith(("/usr/", "/lib")) for path in gfortran), gfortran
 
 

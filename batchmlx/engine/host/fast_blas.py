@@ -2,9 +2,11 @@
 
 The Linux `mlx-cpu` wheel links netlib's reference BLAS (~4-8 GFLOP/s for a float32 1024^3
 matmul). libmlx imports plain `cblas_sgemm` (and LAPACK `sgetrf_`, ...) as undefined dynamic
-symbols, so a library preloaded with LD_PRELOAD that exports the same names wins symbol
-resolution. LD_PRELOAD is read only when a process starts, so the CLI re-executes itself once
-with it set (`ensure_fast_blas`). Candidates, in order of preference:
+symbols, so a library that exports the same names and sits in the global scope before libmlx
+loads wins symbol resolution. The CLI loads it into its own process with RTLD_GLOBAL before
+MLX is imported (`load_fast_blas`); where that cannot be done it re-executes itself once with
+LD_PRELOAD set (`ensure_fast_blas`), as child processes and shell scripts get it (`reexec_env`).
+Candidates, in order of preference:
 
 - Debian's `libopenblas0-pthread` (apt, ~36 MB): fastest GEMM here; it needs OPENBLAS_CORETYPE
   set to the CPU family, since a generic or inherited core type can cost 2-5x.
@@ -13,8 +15,9 @@ with it set (`ensure_fast_blas`). Candidates, in order of preference:
 
 cmeel-openblas needs the Fortran runtime (`libgfortran.so.5`, which needs libquadmath) and a fresh
 machine may lack it. numpy's wheel vendors both under hashed names in `numpy.libs/`; a private
-folder in the cache links `libgfortran.so.5` and the hashed libquadmath name to them, and goes on
-LD_LIBRARY_PATH for the re-executed process (`fortran_runtime_dir`), so no system package is needed.
+folder in the cache holds a copy of that libgfortran renamed `libgfortran.so.5` (engine/host/elf.py)
+and a link to the libquadmath it names (`fortran_runtime_dir`): loaded first in process, or on
+LD_LIBRARY_PATH for a re-executed one, so no system package is needed.
 
 PyPI's scipy-openblas wheels prefix their symbols (`scipy_cblas_sgemm`), so they cannot stand
 in. This module imports no MLX at import time; only `measure_matmul_gflops` and
@@ -38,8 +41,10 @@ import sys
 import sysconfig
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from batchmlx.engine.host.elf import renamed_copy
 
 # Set in the re-executed child to the chosen BLAS's name; its presence stops further re-execs.
 REEXEC_MARKER = "BATCHMLX_BLAS_REEXEC"
@@ -57,6 +62,7 @@ class BlasChoice:
     library: str | None  # path preloaded, or None
     env: dict[str, str] = field(default_factory=dict)  # variables set for it
     note: str = ""  # one line for logs / doctor
+    runtime: str | None = None  # a folder of libraries it needs (fortran_runtime_dir)
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -261,6 +267,8 @@ def fortran_runtime_dir(
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for name, target in links.items():
+            if name in _SONAMES and renamed_copy(target, folder / name):
+                continue
             link = folder / name
             if link.is_symlink() and Path(os.readlink(link)) == target:
                 continue
@@ -271,6 +279,11 @@ def fortran_runtime_dir(
     except OSError:
         return None
     return folder
+
+
+# the runtime folder's libraries another one names in its DT_NEEDED: copies renamed (elf.py), so
+# that loaded first inside a process (load_fast_blas) they are what that name finds
+_SONAMES = ("libgfortran.so.5", "libgomp.so.1")
 
 
 def _default_openblas_candidates() -> list[Path]:
@@ -319,6 +332,7 @@ def _find_openblas(
                 library=str(lib),
                 env=env,
                 note=f"OpenBLAS ({lib}), core type {core or 'auto-detected'}{via}",
+                runtime=str(lib_dir) if lib_dir is not None else None,
             )
     return None
 
@@ -388,34 +402,82 @@ def _installed(distribution: str) -> bool:
     return True
 
 
-def reexec_env(
-    environ: Mapping[str, str] | None = None, backend: str | None = None
-) -> dict[str, str] | None:
-    """Variables to add to a process's environment so it starts on the fast BLAS, or None
-    when disabled, nothing is installed, a BLAS is already preloaded in `environ`, or MLX runs
-    on its CUDA backend (the matmuls are the GPU's: no re-exec, nothing preloaded)."""
-    environ = os.environ if environ is None else environ
+def _wanted(environ: Mapping[str, str], backend: str | None = None) -> BlasChoice | None:
+    """The fast BLAS this process should run on, or None: disabled, nothing installed, a
+    BLAS already preloaded in `environ`, or MLX on its CUDA backend (the GPU's matmuls)."""
     if environ.get(SWITCH, "auto") == "0" or environ.get(REEXEC_MARKER):
         return None
     if environ.get(SWITCH, "auto") == "auto" and (backend or mlx_backend()) == "cuda":
         return None
-    existing = environ.get("LD_PRELOAD", "")
-    if _preloaded_blas(existing):
+    if _preloaded_blas(environ.get("LD_PRELOAD", "")):
         return None  # someone preloaded their own BLAS: leave it and its env alone
     choice = find_fast_blas(prefer=environ.get(SWITCH, "auto"))
+    return None if choice is None or choice.library is None else choice
+
+
+def reexec_env(
+    environ: Mapping[str, str] | None = None, backend: str | None = None
+) -> dict[str, str] | None:
+    """Variables to add to a process's environment so it starts on the fast BLAS (a child
+    process, a shell script), or None where `_wanted` finds none."""
+    environ = os.environ if environ is None else environ
+    choice = _wanted(environ, backend)
     if choice is None or choice.library is None:
         return None
+    existing = environ.get("LD_PRELOAD", "")
     preload = f"{existing}:{choice.library}" if existing else choice.library
     return {"LD_PRELOAD": preload, REEXEC_MARKER: choice.name, **choice.env}
 
 
-def ensure_fast_blas(argv: list[str] | None = None) -> None:
-    """Re-execute this interpreter with the fast BLAS preloaded, once; else return quietly.
+# what load_fast_blas loaded into this process (LD_PRELOAD tells the re-executed route)
+_loaded: list[BlasChoice] = []
 
-    Call it first thing in the console-script entry point (never from code pytest runs in
-    process). `argv` is what follows the interpreter; the default `sys.orig_argv[1:]` keeps
-    interpreter flags and `-m module`, so `batchmlx ...` and `python -m ...` rerun identically."""
-    if not sys.platform.startswith("linux"):
+
+def load_fast_blas() -> BlasChoice | None:
+    """Load the fast BLAS into this process, ahead of MLX: its cblas symbols, in the global
+    scope, are what libmlx binds to when it loads (an LD_PRELOAD without the restart: ~80 ms
+    of every model command, a second interpreter start and the imports before it). Its
+    Fortran runtime (and a vendored libgomp) comes first, as renamed copies (elf.py). None
+    where nothing is wanted (`_wanted`), MLX is already imported, or a library fails to load."""
+    if _loaded or not sys.platform.startswith("linux"):
+        return _loaded[0] if _loaded else None
+    if "mlx.core" in sys.modules:
+        return None  # too late: libmlx has bound its BLAS
+    choice = _wanted(os.environ)
+    if choice is None or choice.library is None:
+        return None
+    libs = [Path(choice.library)]
+    if choice.runtime is not None:
+        folder = Path(choice.runtime)
+        if (folder / "libgfortran.so.5").is_symlink():
+            return None  # no renamed copy: only LD_LIBRARY_PATH (a restart) finds it
+        quadmath = sorted(folder.glob("libquadmath-*"))  # libgfortran's own DT_NEEDED
+        libs = quadmath + [folder / n for n in _SONAMES if (folder / n).is_file()] + libs
+    # read by the libraries when they start (OPENBLAS_CORETYPE, MKL_THREADING_LAYER, ...)
+    env = {k: v for k, v in choice.env.items() if k != "LD_LIBRARY_PATH"}
+    before = {k: os.environ[k] for k in env if k in os.environ}
+    os.environ.update(env)
+    try:
+        for lib in libs:
+            ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        for k in env:  # as it was, for the re-execution's own choice
+            os.environ.pop(k)
+        os.environ.update(before)
+        return None
+    _loaded.append(replace(choice, env=env, note=f"{choice.note}; loaded in this process"))
+    return _loaded[0]
+
+
+def ensure_fast_blas(argv: list[str] | None = None) -> None:
+    """Put this process on the fast BLAS: loaded in process (`load_fast_blas`), else by
+    re-executing this interpreter once with it preloaded; else return quietly.
+
+    Call it first thing in the console-script entry point, before MLX is imported (never from
+    code pytest runs in process). `argv` is what follows the interpreter for a re-execution;
+    the default `sys.orig_argv[1:]` keeps interpreter flags and `-m module`, so `batchmlx ...`
+    and `python -m ...` rerun identically."""
+    if not sys.platform.startswith("linux") or load_fast_blas() is not None:
         return
     extra = reexec_env()
     if extra is None:
@@ -430,10 +492,13 @@ def ensure_fast_blas(argv: list[str] | None = None) -> None:
 
 
 def active_blas(environ: Mapping[str, str] | None = None) -> BlasChoice:
-    """The BLAS this process runs with, judged from LD_PRELOAD (read at process start)."""
+    """The BLAS this process runs with: what load_fast_blas loaded, else judged from
+    LD_PRELOAD (read at process start)."""
     environ = os.environ if environ is None else environ
     if sys.platform == "darwin":
         return BlasChoice("accelerate", None, {}, "macOS: MLX uses Accelerate / Metal")
+    if _loaded and environ is os.environ:
+        return _loaded[0]
     lib = _preloaded_blas(environ.get("LD_PRELOAD", ""))
     if lib is None:
         hint = "install libopenblas0-pthread (apt) or mkl (pip) to speed up CPU matmuls"

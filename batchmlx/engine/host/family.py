@@ -6,9 +6,11 @@ qkv_proj; gate and up or its gate_up_proj), q/k norms and their width (per head:
 over all heads: olmo2), each layer's RoPE (plain, linear, llama3, yarn, su; none: smollm3's NoPE
 layers) and attention scale, and each layer's sliding window (the RotatingKVCache mlx-lm makes
 for it). What only the family's forward code says (where the norms sit, gemma's 1 + w norm
-weight, its GeGLU, the embedding, residual and logit factors, soft-capping) is written once per
-mlx-lm module in `CODE`, each entry checked against mlx-lm's own models/<family>.py. A module
-not in `CODE` keeps the MLX path.
+weight, its GeGLU, the embedding, residual and logit factors, soft-capping, whether its MLPs
+may be mixtures of experts) is written once per mlx-lm module in `CODE`, each entry checked
+against mlx-lm's own models/<family>.py. A mixture of experts' routing (experts, top k,
+renormalized or not) and which layers have one are read from the instance. A module not in
+`CODE` keeps the MLX path.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from batchmlx.engine.host.linear import HostExperts
 from batchmlx.engine.host.rope import HostRope, NotCovered, rope_of
 
 
@@ -70,6 +73,9 @@ class Code:
     attn_softcap: str | None = None  # args field: scores -> cap * tanh(scores / cap) (gemma2)
     final_softcap: str | None = None  # args field: the same on the logits (gemma2)
     layer_module: str | None = None  # the blocks' module, where not the model's (smollm3)
+    # its MLPs may be mixtures of experts (`mlp.gate` the router, `mlp.switch_mlp` a SwitchGLU),
+    # routed as Routing says (qwen3_moe, olmoe)
+    experts: bool = False
 
 
 def _gemma3_embed_scale(model: Any) -> float:
@@ -105,7 +111,21 @@ CODE: dict[str, Code] = {
         logit_divisor="logits_scaling",
     ),  # fmt: skip
     "mlx_lm.models.olmo2": Code(norms=OLMO2_NORMS),
+    "mlx_lm.models.qwen3_moe": Code(experts=True),
+    "mlx_lm.models.olmoe": Code(experts=True),  # (its q/k norms over all heads, as olmo2's)
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """A mixture-of-experts MLP's routing, as qwen3_moe's and olmoe's blocks compute it: the
+    router's logits, softmax over all experts in float32, each token's top_k, their weights
+    renormalized to sum 1 where norm_topk_prob (Qwen3-MoE: yes, OLMoE: no); the MLP's output
+    the weighted sum of those experts' SwiGLU MLPs. No shared experts (qwen2_moe's)."""
+
+    experts: int
+    top_k: int
+    norm_topk_prob: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +157,8 @@ class Family:
     logit_divisor: float | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    routing: Routing | None = None  # its mixtures of experts' (None: every MLP is dense)
+    expert_layers: frozenset[int] = frozenset()  # the layers whose MLP is one
 
     @property
     def windows(self) -> frozenset[int]:
@@ -170,7 +192,9 @@ def describe(model: nn.Module) -> Family | str:
                 return "blocks of different shapes"
             n_heads, n_kv, head_dim, _ = first
             per_layer.append(rope_of(attn.rope, head_dim, n_heads + n_kv))
-        qkv, gate_up = _projections(layers[0])
+        routing, expert_layers = _experts(layers, code)
+        dense = next((la for i, la in enumerate(layers) if i not in expert_layers), None)
+        qkv, gate_up = _projections(layers[0], dense)
         qk_norm = _qk_norm(layers[0].self_attn, first[2])
         _check_norms(inner, layers, code)
     except NotCovered as exc:
@@ -188,6 +212,7 @@ def describe(model: nn.Module) -> Family | str:
         embed_scale=None if code.embed_scale is None else code.embed_scale(model),
         residual_scale=arg(code.residual_scale), logit_divisor=arg(code.logit_divisor),
         attn_softcap=arg(code.attn_softcap), final_softcap=arg(code.final_softcap),
+        routing=routing, expert_layers=expert_layers,
     )  # fmt: skip
 
 
@@ -202,16 +227,42 @@ def _attention_shape(attn: nn.Module) -> tuple[int, int, int, float]:
     return n_heads, n_kv, int(head_dim), float(attn.scale)
 
 
-def _projections(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    attn, mlp = layer.self_attn, layer.mlp
+def _projections(
+    layer: nn.Module, dense: nn.Module | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The attention's input projections, and those of the dense MLPs (of `dense`, a layer with
+    one; None: every MLP is a mixture of experts)."""
+    attn = layer.self_attn
+    mlp = None if dense is None else dense.mlp
     qkv = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
     gate_up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
     for owner, names in ((attn, qkv), (mlp, gate_up)):
-        if not all(hasattr(owner, n) for n in names):
+        if owner is not None and not all(hasattr(owner, n) for n in names):
             raise NotCovered(f"projections {type(owner).__name__}")
-    if not (hasattr(attn, "o_proj") and hasattr(mlp, "down_proj")):
+    if not (hasattr(attn, "o_proj") and (mlp is None or hasattr(mlp, "down_proj"))):
         raise NotCovered("o_proj or down_proj missing")
     return qkv, gate_up
+
+
+def _experts(layers: list, code: Code) -> tuple[Routing | None, frozenset[int]]:
+    """The routing of the layers whose MLP is a mixture of experts, and which they are."""
+    found: dict[int, Routing] = {}
+    for i, layer in enumerate(layers):
+        mlp = layer.mlp
+        glu = getattr(mlp, "switch_mlp", None)
+        if glu is None:
+            continue
+        if not code.experts:
+            raise NotCovered(f"experts in {type(mlp).__name__}")
+        if not (isinstance(glu, HostExperts) or HostExperts.takes(glu)):
+            raise NotCovered(f"experts {type(glu).__name__} (biases or another activation)")
+        if not hasattr(mlp, "gate"):
+            raise NotCovered("experts without a router `gate`")
+        found[i] = Routing(int(mlp.num_experts), int(mlp.top_k), bool(mlp.norm_topk_prob))
+    routings = set(found.values())
+    if len(routings) > 1:
+        raise NotCovered("layers routed differently")
+    return (routings.pop() if routings else None), frozenset(found)
 
 
 def _qk_norm(attn: nn.Module, head_dim: int) -> QKNorm:

@@ -37,8 +37,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from batchmlx.engine.host import experts as host_experts
 from batchmlx.engine.host import numpy_blas, q8
 from batchmlx.engine.host.backend import HostBackend, current
+from batchmlx.engine.host.elementwise import swiglu_halves
 from batchmlx.engine.host.onednn import DataType, OneDNN, Packed
 
 
@@ -373,6 +375,58 @@ class HostEmbedding(nn.Module):
         return self._gemm.output(x, 0)
 
 
+class HostExperts(nn.Module):
+    """mlx-lm's SwitchGLU (a mixture of experts' SwiGLU MLPs, weights stacked [E, N, K]) in a
+    host format: expert e's gate and up one GEMM (`gate_up[e]`), its down another (`down[e]`).
+    Called as SwitchGLU is (the MLX path: x [..., D], each token's experts [..., k] -> each
+    expert's output [..., k, D]), it computes on the host (experts.py), one GEMM pair per
+    expert that any token chose; the host step takes `gemms` and routes there."""
+
+    def __init__(self, glu: nn.Module, fmt: HostFormat, cache: PackedCache | None, where: str,
+                 backend: HostBackend) -> None:  # fmt: skip
+        super().__init__()
+        gate, up, down = (glu[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+
+        def layer(ws: list[mx.array], key: str) -> HostLinear:
+            gemm = SharedGemm(ws, fmt, cache=cache, key=f"{where}.{key}", backend=backend)
+            return HostLinear(gemm, 0, owner=True)
+
+        self.gate_up = [layer([gate[e], up[e]], f"{e}.gate_proj+up_proj")
+                        for e in range(gate.shape[0])]  # fmt: skip
+        self.down = [layer([down[e]], f"{e}.down_proj") for e in range(down.shape[0])]
+        self._backend = backend
+
+    @staticmethod
+    def takes(glu: object) -> bool:
+        """Whether `glu` is a SwitchGLU this form computes: SwiGLU, no biases."""
+        from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
+
+        return type(glu) is SwitchGLU and type(glu.activation) is SwiGLU and not any(
+            "bias" in glu[n] for n in ("gate_proj", "up_proj", "down_proj")
+        )  # fmt: skip
+
+    def gemms(self) -> tuple[list, list]:
+        """Each expert's gate-up and down GEMMs, as functions of numpy rows."""
+        return [g._gemm.host for g in self.gate_up], [d._gemm.host for d in self.down]
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        x = x.astype(mx.float32)
+        mx.eval(x, indices)
+        rows = np.asarray(x).reshape(-1, x.shape[-1])
+        chosen = np.asarray(indices).reshape(-1, indices.shape[-1]).astype(np.int64)
+        gate_up, down = self.gemms()
+        out = host_experts.expert_outputs(rows, chosen, gate_up, down, self._act)
+        return mx.array(out).reshape(*indices.shape, x.shape[-1])
+
+    def _act(self, gu: np.ndarray) -> np.ndarray:
+        return swiglu_halves(gu, backend=self._backend)
+
+
+# a mixture of experts' router (the `gate` beside a HostExperts) stays float32, as llama.cpp
+# keeps it: which experts a token gets should not move with the weights' format
+ROUTER = "gate"
+_EXPERTS = "switch_mlp"
+
 _CONVERTED = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
 
 
@@ -415,10 +469,16 @@ def _host_layers(module: nn.Module, fmt: HostFormat, cache: PackedCache | None,
                                   key=f"{where}.{'+'.join(names)}", backend=backend)  # fmt: skip
                 for i, n in enumerate(names):
                     out[n] = HostLinear(gemm, i, owner=i == 0)
+    experts = module.get(_EXPERTS)
+    if HostExperts.takes(experts):
+        out[_EXPERTS] = HostExperts(experts, fmt, cache, f"{where}.{_EXPERTS}", backend)
     for n, m in linears.items():
         if n not in out:
             own = head_format(fmt, backend) if n == "lm_head" else fmt
-            gemm = SharedGemm([_float_weight(m)], own, [m.get("bias")], cache=cache,
+            # (not kept in the packed cache: a float32 layer is always rebuilt from source)
+            router = n == ROUTER and _EXPERTS in out
+            gemm = SharedGemm([_float_weight(m)], HostFormat.F32 if router else own,
+                              [m.get("bias")], cache=None if router else cache,
                               key=f"{where}.{n}", backend=backend)  # fmt: skip
             out[n] = HostLinear(gemm, 0, owner=True)
     return out

@@ -9,10 +9,10 @@ as numpy and oneDNN calls over the very same packed weights, paged KV pool and d
 copy (kv/decode.py), each segment's attention in host_attention's kernels (step_kv.py), and
 only the logits go back to MLX, in a buffer MLX owns. One block is written once: its norms
 before or after each sublayer, q/k norms, RoPE per layer (or none), sliding windows, GeGLU or
-SwiGLU, and the embedding, residual and logit factors are the Family's parts, so llama, qwen2/3,
-phi3, gemma2/3, granite, olmo2 and smollm3 share it. Models no Family describes keep the MLX
-path (said once in the log); both read and write the same KV, so the two paths can take turns
-on one sequence.
+SwiGLU or a mixture of experts (engine/host/experts.py), and the embedding, residual and logit
+factors are the Family's parts, so llama, qwen2/3, phi3, gemma2/3, granite, olmo2, smollm3,
+qwen3_moe and olmoe share it. Models no Family describes keep the MLX path (said once in the
+log); both read and write the same KV, so the two paths can take turns on one sequence.
 
 The arithmetic is the MLX path's: float32 activations, GEMM inputs rounded to bf16 (or
 quantized per token for int8, or as they are for float32) exactly as host_linear does,
@@ -32,10 +32,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from batchmlx.engine.host import experts as host_experts
 from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.elementwise import geglu_halves, softcap, swiglu_halves
 from batchmlx.engine.host.family import CODE, Activation, Family, QKNorm, describe, norm_weight
-from batchmlx.engine.host.linear import HostEmbedding, HostFormat, HostLinear, SharedGemm
+from batchmlx.engine.host.linear import (
+    HostEmbedding,
+    HostExperts,
+    HostFormat,
+    HostLinear,
+    SharedGemm,
+)
 from batchmlx.engine.host.rope import HostRope, RopeTables
 from batchmlx.engine.host.step_kv import StepKV
 from batchmlx.engine.kv.paged import PackedLayout, PagedKVStorage
@@ -81,8 +88,10 @@ class _Block:
     k_norm: HostNorm | None
     qkv: SharedGemm  # q, k and v in one GEMM (three layers sharing it, or phi3's one)
     o: SharedGemm
-    gate_up: SharedGemm  # gate and up in one GEMM
-    down: SharedGemm
+    gate_up: SharedGemm | None  # gate and up in one GEMM (None: a mixture of experts)
+    down: SharedGemm | None
+    router: SharedGemm | None  # a mixture of experts' router and experts (else None)
+    experts: HostExperts | None
     rope: int | None  # index into HostStep.ropes; None: no RoPE (smollm3's NoPE layers)
     window: int | None  # sliding window of this layer
 
@@ -134,10 +143,16 @@ def _host_layers_missing(
     head = getattr(model, "lm_head", None)
     if head is not None and _gemm(head, 1) is None:
         return "lm_head not in a host format"
-    for layer in inner.layers:
+    for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if _fused(attn, fam.qkv) is None:
             return "q, k, v not one host GEMM"
+        if i in fam.expert_layers:
+            if _gemm(mlp.gate, 1) is None or not isinstance(mlp.switch_mlp, HostExperts):
+                return "router or experts not in a host format"
+            if _gemm(attn.o_proj, 1) is None:
+                return "o_proj not a host GEMM"
+            continue
         if _fused(mlp, fam.gate_up) is None:
             return "gate and up not one host GEMM"
         if _gemm(attn.o_proj, 1) is None or _gemm(mlp.down_proj, 1) is None:
@@ -178,12 +193,13 @@ class HostStep:
         self._embed_scales = None if scales is None else np.asarray(scales)
         head = getattr(model, "lm_head", None)
         self.head: SharedGemm = emb._gemm if head is None else head._gemm
-        self.blocks = [self._block(layer, spec.rope, spec.window, keys)
-                       for layer, spec in zip(inner.layers, fam.layers, strict=True)]  # fmt: skip
+        self.blocks = [self._block(layer, spec.rope, spec.window, keys, i in fam.expert_layers)
+                       for i, (layer, spec) in enumerate(zip(inner.layers, fam.layers,
+                                                             strict=True))]  # fmt: skip
         self.steps = 0  # steps run here (tests and benchmarks read it)
 
     def _block(self, layer: nn.Module, rope: HostRope | None, window: int | None,
-               keys: dict[tuple, int]) -> _Block:  # fmt: skip
+               keys: dict[tuple, int], experts: bool) -> _Block:  # fmt: skip
         fam = self.family
         attn, mlp, off = layer.self_attn, layer.mlp, fam.norm_offset
 
@@ -197,7 +213,10 @@ class HostStep:
             q_norm=HostNorm.of(attn.q_norm, off) if qk else None,
             k_norm=HostNorm.of(attn.k_norm, off) if qk else None,
             qkv=getattr(attn, fam.qkv[0])._gemm, o=attn.o_proj._gemm,
-            gate_up=getattr(mlp, fam.gate_up[0])._gemm, down=mlp.down_proj._gemm,
+            gate_up=None if experts else getattr(mlp, fam.gate_up[0])._gemm,
+            down=None if experts else mlp.down_proj._gemm,
+            router=mlp.gate._gemm if experts else None,
+            experts=mlp.switch_mlp if experts else None,
             rope=None if rope is None else keys[rope.key], window=window,
         )  # fmt: skip
 
@@ -243,8 +262,8 @@ class HostStep:
             v = qkv[:, (hq + h) * d :].reshape(t, h, d)
             o = kv.attend(i, q, k, np.ascontiguousarray(v), blk.window, fam.attn_softcap)
             self._add(x, blk.o.host(o.reshape(t, hq * d)), blk.post_attn)
-            gu = blk.gate_up.host(x if blk.pre_mlp is None else blk.pre_mlp(x))
-            self._add(x, blk.down.host(self._mlp(gu, backend=self.backend)), blk.post_mlp)
+            self._add(x, self._ffn(x if blk.pre_mlp is None else blk.pre_mlp(x), blk),
+                      blk.post_mlp)  # fmt: skip
         last = np.asarray(layout.last_index)
         if rows is not None:
             last = last[np.asarray(rows, dtype=np.int64)]
@@ -287,6 +306,21 @@ class HostStep:
         q, k = qk[:, :hq], qk[:, hq:]
         q *= self.scale
         return q, k
+
+    def _ffn(self, h: np.ndarray, blk: _Block) -> np.ndarray:
+        """The block's MLP of h [T, hidden]: its gated MLP, or its mixture of experts (each
+        token's experts from its own router row, one GEMM pair per chosen expert)."""
+        if blk.experts is None:
+            assert blk.gate_up is not None and blk.down is not None
+            return blk.down.host(self._mlp(blk.gate_up.host(h), backend=self.backend))
+        routing = self.family.routing
+        assert blk.router is not None and routing is not None
+        routed = host_experts.route(blk.router.host(h), routing.top_k, routing.norm_topk_prob)
+        gate_up, down = blk.experts.gemms()
+        outs = host_experts.expert_outputs(
+            h, routed.experts, gate_up, down, lambda gu: self._mlp(gu, backend=self.backend)
+        )
+        return host_experts.combine(outs, routed.weights)
 
     def _add(self, x: np.ndarray, r: np.ndarray, norm: HostNorm | None) -> None:
         """x += a sublayer's output r: normed first where the family norms after the sublayer

@@ -67,6 +67,14 @@ def _phi3_keys(w: Any, c: dict[str, Any]) -> None:
     w.add_rope_dimension_count(int(c["head_dim"] * c.get("partial_rotary_factor", 1.0)))
 
 
+def _expert_keys(w: Any, c: dict[str, Any]) -> None:
+    w.add_expert_count(c["num_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(c.get("moe_intermediate_size", c["intermediate_size"]))
+
+
+# 4 experts, 2 a token (every layer a mixture, as llama.cpp builds these)
+_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2}
 CASES = {
     "llama": Case("llama", {"model_type": "llama", **BASE, "tie_word_embeddings": False},
                   permuted=True),
@@ -89,6 +97,12 @@ CASES = {
     "olmo2": Case("olmo2", {"model_type": "olmo2", **BASE, "tie_word_embeddings": False}),
     "smollm3": Case("smollm3", {"model_type": "smollm3", **BASE, "num_hidden_layers": 4,
                                 "no_rope_layer_interval": 4}, permuted=True),
+    "qwen3moe": Case("qwen3moe", {"model_type": "qwen3_moe", **BASE, **_EXPERTS,
+                                  "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                  "decoder_sparse_step": 1, "mlp_only_layers": []},
+                     keys=_expert_keys),
+    "olmoe": Case("olmoe", {"model_type": "olmoe", **BASE, **_EXPERTS, "norm_topk_prob": False},
+                  keys=_expert_keys),
 }  # fmt: skip
 
 
@@ -186,7 +200,8 @@ def write_gguf(path: Path, case: Case, weights: dict[str, np.ndarray],
     (tokenizer or _tokenizer)(w)
     for key, value in weights.items():
         base, _, suffix = key.rpartition(".")
-        name = names.get_name(base)
+        # mlx-lm's stacked experts are llama.cpp's (HF's experts.N stacked by the converter)
+        name = names.get_name(base.replace(".switch_mlp.", ".experts."))
         assert name is not None, key
         if case.permuted and name.endswith(("attn_q", "attn_k")):
             heads = c["num_attention_heads"] if name.endswith("q") else c["num_key_value_heads"]

@@ -25,6 +25,8 @@ ARCHITECTURES: Mapping[str, str] = {
     "granite": "granite",
     "olmo2": "olmo2",
     "smollm3": "smollm3",
+    "qwen3moe": "qwen3_moe",  # Qwen3-30B-A3B and its kin
+    "olmoe": "olmoe",
 }
 # ggml tensor types dequantized on load (gguf-py's numpy code); the names are GGMLQuantizationType's
 TENSOR_TYPES = frozenset(
@@ -40,12 +42,16 @@ PRE_TOKENIZERS = frozenset(
 )  # fmt: skip
 ROPE_SCALINGS = frozenset({"none", "linear", "yarn"})  # llama3's comes as a rope_freqs tensor
 # llama.cpp's tensor names the converter maps (blk.N.NAME.weight|bias, or NAME.weight at the top):
-# anything else (a mixture of experts' ffn_gate_inp and *_exps, a vision tower) is refused
+# anything else (a vision tower, shared experts, a mixture of experts in an architecture whose
+# model has none: Mixtral's files say "llama") is refused
 LAYER_TENSORS = frozenset(
     {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "attn_q_norm",
      "attn_k_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "ffn_gate", "ffn_up",
      "ffn_down"}
 )  # fmt: skip
+# a mixture of experts' router and its experts' stacked weights, mapped in these architectures only
+EXPERT_TENSORS = frozenset({"ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
+EXPERT_ARCHITECTURES = frozenset({"qwen3moe", "olmoe"})
 TOP_TENSORS = frozenset(
     {"token_embd", "output_norm", "output", "rope_freqs", "rope_factors_long", "rope_factors_short"}
 )
@@ -80,20 +86,21 @@ def summary_of(header: GGUFHeader, type_names: Mapping[int, str]) -> GGUFSummary
                        tokenizer=None if tokenizer is None else str(tokenizer),
                        rope_scaling=None if scaling is None else str(scaling),
                        pre_tokenizer=None if pre is None else str(pre),
-                       unknown_tensor=first_unknown(header.tensor_types))  # fmt: skip
+                       unknown_tensor=first_unknown(header.tensor_types, arch))  # fmt: skip
 
 
-def known_tensor(name: str) -> bool:
-    """Whether the converter maps a tensor of this llama.cpp name."""
+def known_tensor(name: str, arch: str = "") -> bool:
+    """Whether the converter maps a tensor of this llama.cpp name in a file of `arch`."""
     base, _, _ = name.rpartition(".")
     parts = base.split(".")
     if parts[0] == "blk":
-        return len(parts) == 3 and parts[2] in LAYER_TENSORS
+        experts = arch in EXPERT_ARCHITECTURES and parts[-1] in EXPERT_TENSORS
+        return len(parts) == 3 and (parts[2] in LAYER_TENSORS or experts)
     return base in TOP_TENSORS
 
 
-def first_unknown(names: Iterable[str]) -> str | None:
-    return next((n for n in names if not known_tensor(n)), None)
+def first_unknown(names: Iterable[str], arch: str = "") -> str | None:
+    return next((n for n in names if not known_tensor(n, arch)), None)
 
 
 def gguf_problem(summary: GGUFSummary) -> str | None:

@@ -26,7 +26,7 @@ def test_unknown_architecture_is_refused_at_submit(tmp_path: Path) -> None:
     proc = cli("submit", path, "--model", model)
     assert proc.returncode != 0, describe(proc)
     assert "its architecture 'mamba' is not one batchmlx loads from GGUF" in proc.stderr
-    assert "llama, olmo2, phi3" in proc.stderr
+    assert "llama, olmo2, olmoe, phi3" in proc.stderr
     assert cli.json("list") == []
 
 

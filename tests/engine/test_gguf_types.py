@@ -131,3 +131,30 @@ def test_conversion_memory_is_one_tensor_not_the_model(tmp_path: Path) -> None:
     out = mx.load(str(tmp_path / "out.safetensors"))
     want = gguf.quants.dequantize(f.tensors["t7"].raw, Q.Q8_0)
     np.testing.assert_array_equal(np.array(out["t7"]), want)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K"])
+def test_stacked_experts_load_as_gguf_py_dequantizes_them(type_name: str, tmp_path: Path) -> None:
+    """A mixture of experts' file (qwen3moe) whose router and stacked experts [E, rows, cols]
+    are quantized: each expert's weights as gguf-py dequantizes them, in mlx-lm's SwitchGLU."""
+    case = CASES["qwen3moe"]
+    config = {**case.config, "hidden_size": 256, "moe_intermediate_size": 256, "head_dim": 64}
+    weights = hf_weights(random_model(config))
+    rng = np.random.default_rng(1)
+    qtype = Q[type_name]
+
+    def quantize(name: str, value: np.ndarray):
+        return None if value.ndim == 1 else (random_blocks(qtype, value.shape, rng), qtype)
+
+    path = write_gguf(tmp_path / "moe.gguf", replace(case, config=config), weights,
+                      quantize=quantize)  # fmt: skip
+    params = dict(tree_flatten(load(path, tmp_path / "cache").model.parameters()))
+    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for layer in range(config["num_hidden_layers"]):
+        for ours, theirs in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
+                             ("down_proj", "ffn_down_exps")):  # fmt: skip
+            t = reader[f"blk.{layer}.{theirs}.weight"]
+            assert t.tensor_type == qtype and len(t.shape) == 3
+            got = np.array(params[f"model.layers.{layer}.mlp.switch_mlp.{ours}.weight"])
+            want = gguf.quants.dequantize(t.data, t.tensor_type)
+            np.testing.assert_array_equal(got, want.reshape(got.shape))

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from batchmlx.core.gguf_support import ARCHITECTURES, LAYER_TENSORS, TOP_TENSORS
+from batchmlx.core.gguf_support import ARCHITECTURES, EXPERT_TENSORS, LAYER_TENSORS, TOP_TENSORS
 from batchmlx.engine.models.gguf import rope
 from batchmlx.engine.models.gguf.reader import GGUFConversionError, GGUFFile
 
@@ -32,12 +32,18 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # a mixture of experts (qwen3moe, olmoe): the router, and each weight of every expert
+    # stacked [experts, rows, columns], as mlx-lm's SwitchGLU holds them
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # tensors that are settings, not weights: read into the config
 _CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 # the names validation accepts (core/gguf_support) are the names mapped here
-assert set(_LAYER_NAMES) == LAYER_TENSORS
+assert set(_LAYER_NAMES) == LAYER_TENSORS | EXPERT_TENSORS
 assert {*_TOP_NAMES, *_CONFIG_TENSORS} == TOP_TENSORS
 
 
@@ -129,6 +135,29 @@ def _smollm3(f: GGUFFile, c: dict[str, Any]) -> dict[str, Any]:
     return {"no_rope_layer_interval": 4, **_biases(f)}
 
 
+def _experts(f: GGUFFile, norm_topk_prob: bool) -> dict[str, Any]:
+    """A mixture of experts' counts; whether its top-k weights are renormalized is the file's
+    expert_weights_norm where written, else what llama.cpp's graph for the architecture does."""
+    return {
+        "num_experts": int(f.get("expert_count")),
+        "num_experts_per_tok": int(f.get("expert_used_count")),
+        "norm_topk_prob": bool(f.get("expert_weights_norm", norm_topk_prob)),
+    }
+
+
+def _qwen3moe(f: GGUFFile, c: dict[str, Any]) -> dict[str, Any]:
+    # every layer a mixture of experts, as llama.cpp builds it
+    ff = f.get("expert_feed_forward_length", c["intermediate_size"])
+    return {**_experts(f, True), "moe_intermediate_size": int(ff), "decoder_sparse_step": 1,
+            "mlp_only_layers": []}  # fmt: skip
+
+
+def _olmoe(f: GGUFFile, c: dict[str, Any]) -> dict[str, Any]:
+    # mlx-lm's olmoe sizes its experts by intermediate_size
+    ff = f.get("expert_feed_forward_length", c["intermediate_size"])
+    return {**_experts(f, False), "intermediate_size": int(ff)}
+
+
 FAMILIES: dict[str, Family] = {
     "llama": Family(extra=_llama),
     "qwen2": Family(),
@@ -143,6 +172,8 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(unpermute_qk=True, extra=_granite),
     "olmo2": Family(),
     "smollm3": Family(unpermute_qk=True, extra=_smollm3),
+    "qwen3moe": Family(extra=_qwen3moe),
+    "olmoe": Family(extra=_olmoe),
 }
 assert set(FAMILIES) == set(ARCHITECTURES)
 
@@ -164,7 +195,8 @@ def model_config(f: GGUFFile) -> dict[str, Any]:
     config: dict[str, Any] = {
         "model_type": ARCHITECTURES[f.arch],
         "hidden_size": hidden,
-        "intermediate_size": int(f.get("feed_forward_length")),
+        # (a mixture of experts' file may size only its experts)
+        "intermediate_size": int(f.get("feed_forward_length", f.get("expert_feed_forward_length"))),
         "num_hidden_layers": int(f.get("block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(n_kv if not isinstance(n_kv, list) else n_kv[0]),

@@ -75,7 +75,7 @@ def summary(f: GGUFFile) -> GGUFSummary:
         tokenizer=f.meta.get("tokenizer.ggml.model"),
         rope_scaling=None if scaling is None else str(scaling),
         pre_tokenizer=None if pre is None else str(pre),
-        unknown_tensor=first_unknown(f.tensors),
+        unknown_tensor=first_unknown(f.tensors, f.arch),
     )
 
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_map
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen3_moe
 
 from batchmlx.core.request import GenerationRequest, SamplingParams
 from batchmlx.engine.host import attention as host_attention
@@ -24,9 +24,11 @@ from tests.engine.test_engine_tiny import engine, staggered
 
 pytestmark = pytest.mark.skipif(not current().onednn_available(), reason="oneDNN (onednn-cpu-gomp)")
 
-# the default model's GEMM shapes (N, K): q+k+v, o, gate+up, down, the tied head
+# the default model's GEMM shapes (N, K): q+k+v, o, gate+up, down, the tied head; and a
+# mixture of experts' at its widths (_moe_model): an expert's gate+up and down
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-          "head": (49152, 576)}  # fmt: skip
+          "head": (49152, 576), "expert_gate_up": (1536, 576),
+          "expert_down": (576, 768)}  # fmt: skip
 ROWS = 70
 
 
@@ -103,6 +105,24 @@ def _model(fmt: HostFormat):
     m = llama.Model(args)
     m.set_dtype(mx.float32)
     m.update(tree_map(lambda p: p * 4.0, m.parameters()))  # argmax decided by the context
+    mx.eval(m.parameters())
+    return to_host_format(m, fmt)
+
+
+def _moe_model(fmt: HostFormat):
+    """A 2-layer random qwen3_moe of the default model's widths: 8 experts of 768, 2 a token."""
+    mx.random.seed(0)
+    args = qwen3_moe.ModelArgs(
+        model_type="qwen3_moe", hidden_size=576, num_hidden_layers=2, intermediate_size=1536,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+        max_position_embeddings=2048, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=768,
+        norm_topk_prob=True,
+    )  # fmt: skip
+    m = qwen3_moe.Model(args)
+    m.set_dtype(mx.float32)
+    m.update(tree_map(lambda p: p * 4.0, m.parameters()))
     mx.eval(m.parameters())
     return to_host_format(m, fmt)
 
@@ -233,3 +253,23 @@ def test_without_cascade_attention_the_same_bits_behind_a_shared_prompt(model):
     got = engine(m, cascade_attention=False, **CFG).generate(reqs)
     assert [o.cached_tokens for o in got] == [o.cached_tokens for o in alone]
     assert [_bits(o) for o in got] == [_bits(o) for o in alone]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_mixture_of_experts_gives_the_same_bits_alone_and_in_running_batches(fmt):
+    """A qwen3_moe request alone and joining a running batch of 8, then of 48 (its tokens
+    routed beside others' to the same experts, each expert's GEMM of another M), and with
+    prompts arriving together: the same tokens and log-probs, bit for bit, on the host step."""
+    m = _moe_model(fmt)
+    target = _prompts(1, 99)[0]
+    (alone,) = engine(m, simple=True, **CFG).generate([GenerationRequest("x", target, PARAMS)])
+    for width in (8, 48):
+        got = _joined(m, GenerationRequest("x", target, PARAMS), width)
+        assert _bits(got) == _bits(alone), width
+    others = [GenerationRequest(f"o{i}", p, SamplingParams(max_tokens=8, temperature=0.0))
+              for i, p in enumerate(_prompts(7, 3, longest=200))]  # fmt: skip
+    batch = [*others[:3], GenerationRequest("x", target, PARAMS), *others[3:]]
+    eng = engine(m, **CFG)
+    (got,) = [o for o in eng.generate(batch) if o.request_id == "x"]
+    assert _bits(got) == _bits(alone)
+    assert eng.runner.forward_pass.host is not None  # the host step ran it

@@ -474,3 +474,24 @@ def test_packed_formats_match_mlx_lms_forward_over_the_same_layers(name, fmt):
         want = np.stack([r[0][step] for r in refs])
         diff = float(np.abs(logits - want).max() / np.abs(want).max())
         assert diff < PACKED_TOLERANCE[fmt], (name, fmt, step, diff)
+
+
+def test_quantized_experts_are_dequantized_into_the_host_format():
+    """An mlx-lm 4-bit qwen3_moe (QuantizedSwitchLinear experts, as mlx-community ships them):
+    in the float32 host format each expert holds its dequantized weights, and the host step's
+    logits are the quantized model's own within float32 rounding."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    spec = next(s for s in SPECS if s.name == "qwen3_moe")
+    ref = build(spec, host=False)
+    nn.quantize(ref, group_size=32, bits=4)
+    assert isinstance(ref.model.layers[0].mlp.switch_mlp.gate_proj, QuantizedSwitchLinear)
+    host = to_host_format(copy.deepcopy(ref), HostFormat.F32)
+    assert isinstance(host.model.layers[0].mlp.switch_mlp, HostExperts)
+    ps = prompts()
+    refs = [reference(ref, p, 4) for p in ps]
+    got = host_logits(host, ps, [toks for _, toks in refs])
+    for step, logits in enumerate(got):
+        want = np.stack([r[0][step] for r in refs])
+        assert float(np.abs(logits - want).max() / np.abs(want).max()) < TOLERANCE, step

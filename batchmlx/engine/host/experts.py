@@ -18,7 +18,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-Gemm = Callable[[np.ndarray], np.ndarray]  # rows [M, K] float32 -> [M, N] float32
+# out[M, N] float32 = rows [M, K] (float32, or what `prepare` made of them) . W^T
+Gemm = Callable[[np.ndarray, np.ndarray], object]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertGemms:
+    """A mixture's experts as host GEMMs (engine/host/linear.py's HostExperts)."""
+
+    gate_up: Sequence[Gemm]  # expert e's gate and up, one GEMM [2I, D]
+    down: Sequence[Gemm]  # expert e's down [D, I]
+    # float32 rows -> the GEMMs' input (bf16: their bits), done once for all experts' rows
+    # (elementwise: the same bits as each GEMM rounding its own); None: taken as they are
+    prepare: Callable[[np.ndarray], np.ndarray] | None = None
+    gate_up_width: int = 0  # N of the gate-up GEMMs (2I)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,26 +58,57 @@ def route(logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> Routed:
 def expert_outputs(
     x: np.ndarray,
     experts: np.ndarray,
-    gate_up: Sequence[Gemm],
-    down: Sequence[Gemm],
+    gemms: ExpertGemms,
     act: Callable[[np.ndarray], np.ndarray],
 ) -> np.ndarray:
     """Each token's output [T, k, D] from each of its experts [T, k] (any order): expert e's MLP
-    down[e](act(gate_up[e](rows))) over the rows of x [T, D] routed to it, one GEMM pair per
-    expert that has any."""
+    down[e](act(gate_up[e](rows))) over the rows of x [T, D] routed to it. The (token, slot)
+    pairs are sorted by expert, so each expert's rows are one contiguous run: one GEMM pair per
+    expert that has any; the input rounded once, and the activation and its rounding once per
+    group of consecutive runs of up to GROUP_ROWS rows (fewer calls at decode widths, the
+    gate-up output still in cache for a prompt's)."""
     t, k = experts.shape
     flat = experts.reshape(-1)
     order = np.argsort(flat, kind="stable")  # (token, slot) pairs grouped by expert
-    counts = np.bincount(flat, minlength=len(gate_up))
-    out = np.empty((t * k, x.shape[1]), np.float32)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
+    counts = np.bincount(flat, minlength=len(gemms.gate_up)).tolist()
+    prep = gemms.prepare or (lambda rows: rows)
+    rows = prep(np.ascontiguousarray(x[order // k]))
+    h = np.empty((t * k, gemms.gate_up_width), np.float32)
+    y = np.empty((t * k, x.shape[1]), np.float32)
+    for group in _groups(counts):
+        lo, hi = group[0][1], group[-1][2]
+        for e, a, b in group:
+            gemms.gate_up[e](rows[a:b], h[a:b])
+        acts = prep(act(h[lo:hi]))
+        for e, a, b in group:
+            gemms.down[e](acts[a - lo : b - lo], y[a:b])
+    out = np.empty_like(y)
+    out[order] = y
+    return out.reshape(t, k, -1)
+
+
+# rows of consecutive experts activated together (a group's gate-up output, 256 x 2 x 768
+# float32 at Qwen3-30B-A3B's width, stays in a core's L2). 8 bf16 experts of 768 at hidden 576,
+# 2 a token, one thread, fastest of 60 on a 2-core AVX-512 Xeon at load 5 (2026-12-06), against
+# each expert alone: 32 tokens 1.6 / 2.0 ms, 256 tokens 5.2 / 5.4-6.3, 1,024 tokens 19-22 / 19-20
+GROUP_ROWS = 256
+
+
+def _groups(counts: list[int]) -> list[list[tuple[int, int, int]]]:
+    """The experts' runs (expert, first row, end) that have rows, in groups of consecutive runs
+    of up to GROUP_ROWS rows (a longer run alone)."""
+    groups: list[list[tuple[int, int, int]]] = []
+    start, size = 0, GROUP_ROWS
+    for e, n in enumerate(counts):
         if n == 0:
             continue
-        pairs = order[start : start + n]
+        if size + n > GROUP_ROWS:
+            groups.append([])
+            size = 0
+        groups[-1].append((e, start, start + n))
+        size += n
         start += n
-        out[pairs] = down[e](act(gate_up[e](x[pairs // k])))
-    return out.reshape(t, k, -1)
+    return groups
 
 
 def combine(outputs: np.ndarray, weights: np.ndarray) -> np.ndarray:

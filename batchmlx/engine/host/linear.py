@@ -385,41 +385,62 @@ class HostExperts(nn.Module):
     def __init__(self, glu: nn.Module, fmt: HostFormat, cache: PackedCache | None, where: str,
                  backend: HostBackend) -> None:  # fmt: skip
         super().__init__()
-        gate, up, down = (glu[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+        gate, up, down = (glu[n] for n in ("gate_proj", "up_proj", "down_proj"))
 
         def layer(ws: list[mx.array], key: str) -> HostLinear:
             gemm = SharedGemm(ws, fmt, cache=cache, key=f"{where}.{key}", backend=backend)
             return HostLinear(gemm, 0, owner=True)
 
-        self.gate_up = [layer([gate[e], up[e]], f"{e}.gate_proj+up_proj")
-                        for e in range(gate.shape[0])]  # fmt: skip
-        self.down = [layer([down[e]], f"{e}.down_proj") for e in range(down.shape[0])]
+        experts = range(gate["weight"].shape[0])
+        self.gate_up = [layer([_expert_weight(gate, e), _expert_weight(up, e)],
+                              f"{e}.gate_proj+up_proj") for e in experts]  # fmt: skip
+        self.down = [layer([_expert_weight(down, e)], f"{e}.down_proj") for e in experts]
         self._backend = backend
+        self._gemms: host_experts.ExpertGemms | None = None
 
     @staticmethod
     def takes(glu: object) -> bool:
         """Whether `glu` is a SwitchGLU this form computes: SwiGLU, no biases."""
         from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
-        return type(glu) is SwitchGLU and type(glu.activation) is SwiGLU and not any(
-            "bias" in glu[n] for n in ("gate_proj", "up_proj", "down_proj")
-        )  # fmt: skip
+        parts = ("gate_proj", "up_proj", "down_proj")
+        return (type(glu) is SwitchGLU and type(glu.activation) is SwiGLU
+                and not any("bias" in glu[n] or glu[n].get("global_scale") is not None
+                            for n in parts))  # fmt: skip
 
-    def gemms(self) -> tuple[list, list]:
+    def gemms(self) -> host_experts.ExpertGemms:
         """Each expert's gate-up and down GEMMs, as functions of numpy rows."""
-        return [g._gemm.host for g in self.gate_up], [d._gemm.host for d in self.down]
+        if self._gemms is None:
+            first = self.gate_up[0]._gemm
+            # (SharedGemm.host takes uint16 rows as bf16 bits)
+            bf16 = first.backend.onednn().to_bf16 if first.fmt is HostFormat.BF16 else None
+            self._gemms = host_experts.ExpertGemms(
+                [g._gemm.host for g in self.gate_up], [d._gemm.host for d in self.down], bf16,
+                first._w.n,
+            )  # fmt: skip
+        return self._gemms
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         x = x.astype(mx.float32)
         mx.eval(x, indices)
         rows = np.asarray(x).reshape(-1, x.shape[-1])
         chosen = np.asarray(indices).reshape(-1, indices.shape[-1]).astype(np.int64)
-        gate_up, down = self.gemms()
-        out = host_experts.expert_outputs(rows, chosen, gate_up, down, self._act)
+        out = host_experts.expert_outputs(rows, chosen, self.gemms(), self._act)
         return mx.array(out).reshape(*indices.shape, x.shape[-1])
 
     def _act(self, gu: np.ndarray) -> np.ndarray:
         return swiglu_halves(gu, backend=self._backend)
+
+
+def _expert_weight(layer: nn.Module, e: int) -> mx.array:
+    """Expert e's weight [N, K] of a SwitchLinear, or of a QuantizedSwitchLinear dequantized
+    (an mlx-lm 4-bit model's experts: one expert's float weights at a time)."""
+    if "scales" not in layer:
+        return layer["weight"][e]
+    biases = layer.get("biases")
+    return mx.dequantize(layer["weight"][e], layer["scales"][e],
+                         None if biases is None else biases[e], group_size=layer.group_size,
+                         bits=layer.bits, mode=getattr(layer, "mode", "affine"))  # fmt: skip
 
 
 # a mixture of experts' router (the `gate` beside a HostExperts) stays float32, as llama.cpp

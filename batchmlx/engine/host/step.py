@@ -316,9 +316,8 @@ class HostStep:
         routing = self.family.routing
         assert blk.router is not None and routing is not None
         routed = host_experts.route(blk.router.host(h), routing.top_k, routing.norm_topk_prob)
-        gate_up, down = blk.experts.gemms()
         outs = host_experts.expert_outputs(
-            h, routed.experts, gate_up, down, lambda gu: self._mlp(gu, backend=self.backend)
+            h, routed.experts, blk.experts.gemms(), lambda gu: self._mlp(gu, backend=self.backend)
         )
         return host_experts.combine(outs, routed.weights)
 

@@ -49,7 +49,7 @@ def test_each_tokens_experts_outputs_and_their_sum():
     up = [rng.standard_normal((2 * INNER, D)).astype(np.float32) for _ in range(E)]
     down = [rng.standard_normal((D, INNER)).astype(np.float32) for _ in range(E)]
     gemms = host_experts.ExpertGemms([_gemm(w) for w in up], [_gemm(w) for w in down],
-                                     None, 2 * INNER)  # fmt: skip
+                                     2 * INNER)  # fmt: skip
     t = 300
     x = rng.standard_normal((t, D)).astype(np.float32)
     chosen = np.stack([np.full(t, 4), rng.choice([0, 1, 3], t)], axis=1)  # 2, 5 get none

@@ -28,10 +28,10 @@ class ExpertGemms:
 
     gate_up: Sequence[Gemm]  # expert e's gate and up, one GEMM [2I, D]
     down: Sequence[Gemm]  # expert e's down [D, I]
+    gate_up_width: int  # N of the gate-up GEMMs (2I)
     # float32 rows -> the GEMMs' input (bf16: their bits), done once for all experts' rows
     # (elementwise: the same bits as each GEMM rounding its own); None: taken as they are
     prepare: Callable[[np.ndarray], np.ndarray] | None = None
-    gate_up_width: int = 0  # N of the gate-up GEMMs (2I)
 
 
 @dataclass(frozen=True, slots=True)

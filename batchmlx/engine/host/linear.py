@@ -415,8 +415,8 @@ class HostExperts(nn.Module):
             # (SharedGemm.host takes uint16 rows as bf16 bits)
             bf16 = first.backend.onednn().to_bf16 if first.fmt is HostFormat.BF16 else None
             self._gemms = host_experts.ExpertGemms(
-                [g._gemm.host for g in self.gate_up], [d._gemm.host for d in self.down], bf16,
-                first._w.n,
+                [g._gemm.host for g in self.gate_up], [d._gemm.host for d in self.down],
+                first._w.n, bf16,
             )  # fmt: skip
         return self._gemms
 

@@ -17,6 +17,7 @@ from tests.engine.helpers import grouped_exact
 
 LINUX_X86 = sys.platform.startswith("linux") and platform.machine() == "x86_64"
 needs_kernel = pytest.mark.skipif(not q8.available(), reason="no AVX-512 VNNI here")
+needs_amx = pytest.mark.skipif(not q8.amx(), reason="no usable AMX here")
 
 
 @pytest.mark.skipif(not LINUX_X86, reason="the library is built for x86-64 Linux")
@@ -33,9 +34,9 @@ def _rand(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
-def _run(x: np.ndarray, w: q8.Q8Weights, threads: int = 1, pool=None) -> np.ndarray:
+def _run(x: np.ndarray, w: q8.Q8Weights, threads: int = 1, pool=None, amx=None) -> np.ndarray:
     out = np.full((x.shape[0], w.n), np.nan, np.float32)
-    q8.matmul(x, w, out, threads=threads, pool=pool)
+    q8.matmul(x, w, out, threads=threads, pool=pool, use_amx=amx)
     return out
 
 
@@ -54,14 +55,22 @@ def test_the_product_of_the_grouped_quantized_operands(m: int, n: int, k: int) -
 
 @needs_kernel
 def test_activations_quantized_in_the_kernel_as_in_numpy() -> None:
-    x = _rand((5, 160), 4)
+    m, k = 21, 160
+    x = _rand((m, k), 4)
     x[2, 64:128] = 0.0  # an all-zero group: scale 1
     lib = q8.library()
-    xq = np.empty(x.shape, np.uint8)
-    xs = np.empty((5, q8.groups(160)), np.float32)
-    lib.q8_quantize(5, 160, q8.GROUP, x.ctypes.data, 160, xq.ctypes.data, xs.ctypes.data)
     q, s = q8.quantize_groups(x)
+    # VNNI's: unsigned bytes, x + 128, row by row
+    xq = np.empty(x.shape, np.uint8)
+    xs = np.empty((m, q8.groups(k)), np.float32)
+    lib.q8_quantize(m, k, q8.GROUP, x.ctypes.data, k, xq.ctypes.data, xs.ctypes.data, 0)
     assert np.array_equal(xq.astype(np.int16) - 128, q) and np.array_equal(xs, s)
+    # AMX's: signed, in tiles of [16 rows][32] per (row tile, group), the last tile padded
+    ng = q8.groups(k)
+    xt = np.zeros((2 * 16 * k,), np.int8)
+    lib.q8_quantize(m, k, q8.GROUP, x.ctypes.data, k, xt.ctypes.data, xs.ctypes.data, 1)
+    rows = xt.reshape(2, ng, 16, q8.GROUP).transpose(0, 2, 1, 3).reshape(32, k)[:m]
+    assert np.array_equal(rows, q) and np.array_equal(xs, s)
 
 
 @needs_kernel
@@ -71,7 +80,8 @@ def test_a_row_is_the_same_alone_in_any_batch_at_any_place_and_split() -> None:
     rows = _rand((70, k), 6)
     alone = np.stack([_run(rows[i : i + 1], w)[0] for i in range(len(rows))])
     with ThreadPoolExecutor(3) as pool:
-        for m in (2, 5, 6, 7, 13, 64, 70):  # row blocks of 6 and their tails
+        # VNNI's row blocks of 6 and their tails; from AMX_ROWS AMX's tiles of 16 where it runs
+        for m in (2, 5, 6, 7, 13, 16, 17, 33, 64, 70):
             for threads in (1, 2, 4):
                 got = _run(rows[:m], w, threads, lambda: pool)
                 assert np.array_equal(got, alone[:m]), (m, threads)
@@ -103,3 +113,41 @@ def test_packed_bytes_adopted_back_compute_the_same() -> None:
     assert again is not None and q8.Q8Weights.adopt(w.buffer[:-4], 48, 192) is None
     x = _rand((3, 192), 11)
     assert np.array_equal(_run(x, w), _run(x, again))
+
+
+@needs_amx
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 96), (960, 576), (48, 2048)])
+def test_amx_and_vnni_give_the_same_bits(n: int, k: int) -> None:
+    # the same integer sums and the same float epilogue: a request's answer does not depend on
+    # the CPU it runs on (AMX or not) nor on which path its batch width takes
+    w = q8.Q8Weights.pack(_rand((n, k), 12, 0.05))
+    rows = _rand((70, k), 13)
+    rows[9, k // 2] = np.inf  # a row with a non-finite input: NaN on both paths, alike
+    with ThreadPoolExecutor(1) as pool:
+        for m in (1, 3, 15, 16, 17, 31, 32, 33, 48, 70):  # full and short tiles, 2 x 2 blocks
+            vnni = _run(rows[:m], w, amx=False)
+            for threads in (1, 2):
+                amx = _run(rows[:m], w, threads, lambda: pool, amx=True)
+                assert np.array_equal(amx.view(np.uint32), vnni.view(np.uint32)), (m, threads)
+    assert np.isnan(vnni[9]).all()
+
+
+@pytest.mark.skipif(
+    not (q8.available() and q8._cpu_has(q8.AMX_FLAGS)), reason="no AMX advertised here"
+)
+def test_the_amx_verdict_is_probed_once_and_kept(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("BATCHMLX_CACHE_DIR", str(tmp_path))
+    q8.amx.cache_clear()
+    try:
+        first = q8.amx()
+        mark = q8._amx_mark()
+        assert mark is not None and mark.read_text() == ("yes" if first else "no")
+        mark.write_text("no")  # a CPU that traps AMX: believed without probing again
+        q8.amx.cache_clear()
+        assert q8.amx() is False
+        x, w = _rand((32, 64), 14), q8.Q8Weights.pack(_rand((32, 64), 15))
+        assert np.array_equal(_run(x, w), _run(x, w, amx=False))  # auto: VNNI
+        with pytest.raises(RuntimeError, match="AMX"):
+            _run(x, w, amx=True)
+    finally:
+        q8.amx.cache_clear()

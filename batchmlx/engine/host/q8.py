@@ -49,6 +49,10 @@ SOURCE = NATIVE / "q8.c"
 LIBRARY = NATIVE / "libbatchmlx_q8.so"
 # what the library is compiled for; the CPU must have each (/proc/cpuinfo's names)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+# what its AMX path needs besides (and Linux's leave, and a CPU that does not trap it: `amx`)
+AMX_FLAGS = ("amx_tile", "amx_int8")
+# from this many rows a GEMM goes through AMX where it runs (same bits as VNNI; faster from here)
+AMX_ROWS = 4
 _COMPILE = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
             "-mavx512vl", "-mavx512vnni")  # fmt: skip
 # a GEMM of at least this many multiply-adds is split over threads by columns (a split costs
@@ -92,10 +96,12 @@ def library() -> ctypes.CDLL | None:
             if built != source_sha():
                 why = f"{LIBRARY.name} was built from another q8.c ({built}): rebuild it"
             else:
-                lib.q8_quantize.argtypes = [_I, _I, _I, _P, ctypes.c_int64, _P, _P]
+                lib.q8_quantize.argtypes = [_I, _I, _I, _P, ctypes.c_int64, _P, _P, _I]
                 lib.q8_quantize.restype = None
-                lib.q8_gemm.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I]
-                lib.q8_gemm.restype = None
+                for gemm in (lib.q8_gemm, lib.q8_gemm_amx):
+                    gemm.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I]
+                    gemm.restype = None
+                lib.q8_amx_init.restype = _I
                 return lib
     log.info("grouped int8 kernel unavailable: %s", why)
     return None
@@ -103,6 +109,57 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+# run in a child: a CPU that advertises AMX but traps it (some do) ends that process, not ours
+_AMX_PROBE = "import ctypes, sys; sys.exit(ctypes.CDLL(sys.argv[1]).q8_amx_selftest())"
+
+
+@cache
+def amx() -> bool:
+    """Whether the AMX path runs here: the CPU says it has AMX, Linux grants its tile state,
+    and q8.c's self-test (AMX against VNNI, bit for bit) passes in a child process. The
+    child's verdict is kept in the cache folder (`_amx_mark`), so it runs once per machine
+    and library, not at every start (~30 ms)."""
+    lib = library()
+    if lib is None or not _cpu_has(AMX_FLAGS):
+        return False
+    mark = _amx_mark()
+    verdict = mark.read_text() if mark is not None and mark.is_file() else ""
+    if verdict not in ("yes", "no"):
+        try:
+            done = subprocess.run([sys.executable, "-I", "-c", _AMX_PROBE, str(LIBRARY)],
+                                  capture_output=True, timeout=30)  # fmt: skip
+            verdict = "yes" if done.returncode == 0 else "no"
+        except (OSError, subprocess.SubprocessError):
+            return False  # asked again at the next start
+        if mark is not None:
+            try:
+                mark.parent.mkdir(parents=True, exist_ok=True)
+                mark.write_text(verdict)
+            except OSError:
+                pass
+    if verdict == "no":
+        log.info("grouped int8 kernel: AMX advertised but failed its self-test; VNNI only")
+        return False
+    return lib.q8_amx_init() == 0
+
+
+def _amx_mark() -> Path | None:
+    """The file holding the AMX self-test's verdict ("yes" / "no"), named by what it depends
+    on: the library, this CPU's flags, the kernel release (Linux < 5.16 grants no
+    tile state)."""
+    from batchmlx.config import load_settings  # no MLX, no SQL
+    from batchmlx.engine.host.fast_blas import cpu_flags
+
+    try:
+        st = LIBRARY.stat()
+    except OSError:
+        return None
+    parts = [source_sha(), str(st.st_size), str(st.st_mtime_ns), platform.release()]
+    key = "\0".join([*parts, " ".join(sorted(cpu_flags()))])
+    name = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return Path(load_settings().cache_dir) / "q8-probes" / name
 
 
 def fits(n: int, k: int) -> bool:
@@ -113,8 +170,9 @@ def fits(n: int, k: int) -> bool:
 @dataclass(frozen=True)
 class Q8Weights:
     """One GEMM's weights [N, K] in one byte buffer: the int8 values in the kernel's layout
-    ([N/16][K/4][16][4]), then the scales [ng, N] float32, then 128 x each group's sum [ng, N]
-    int32 (the kernel feeds activations as unsigned bytes, x + 128, and takes this back out)."""
+    ([N/16][K/4][16][4]), then the scales [ng, N] float32, then -128 x each group's sum [ng, N]
+    int32 (the kernel feeds activations as unsigned bytes, x + 128, and starts its integer sums
+    here to take that back out)."""
 
     buffer: np.ndarray  # uint8, C-contiguous
     n: int
@@ -157,7 +215,7 @@ class Q8Weights:
         out.scales[:] = s.T.ravel()
         padded = np.zeros((n, ng * GROUP), np.int32)
         padded[:, :k] = q
-        out.offsets[:] = (128 * padded.reshape(n, ng, GROUP).sum(axis=2, dtype=np.int32)).T.ravel()
+        out.offsets[:] = (-128 * padded.reshape(n, ng, GROUP).sum(axis=2, dtype=np.int32)).T.ravel()
         return out
 
     @classmethod
@@ -195,30 +253,39 @@ def quantize_groups(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
-           pool: Callable[[], ThreadPoolExecutor] | None = None) -> None:  # fmt: skip
+           pool: Callable[[], ThreadPoolExecutor] | None = None,
+           use_amx: bool | None = None) -> None:  # fmt: skip
     """out[M, N] = x[M, K] . w^T, x float32 rows (any row stride, unit column stride), out
     float32 C-contiguous. Split by columns over `threads` (this thread and `pool()`'s) when it
-    is large enough: a row's result is the same however it is split."""
+    is large enough, through AMX from AMX_ROWS rows where it runs (`use_amx` forces either
+    way): a row's result is the same however it is split and whichever path computes it."""
     lib = library()
     if lib is None:
         raise RuntimeError("grouped int8 kernel unavailable (see the log)")
     m, k = x.shape
+    if use_amx is None:
+        use_amx = m >= AMX_ROWS and k % GROUP == 0 and amx()
+    elif use_amx and not (k % GROUP == 0 and amx()):
+        raise RuntimeError("the grouped int8 kernel's AMX path does not run here")
     if x.dtype != np.float32 or x.strides[1] != 4:
         x = np.ascontiguousarray(x, dtype=np.float32)
     ng = groups(k)
-    xq = np.empty((m, k), np.uint8)
+    # AMX reads its activations as tiles of 16 rows: the last one rounded up
+    xq = np.empty((-(-m // 16) * 16 if use_amx else m, k), np.uint8)
     xs = np.empty((m, ng), np.float32)
-    lib.q8_quantize(m, k, GROUP, x.ctypes.data, x.strides[0] // 4, xq.ctypes.data, xs.ctypes.data)
+    lib.q8_quantize(m, k, GROUP, x.ctypes.data, x.strides[0] // 4, xq.ctypes.data,
+                    xs.ctypes.data, int(use_amx))  # fmt: skip
     args = (m, w.n, k, GROUP, xq.ctypes.data, xs.ctypes.data, *w.addresses, out.ctypes.data)
+    gemm = lib.q8_gemm_amx if use_amx else lib.q8_gemm
     tiles = w.n // TILE
     parts = min(threads, tiles)
     if parts <= 1 or pool is None or m * w.n * k < SPLIT_MACS:
-        lib.q8_gemm(*args, 0, w.n)
+        gemm(*args, 0, w.n)
         return
     bounds = [(i * tiles // parts * TILE, (i + 1) * tiles // parts * TILE) for i in range(parts)]
     executor = pool()
-    futures = [executor.submit(lib.q8_gemm, *args, lo, hi) for lo, hi in bounds[1:]]
-    lib.q8_gemm(*args, *bounds[0])
+    futures = [executor.submit(gemm, *args, lo, hi) for lo, hi in bounds[1:]]
+    gemm(*args, *bounds[0])
     for f in futures:
         f.result()
 

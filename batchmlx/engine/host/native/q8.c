@@ -1,4 +1,5 @@
-// Grouped int8 GEMM for the `int8` host format (engine/host/q8.py), AVX-512 VNNI.
+// Grouped int8 GEMM for the `int8` host format (engine/host/q8.py): AVX-512 VNNI, and AMX
+// where the CPU has it and lets us use it (q8.py probes that once, in a child process).
 //
 //   y[m, n] = sum over groups g, in order, of (xs[m, g] * ws[g, n]) * sum_{k in g} xq[m, k] w[n, k]
 //
@@ -7,9 +8,15 @@
 // OpenVINO's dynamic quantization do. Batch invariance by construction: the integer sums are
 // exact, and the float epilogue of every output element is the same multiply and FMA per
 // group, in group order, whatever M, the row block a row falls in, or the columns a thread
-// takes. Built without -march=native (engine/host/q8.py builds it; q8.py checks the CPU).
+// takes, and whether VNNI or AMX computed it: both sum the same integers exactly, then run the
+// same float epilogue, s = ws * xs, y = cvt(sum) * s for the first group, fma(cvt(sum), s, y)
+// after. Built without -march=native (q8.py builds it, and checks the CPU): the AMX code has
+// target attributes of its own, so the library loads and runs VNNI on a CPU without AMX.
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define MR 6  // rows per block: 6 x 4 accumulators + 4 weight vectors + 1 broadcast < 32 zmm
 
@@ -19,11 +26,15 @@
 
 const char* q8_source_sha(void) { return Q8_SOURCE_SHA; }
 
-// x[M, K] (row stride ldx) -> xq[M, K] u8 = round(x / t) + 128 and xs[M, ng] = t per (row,
-// group), t = max|x| / 127 (1 for an all-zero group). A group holding NaN or infinity gets
-// t = NaN and zeros, so the product shows it, as a float GEMM's would.
-void q8_quantize(int M, int K, int G, const float* x, int64_t ldx, uint8_t* xq, float* xs) {
-    int ng = (K + G - 1) / G;
+// x[M, K] (row stride ldx) -> xq and xs[M, ng] = t per (row, group), t = max|x| / 127 (1 for
+// an all-zero group), q = round(x / t). For VNNI (amx = 0) xq[M, K] holds q + 128 (unsigned
+// bytes); for AMX (amx = 1, G = 32) it holds q signed, as A tiles: [M/16 (rounded up)][ng][16
+// rows][32], so that a tile is 512 bytes in a row whatever K (rows K bytes apart fall in one
+// cache set when K is a multiple of 4,096: 2,048 and 8,192 are). A group holding NaN or
+// infinity gets t = NaN and zeros, so the product shows it, as a float GEMM's would.
+void q8_quantize(int M, int K, int G, const float* x, int64_t ldx, uint8_t* xq, float* xs,
+                 int amx) {
+    int ng = (K + G - 1) / G, offset = amx ? 0 : 128;
     for (int m = 0; m < M; m++) {
         const float* row = x + (size_t)m * ldx;
         for (int g = 0; g < ng; g++) {
@@ -37,9 +48,10 @@ void q8_quantize(int M, int K, int G, const float* x, int64_t ldx, uint8_t* xq, 
             }
             float amax = _mm512_reduce_max_ps(mx);
             float nan = _mm512_reduce_add_ps(bad);
-            uint8_t* q = xq + (size_t)m * K + g * G;
+            uint8_t* q = amx ? xq + (((size_t)m / 16 * ng + g) * 16 + m % 16) * G
+                             : xq + (size_t)m * K + g * G;
             if (nan != nan) {
-                for (int k = 0; k < len; k++) q[k] = 128;
+                for (int k = 0; k < len; k++) q[k] = (uint8_t)offset;
                 xs[(size_t)m * ng + g] = nan;
                 continue;
             }
@@ -47,28 +59,36 @@ void q8_quantize(int M, int K, int G, const float* x, int64_t ldx, uint8_t* xq, 
             for (int k = 0; k < len; k += 16) {
                 __m512i i = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + k), inv),
                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                i = _mm512_add_epi32(i, _mm512_set1_epi32(128));
-                _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtusepi32_epi8(i));
+                i = _mm512_add_epi32(i, _mm512_set1_epi32(offset));  // in [offset +- 127]
+                _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(i));
             }
             xs[(size_t)m * ng + g] = amax > 0.f ? amax / 127.f : 1.f;
         }
     }
 }
 
+// One group's float epilogue for 16 outputs: the same instructions on both paths.
+static inline __attribute__((always_inline)) void epilogue(float* yp, __m512i sum, __m512 wsv,
+                                                           float xs, int first) {
+    __m512 s = _mm512_mul_ps(wsv, _mm512_set1_ps(xs));
+    __m512 v = _mm512_cvtepi32_ps(sum);
+    _mm512_storeu_ps(yp, first ? _mm512_mul_ps(v, s) : _mm512_fmadd_ps(v, s, _mm512_loadu_ps(yp)));
+}
+
 // R rows from m0, NT tiles of 16 columns from n. wp: [N/16][K/4][16][4] (a tile's 16 columns
-// x 4 consecutive k per 64 bytes, dpbusd's layout); ws, wc: [ng][N] (wc = 128 * sum_g w).
+// x 4 consecutive k per 64 bytes, dpbusd's layout and AMX's B tiles'); ws, wc: [ng][N] (wc =
+// -128 * sum_g w: the accumulators start there, which takes the +128 of the activations out).
 static inline __attribute__((always_inline)) void block(
     const int R, const int NT, int K, int G, int N, const uint8_t* xq, const float* xs,
     const int8_t* wp, const float* ws, const int32_t* wc, float* y, int m0, int n) {
     int ng = (K + G - 1) / G;
     __m512i acc[MR][4];
     // the float sums live in y itself (in registers they would spill: 48 vectors)
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < NT; j++)
-            _mm512_storeu_ps(y + (size_t)(m0 + r) * N + n + 16 * j, _mm512_setzero_ps());
     for (int g = 0; g < ng; g++) {
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < NT; j++) acc[r][j] = _mm512_setzero_si512();
+        for (int j = 0; j < NT; j++) {
+            __m512i c = _mm512_loadu_si512((const void*)(wc + (size_t)g * N + n + 16 * j));
+            for (int r = 0; r < R; r++) acc[r][j] = c;
+        }
         int kend = (g + 1) * G < K ? (g + 1) * G : K;
         for (int k = g * G; k < kend; k += 4) {
             __m512i w[4];
@@ -81,14 +101,10 @@ static inline __attribute__((always_inline)) void block(
             }
         }
         for (int j = 0; j < NT; j++) {
-            __m512i comp = _mm512_loadu_si512((const void*)(wc + (size_t)g * N + n + 16 * j));
             __m512 wsv = _mm512_loadu_ps(ws + (size_t)g * N + n + 16 * j);
-            for (int r = 0; r < R; r++) {
-                __m512 s = _mm512_mul_ps(wsv, _mm512_set1_ps(xs[(size_t)(m0 + r) * ng + g]));
-                __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], comp));
-                float* yp = y + (size_t)(m0 + r) * N + n + 16 * j;
-                _mm512_storeu_ps(yp, _mm512_fmadd_ps(v, s, _mm512_loadu_ps(yp)));
-            }
+            for (int r = 0; r < R; r++)
+                epilogue(y + (size_t)(m0 + r) * N + n + 16 * j, acc[r][j], wsv,
+                         xs[(size_t)(m0 + r) * ng + g], g == 0);
         }
     }
 }
@@ -118,4 +134,156 @@ void q8_gemm(int M, int N, int K, int G, const uint8_t* xq, const float* xs, con
         }
         n += 16 * nt;
     }
+}
+
+// ---- AMX: C tiles (the sums) of MA row tiles x NB column tiles (at most 2 x 2: tiles 0-3), A
+// tiles of activations (rows x one group of 32 bytes: 4-5), B tiles of weights (8 rows of 4 k x
+// 16 columns, q8_gemm's layout: 6-7). Activations signed here (q8_quantize's amx = 1) and
+// TDPBSSD, so the sums start at zero: the same integers as VNNI's. One group per product, its
+// C tiles stored to one of two buffers, and the epilogue of the group before runs from the
+// other meanwhile. Needs G = 32 and K a multiple of 32 (q8.py sends other shapes to VNNI).
+#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
+#define AG 32
+
+struct tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+AMX static void amx_config(int rows) {
+    struct tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = t >= 4 && t < 6 ? AG : 64;
+        cfg.rows[t] = t >= 6 ? AG / 4 : rows;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// one group's epilogue from the stored C tiles into yb[32][32] (the block's y)
+static inline __attribute__((always_inline)) void amx_epilogue(
+    const int MA, const int NB, const int R, int N, const int32_t (*buf)[16][16],
+    const float* xs, const float* ws, float (*yb)[32], int m0, int n, int g, int ng) {
+    const float* xg = xs + (size_t)m0 * ng + g;
+    for (int b = 0; b < NB; b++) {
+        __m512 wsv = _mm512_loadu_ps(ws + (size_t)g * N + n + 16 * b);
+        for (int a = 0; a < MA; a++)
+            for (int r = 0; r < R; r++) {
+                float* yp = &yb[16 * a + r][16 * b];
+                __m512i sum = _mm512_load_si512(buf[2 * a + b][r]);
+                float x = xg[(size_t)(16 * a + r) * ng];
+                if (g == 0) epilogue(yp, sum, wsv, x, 1);  // unswitched: see amx_block
+                else epilogue(yp, sum, wsv, x, 0);
+            }
+    }
+}
+
+// MA row tiles of R rows (R = 16 but in the last, shorter one) from m0, NB column tiles from n
+AMX static inline __attribute__((always_inline)) void amx_block(
+    const int MA, const int NB, const int R, int K, int N, const int8_t* xq, const float* xs,
+    const int8_t* wp, const float* ws, float* y, int m0, int n) {
+    int ng = K / AG;
+    int32_t buf[2][4][16][16] __attribute__((aligned(64)));
+    float yb[32][32] __attribute__((aligned(64)));  // y's rows are 4 KB apart for N = 1,024 ...
+    const int8_t* b0 = wp + (size_t)(n / 16) * (K / 4) * 64;
+    const int8_t* b1 = b0 + (size_t)(K / 4) * 64;
+    const int8_t* a0 = xq + (size_t)m0 / 16 * ng * 512;
+    for (int g = 0; g < ng; g++) {
+        int32_t(*out)[16][16] = buf[g & 1];
+        _tile_zero(0);
+        if (NB == 2) _tile_zero(1);
+        if (MA == 2) _tile_zero(2);
+        if (MA == 2 && NB == 2) _tile_zero(3);
+        _tile_loadd(4, a0 + g * 512, AG);
+        if (MA == 2) _tile_loadd(5, a0 + (size_t)(ng + g) * 512, AG);
+        _tile_loadd(6, b0 + (size_t)g * (AG / 4) * 64, 64);
+        if (NB == 2) _tile_loadd(7, b1 + (size_t)g * (AG / 4) * 64, 64);
+        _tile_dpbssd(0, 4, 6);
+        if (NB == 2) _tile_dpbssd(1, 4, 7);
+        if (MA == 2) _tile_dpbssd(2, 5, 6);
+        if (MA == 2 && NB == 2) _tile_dpbssd(3, 5, 7);
+        _tile_stored(0, out[0], 64);
+        if (NB == 2) _tile_stored(1, out[1], 64);
+        if (MA == 2) _tile_stored(2, out[2], 64);
+        if (MA == 2 && NB == 2) _tile_stored(3, out[3], 64);
+        if (g == 1)
+            amx_epilogue(MA, NB, R, N, (const int32_t(*)[16][16])buf[0], xs, ws, yb, m0, n, 0,
+                         ng);
+        else if (g > 1)
+            amx_epilogue(MA, NB, R, N, (const int32_t(*)[16][16])buf[(g - 1) & 1], xs, ws, yb,
+                         m0, n, g - 1, ng);
+    }
+    amx_epilogue(MA, NB, R, N, (const int32_t(*)[16][16])buf[(ng - 1) & 1], xs, ws, yb, m0, n,
+                 ng - 1, ng);
+    for (int a = 0; a < MA; a++)
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < NB; b++)
+                _mm512_storeu_ps(y + ((size_t)m0 + 16 * a + r) * N + n + 16 * b,
+                                 _mm512_load_ps(&yb[16 * a + r][16 * b]));
+}
+
+AMX static void amx_rows(int MA, int R, int N, int K, const int8_t* xq, const float* xs,
+                         const int8_t* wp, const float* ws, float* y, int m, int n0, int n1) {
+    for (int n = n0; n < n1;) {  // R is 16 but in the last row tile
+        int nb = n1 - n >= 32 ? 2 : 1;
+        if (MA == 2 && nb == 2) amx_block(2, 2, 16, K, N, xq, xs, wp, ws, y, m, n);
+        else if (MA == 2) amx_block(2, 1, 16, K, N, xq, xs, wp, ws, y, m, n);
+        else if (R == 16 && nb == 2) amx_block(1, 2, 16, K, N, xq, xs, wp, ws, y, m, n);
+        else if (R == 16) amx_block(1, 1, 16, K, N, xq, xs, wp, ws, y, m, n);
+        else if (nb == 2) amx_block(1, 2, R, K, N, xq, xs, wp, ws, y, m, n);
+        else amx_block(1, 1, R, K, N, xq, xs, wp, ws, y, m, n);
+        n += 16 * nb;
+    }
+}
+
+// q8_gemm's product through AMX tiles (after q8_amx_init), bit for bit the same, from signed
+// activations in tiles (q8_quantize's amx = 1). G must be 32 and K a multiple of 32.
+AMX void q8_gemm_amx(int M, int N, int K, int G, const int8_t* xq, const float* xs,
+                     const int8_t* wp, const float* ws, const int32_t* wc, float* y, int n0,
+                     int n1) {
+    (void)G, (void)wc;  // the sums need no offset
+    int full = M / 16 * 16, m = 0;
+    if (full) {
+        amx_config(16);
+        for (; m + 32 <= full; m += 32) amx_rows(2, 16, N, K, xq, xs, wp, ws, y, m, n0, n1);
+        if (m < full) amx_rows(1, 16, N, K, xq, xs, wp, ws, y, m, n0, n1);
+    }
+    if (M > full) {
+        amx_config(M - full);
+        amx_rows(1, M - full, N, K, xq, xs, wp, ws, y, full, n0, n1);
+    }
+    _tile_release();
+}
+
+// Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): 0 when granted.
+int q8_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+
+// Whether AMX runs here and gives VNNI's bits, on a product with full and short tiles of both
+// kinds and 3 groups: 0 yes, 1 the bits differ, 2 no AMX permission. A CPU that advertises AMX
+// but traps it ends the process: q8.py runs this in a child.
+int q8_amx_selftest(void) {
+    enum { M = 37, N = 48, K = 96, NG = K / AG };
+    static float x[M * K], xs[M * NG], ws[NG * N], y0[M * N], y1[M * N];
+    static uint8_t xq[M * K], xt[48 * K];
+    static int8_t wp[N * K];
+    static int32_t wc[NG * N];
+    if (q8_amx_init()) return 2;
+    uint32_t r = 12345;
+    for (int i = 0; i < M * K; i++) x[i] = (float)(int)((r = r * 1103515245u + 12345u) >> 16) - 32768.f;
+    for (int i = 0; i < N * K; i++) wp[i] = (int8_t)((r = r * 1103515245u + 12345u) >> 24 | 1);
+    for (int i = 0; i < NG * N; i++) ws[i] = 1e-3f * (float)(1 + ((r = r * 1103515245u + 12345u) >> 24));
+    for (int g = 0; g < NG; g++)
+        for (int n = 0; n < N; n++) {  // -128 x the group's weights, as Q8Weights.pack
+            int32_t c = 0;
+            for (int k = g * AG; k < (g + 1) * AG; k++)
+                c -= 128 * wp[((n / 16) * (K / 4) + k / 4) * 64 + n % 16 * 4 + k % 4];
+            wc[g * N + n] = c;
+        }
+    q8_quantize(M, K, AG, x, K, xq, xs, 0);
+    q8_gemm(M, N, K, AG, xq, xs, wp, ws, wc, y0, 0, N);
+    q8_quantize(M, K, AG, x, K, xt, xs, 1);
+    q8_gemm_amx(M, N, K, AG, (const int8_t*)xt, xs, wp, ws, wc, y1, 0, N);
+    return memcmp(y0, y1, sizeof y0) ? 1 : 0;
 }

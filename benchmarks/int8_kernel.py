@@ -12,8 +12,10 @@ converts it (`to_bf16`) and runs oneDNN's matmul (its canonical-rows padding inc
 - `bf16`: oneDNN, with the kernel it picked (`brg:avx512_core_amx` where it uses AMX).
 
 Timings: the best of `--trials` runs, the paths taken in turn within each trial (a shared
-machine's load hits them alike). To see bf16 as a CPU without AMX runs it, cap oneDNN's ISA:
-`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python -m benchmarks.int8_kernel` (oneDNN reads it).
+machine's load hits them alike); at 1 thread in this thread's CPU time (`time.thread_time`:
+time another process holds the core is not counted), at 2 in wall time. To see bf16 as a CPU
+without AMX runs it, cap oneDNN's ISA (oneDNN reads it):
+`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python -m benchmarks.int8_kernel`.
 """
 
 from __future__ import annotations
@@ -59,24 +61,25 @@ class Row:
         return self.bf16_ms / self.int8_ms
 
 
-def _timed(fn: Callable[[], None], repeats: int) -> float:
-    t = time.perf_counter()
+def _timed(fn: Callable[[], None], repeats: int, clock: Callable[[], float]) -> float:
+    t = clock()
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - t) / repeats
+    return (clock() - t) / repeats
 
 
-def best_of(paths: dict[str, Callable[[], None]], trials: int) -> dict[str, float]:
+def best_of(paths: dict[str, Callable[[], None]], trials: int,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:  # fmt: skip
     """Seconds per call of each path: the best of `trials`, the paths in turn in each."""
     repeats = {}
     for name, fn in paths.items():
         fn()
-        once = _timed(fn, 1)
+        once = _timed(fn, 1, time.perf_counter)
         repeats[name] = max(1, int(MIN_RUN_S / max(once, 1e-7)))
     best = dict.fromkeys(paths, float("inf"))
     for _ in range(trials):
         for name, fn in paths.items():
-            best[name] = min(best[name], _timed(fn, repeats[name]))
+            best[name] = min(best[name], _timed(fn, repeats[name], clock))
     return best
 
 
@@ -109,7 +112,7 @@ def measure(model: str, rows: tuple[int, ...], threads: tuple[int, ...], trials:
                 calls["vnni"].append(lambda f=int8: f(amx=False))
                 calls["bf16"].append(bf16)
             paths = {name: (lambda fs=fs: [f() for f in fs] and None) for name, fs in calls.items()}
-            best = best_of(paths, trials)
+            best = best_of(paths, trials, time.thread_time if t == 1 else time.perf_counter)
             kernel = dnn.kernel(m, layers[0][1])
             out.append(Row(model, m, t, *(1e3 * best[p] for p in ("int8", "vnni", "bf16")), kernel))
             print(_line(out[-1]) if not _JSON else json.dumps({**asdict(out[-1])}), flush=True)

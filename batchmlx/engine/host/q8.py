@@ -277,12 +277,14 @@ def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
                     xs.ctypes.data, int(use_amx))  # fmt: skip
     args = (m, w.n, k, GROUP, xq.ctypes.data, xs.ctypes.data, *w.addresses, out.ctypes.data)
     gemm = lib.q8_gemm_amx if use_amx else lib.q8_gemm
-    tiles = w.n // TILE
+    step = 2 * TILE if use_amx else TILE  # AMX takes columns 32 at a time
+    tiles = -(-w.n // step)
     parts = min(threads, tiles)
     if parts <= 1 or pool is None or m * w.n * k < SPLIT_MACS:
         gemm(*args, 0, w.n)
         return
-    bounds = [(i * tiles // parts * TILE, (i + 1) * tiles // parts * TILE) for i in range(parts)]
+    bounds = [(i * tiles // parts * step, min(w.n, (i + 1) * tiles // parts * step))
+              for i in range(parts)]  # fmt: skip
     executor = pool()
     futures = [executor.submit(gemm, *args, lo, hi) for lo, hi in bounds[1:]]
     gemm(*args, *bounds[0])

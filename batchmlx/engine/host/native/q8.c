@@ -142,6 +142,10 @@ void q8_gemm(int M, int N, int K, int G, const uint8_t* xq, const float* xs, con
 // TDPBSSD, so the sums start at zero: the same integers as VNNI's. One group per product, its
 // C tiles stored to one of two buffers, and the epilogue of the group before runs from the
 // other meanwhile. Needs G = 32 and K a multiple of 32 (q8.py sends other shapes to VNNI).
+// Measured at 256 rows (one 135M layer, 1 thread): ~300 GMAC/s, VNNI's ~130; the tile part
+// alone ~480, the epilogue alone ~520, so they overlap only in part. Tried and slower: y in
+// registers with one 16 x 16 C tile and 4 groups in flight (~260), two groups per epilogue
+// pass (half the loads and stores of y: ~285).
 #define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
 #define AG 32
 
@@ -162,21 +166,19 @@ AMX static void amx_config(int rows) {
     _tile_loadconfig(&cfg);
 }
 
-// one group's epilogue from the stored C tiles into yb[32][32] (the block's y)
+// one group's epilogue from the stored C tiles into yb[32][32] (the block's y); `first` is
+// g == 0, a constant in each call (a test per row cost ~10% here)
 static inline __attribute__((always_inline)) void amx_epilogue(
-    const int MA, const int NB, const int R, int N, const int32_t (*buf)[16][16],
-    const float* xs, const float* ws, float (*yb)[32], int m0, int n, int g, int ng) {
+    const int MA, const int NB, const int R, const int first, int N,
+    const int32_t (*buf)[16][16], const float* xs, const float* ws, float (*yb)[32], int m0,
+    int n, int g, int ng) {
     const float* xg = xs + (size_t)m0 * ng + g;
     for (int b = 0; b < NB; b++) {
         __m512 wsv = _mm512_loadu_ps(ws + (size_t)g * N + n + 16 * b);
         for (int a = 0; a < MA; a++)
-            for (int r = 0; r < R; r++) {
-                float* yp = &yb[16 * a + r][16 * b];
-                __m512i sum = _mm512_load_si512(buf[2 * a + b][r]);
-                float x = xg[(size_t)(16 * a + r) * ng];
-                if (g == 0) epilogue(yp, sum, wsv, x, 1);  // unswitched: see amx_block
-                else epilogue(yp, sum, wsv, x, 0);
-            }
+            for (int r = 0; r < R; r++)
+                epilogue(&yb[16 * a + r][16 * b], _mm512_load_si512(buf[2 * a + b][r]), wsv,
+                         xg[(size_t)(16 * a + r) * ng], first);
     }
 }
 
@@ -209,14 +211,15 @@ AMX static inline __attribute__((always_inline)) void amx_block(
         if (MA == 2) _tile_stored(2, out[2], 64);
         if (MA == 2 && NB == 2) _tile_stored(3, out[3], 64);
         if (g == 1)
-            amx_epilogue(MA, NB, R, N, (const int32_t(*)[16][16])buf[0], xs, ws, yb, m0, n, 0,
-                         ng);
+            amx_epilogue(MA, NB, R, 1, N, (const int32_t(*)[16][16])buf[0], xs, ws, yb, m0, n,
+                         0, ng);
         else if (g > 1)
-            amx_epilogue(MA, NB, R, N, (const int32_t(*)[16][16])buf[(g - 1) & 1], xs, ws, yb,
-                         m0, n, g - 1, ng);
+            amx_epilogue(MA, NB, R, 0, N, (const int32_t(*)[16][16])buf[(g - 1) & 1], xs, ws,
+                         yb, m0, n, g - 1, ng);
     }
-    amx_epilogue(MA, NB, R, N, (const int32_t(*)[16][16])buf[(ng - 1) & 1], xs, ws, yb, m0, n,
-                 ng - 1, ng);
+    const int32_t(*last)[16][16] = (const int32_t(*)[16][16])buf[(ng - 1) & 1];
+    if (ng == 1) amx_epilogue(MA, NB, R, 1, N, last, xs, ws, yb, m0, n, 0, ng);
+    else amx_epilogue(MA, NB, R, 0, N, last, xs, ws, yb, m0, n, ng - 1, ng);
     for (int a = 0; a < MA; a++)
         for (int r = 0; r < R; r++)
             for (int b = 0; b < NB; b++)

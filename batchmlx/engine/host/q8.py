@@ -58,6 +58,7 @@ _COMPILE = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-mavx512f", "-mavx5
 # a GEMM of at least this many multiply-adds is split over threads by columns (a split costs
 # ~30-50 us of dispatch, a decode-width projection takes ~50-250 us on one thread)
 SPLIT_MACS = 4 << 20
+CHUNKS = 4  # column chunks per thread when split
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -102,6 +103,8 @@ def library() -> ctypes.CDLL | None:
                     gemm.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I]
                     gemm.restype = None
                 lib.q8_amx_init.restype = _I
+                lib.q8_gemm_shared.argtypes = [*lib.q8_gemm.argtypes[:10], _I, _P, _I]
+                lib.q8_gemm_shared.restype = None
                 return lib
     log.info("grouped int8 kernel unavailable: %s", why)
     return None
@@ -277,19 +280,21 @@ def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
                     xs.ctypes.data, int(use_amx))  # fmt: skip
     args = (m, w.n, k, GROUP, xq.ctypes.data, xs.ctypes.data, *w.addresses, out.ctypes.data)
     gemm = lib.q8_gemm_amx if use_amx else lib.q8_gemm
-    step = 2 * TILE if use_amx else TILE  # AMX takes columns 32 at a time
-    tiles = -(-w.n // step)
-    parts = min(threads, tiles)
-    if parts <= 1 or pool is None or m * w.n * k < SPLIT_MACS:
+    if threads <= 1 or pool is None or m * w.n * k < SPLIT_MACS:
         gemm(*args, 0, w.n)
         return
-    bounds = [(i * tiles // parts * step, min(w.n, (i + 1) * tiles // parts * step))
-              for i in range(parts)]  # fmt: skip
+    # columns in chunks of a few per thread from a shared counter (q8_gemm_shared): a pool
+    # thread that starts late finds them taken, and one not started at all is cancelled
+    step = 2 * TILE if use_amx else TILE  # AMX takes columns 32 at a time
+    chunk = max(step, w.n // (CHUNKS * threads) // step * step)
+    counter = ctypes.c_int(0)
+    shared = (*args, chunk, ctypes.addressof(counter), int(use_amx))
     executor = pool()
-    futures = [executor.submit(gemm, *args, lo, hi) for lo, hi in bounds[1:]]
-    gemm(*args, *bounds[0])
+    futures = [executor.submit(lib.q8_gemm_shared, *shared) for _ in range(threads - 1)]
+    lib.q8_gemm_shared(*shared)
     for f in futures:
-        f.result()
+        if not f.cancel():
+            f.result()
 
 
 def build(target: Path = LIBRARY) -> Path:

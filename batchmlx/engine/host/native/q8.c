@@ -290,3 +290,18 @@ int q8_amx_selftest(void) {
     q8_gemm_amx(M, N, K, AG, (const int8_t*)xt, xs, wp, ws, wc, y1, 0, N);
     return memcmp(y0, y1, sizeof y0) ? 1 : 0;
 }
+
+// Columns taken `chunk` at a time from a counter that the threads calling this share, until
+// none are left: a thread the OS holds back (a shared machine) leaves its part to the others
+// instead of making them wait. Which columns a thread takes does not change their bits.
+void q8_gemm_shared(int M, int N, int K, int G, const uint8_t* xq, const float* xs,
+                    const int8_t* wp, const float* ws, const int32_t* wc, float* y, int chunk,
+                    int* next, int amx) {
+    for (;;) {
+        int n0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
+        if (n0 >= N) return;
+        int n1 = n0 + chunk < N ? n0 + chunk : N;
+        if (amx) q8_gemm_amx(M, N, K, G, (const int8_t*)xq, xs, wp, ws, wc, y, n0, n1);
+        else q8_gemm(M, N, K, G, xq, xs, wp, ws, wc, y, n0, n1);
+    }
+}

@@ -65,12 +65,15 @@ def test_activations_quantized_in_the_kernel_as_in_numpy() -> None:
     xs = np.empty((m, q8.groups(k)), np.float32)
     lib.q8_quantize(m, k, q8.GROUP, x.ctypes.data, k, xq.ctypes.data, xs.ctypes.data, 0)
     assert np.array_equal(xq.astype(np.int16) - 128, q) and np.array_equal(xs, s)
-    # AMX's: signed, in tiles of [16 rows][32] per (row tile, group), the last tile padded
+    # AMX's: signed, in tiles of [16 rows][32] per (row tile, group), the last tile padded;
+    # the scales [16 rows] per (row tile, group)
     ng = q8.groups(k)
     xt = np.zeros((2 * 16 * k,), np.int8)
-    lib.q8_quantize(m, k, q8.GROUP, x.ctypes.data, k, xt.ctypes.data, xs.ctypes.data, 1)
+    st = np.zeros((2 * 16 * ng,), np.float32)
+    lib.q8_quantize(m, k, q8.GROUP, x.ctypes.data, k, xt.ctypes.data, st.ctypes.data, 1)
     rows = xt.reshape(2, ng, 16, q8.GROUP).transpose(0, 2, 1, 3).reshape(32, k)[:m]
-    assert np.array_equal(rows, q) and np.array_equal(xs, s)
+    assert np.array_equal(rows, q)
+    assert np.array_equal(st.reshape(2, ng, 16).transpose(0, 2, 1).reshape(32, ng)[:m], s)
 
 
 @needs_kernel

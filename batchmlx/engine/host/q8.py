@@ -173,9 +173,9 @@ def fits(n: int, k: int) -> bool:
 @dataclass(frozen=True)
 class Q8Weights:
     """One GEMM's weights [N, K] in one byte buffer: the int8 values in the kernel's layout
-    ([N/16][K/4][16][4]), then the scales [ng, N] float32, then -128 x each group's sum [ng, N]
-    int32 (the kernel feeds activations as unsigned bytes, x + 128, and starts its integer sums
-    here to take that back out)."""
+    ([N/16][K/4][16][4]), then the scales float32, then -128 x each group's sum int32, both
+    [N/16][ng][16] (VNNI feeds activations as unsigned bytes, x + 128, and starts its integer
+    sums there to take that back out)."""
 
     buffer: np.ndarray  # uint8, C-contiguous
     n: int
@@ -215,10 +215,10 @@ class Q8Weights:
         buf = np.empty(cls.nbytes(n, k), np.uint8)
         out = cls(buf, n, k)
         out.packed[:] = q.reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3).ravel()
-        out.scales[:] = s.T.ravel()
+        out.scales[:] = _by_tile(s)
         padded = np.zeros((n, ng * GROUP), np.int32)
         padded[:, :k] = q
-        out.offsets[:] = (-128 * padded.reshape(n, ng, GROUP).sum(axis=2, dtype=np.int32)).T.ravel()
+        out.offsets[:] = _by_tile(-128 * padded.reshape(n, ng, GROUP).sum(axis=2, dtype=np.int32))
         return out
 
     @classmethod
@@ -226,6 +226,12 @@ class Q8Weights:
         """Bytes `pack` made earlier (a weights cache), or None when their size does not fit."""
         buffer = np.asarray(buffer).reshape(-1).view(np.uint8)
         return cls(buffer, n, k) if buffer.nbytes == cls.nbytes(n, k) else None
+
+
+def _by_tile(a: np.ndarray) -> np.ndarray:
+    """[N, ng] -> [N/16][ng][16], flat: each tile of 16 columns' groups in a row."""
+    n, ng = a.shape
+    return a.reshape(n // TILE, TILE, ng).transpose(0, 2, 1).ravel()
 
 
 def groups(k: int) -> int:
@@ -273,9 +279,10 @@ def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
     if x.dtype != np.float32 or x.strides[1] != 4:
         x = np.ascontiguousarray(x, dtype=np.float32)
     ng = groups(k)
-    # AMX reads its activations as tiles of 16 rows: the last one rounded up
-    xq = np.empty((-(-m // 16) * 16 if use_amx else m, k), np.uint8)
-    xs = np.empty((m, ng), np.float32)
+    # AMX reads its activations and their scales as tiles of 16 rows: the last one rounded up
+    rows = -(-m // 16) * 16 if use_amx else m
+    xq = np.empty((rows, k), np.uint8)
+    xs = np.empty((rows, ng), np.float32)
     lib.q8_quantize(m, k, GROUP, x.ctypes.data, x.strides[0] // 4, xq.ctypes.data,
                     xs.ctypes.data, int(use_amx))  # fmt: skip
     args = (m, w.n, k, GROUP, xq.ctypes.data, xs.ctypes.data, *w.addresses, out.ctypes.data)

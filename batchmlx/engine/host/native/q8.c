@@ -30,7 +30,8 @@ const char* q8_source_sha(void) { return Q8_SOURCE_SHA; }
 // an all-zero group), q = round(x / t). For VNNI (amx = 0) xq[M, K] holds q + 128 (unsigned
 // bytes); for AMX (amx = 1, G = 32) it holds q signed, as A tiles: [M/16 (rounded up)][ng][16
 // rows][32], so that a tile is 512 bytes in a row whatever K (rows K bytes apart fall in one
-// cache set when K is a multiple of 4,096: 2,048 and 8,192 are). A group holding NaN or
+// cache set when K is a multiple of 4,096: 2,048 and 8,192 are), and xs as [M/16][ng][16] (a
+// tile's 16 scales of a group in one cache line, not 16). A group holding NaN or
 // infinity gets t = NaN and zeros, so the product shows it, as a float GEMM's would.
 void q8_quantize(int M, int K, int G, const float* x, int64_t ldx, uint8_t* xq, float* xs,
                  int amx) {
@@ -48,11 +49,12 @@ void q8_quantize(int M, int K, int G, const float* x, int64_t ldx, uint8_t* xq, 
             }
             float amax = _mm512_reduce_max_ps(mx);
             float nan = _mm512_reduce_add_ps(bad);
-            uint8_t* q = amx ? xq + (((size_t)m / 16 * ng + g) * 16 + m % 16) * G
-                             : xq + (size_t)m * K + g * G;
+            size_t tile = ((size_t)m / 16 * ng + g) * 16 + m % 16;  // AMX: row in its tile
+            uint8_t* q = amx ? xq + tile * G : xq + (size_t)m * K + g * G;
+            float* t = amx ? xs + tile : xs + (size_t)m * ng + g;
             if (nan != nan) {
                 for (int k = 0; k < len; k++) q[k] = (uint8_t)offset;
-                xs[(size_t)m * ng + g] = nan;
+                *t = nan;
                 continue;
             }
             __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -62,7 +64,7 @@ void q8_quantize(int M, int K, int G, const float* x, int64_t ldx, uint8_t* xq, 
                 i = _mm512_add_epi32(i, _mm512_set1_epi32(offset));  // in [offset +- 127]
                 _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(i));
             }
-            xs[(size_t)m * ng + g] = amax > 0.f ? amax / 127.f : 1.f;
+            *t = amax > 0.f ? amax / 127.f : 1.f;
         }
     }
 }
@@ -76,8 +78,10 @@ static inline __attribute__((always_inline)) void epilogue(float* yp, __m512i su
 }
 
 // R rows from m0, NT tiles of 16 columns from n. wp: [N/16][K/4][16][4] (a tile's 16 columns
-// x 4 consecutive k per 64 bytes, dpbusd's layout and AMX's B tiles'); ws, wc: [ng][N] (wc =
-// -128 * sum_g w: the accumulators start there, which takes the +128 of the activations out).
+// x 4 consecutive k per 64 bytes, dpbusd's layout and AMX's B tiles'); ws, wc: [N/16][ng][16]
+// (a tile's groups in a row: [ng][N] put each group's 16 scales on another page at N = 16,384,
+// and the 1.7B's GEMMs lost ~15% to it); wc = -128 * sum_g w: the accumulators start there,
+// which takes the +128 of the activations out.
 static inline __attribute__((always_inline)) void block(
     const int R, const int NT, int K, int G, int N, const uint8_t* xq, const float* xs,
     const int8_t* wp, const float* ws, const int32_t* wc, float* y, int m0, int n) {
@@ -86,7 +90,7 @@ static inline __attribute__((always_inline)) void block(
     // the float sums live in y itself (in registers they would spill: 48 vectors)
     for (int g = 0; g < ng; g++) {
         for (int j = 0; j < NT; j++) {
-            __m512i c = _mm512_loadu_si512((const void*)(wc + (size_t)g * N + n + 16 * j));
+            __m512i c = _mm512_loadu_si512((const void*)(wc + ((size_t)(n / 16 + j) * ng + g) * 16));
             for (int r = 0; r < R; r++) acc[r][j] = c;
         }
         int kend = (g + 1) * G < K ? (g + 1) * G : K;
@@ -101,7 +105,7 @@ static inline __attribute__((always_inline)) void block(
             }
         }
         for (int j = 0; j < NT; j++) {
-            __m512 wsv = _mm512_loadu_ps(ws + (size_t)g * N + n + 16 * j);
+            __m512 wsv = _mm512_loadu_ps(ws + ((size_t)(n / 16 + j) * ng + g) * 16);
             for (int r = 0; r < R; r++)
                 epilogue(y + (size_t)(m0 + r) * N + n + 16 * j, acc[r][j], wsv,
                          xs[(size_t)(m0 + r) * ng + g], g == 0);
@@ -172,13 +176,13 @@ static inline __attribute__((always_inline)) void amx_epilogue(
     const int MA, const int NB, const int R, const int first, int N,
     const int32_t (*buf)[16][16], const float* xs, const float* ws, float (*yb)[32], int m0,
     int n, int g, int ng) {
-    const float* xg = xs + (size_t)m0 * ng + g;
+    const float* xg = xs + ((size_t)m0 / 16 * ng + g) * 16;  // 16 rows' scales in a line
     for (int b = 0; b < NB; b++) {
-        __m512 wsv = _mm512_loadu_ps(ws + (size_t)g * N + n + 16 * b);
+        __m512 wsv = _mm512_loadu_ps(ws + ((size_t)(n / 16 + b) * ng + g) * 16);
         for (int a = 0; a < MA; a++)
             for (int r = 0; r < R; r++)
                 epilogue(&yb[16 * a + r][16 * b], _mm512_load_si512(buf[2 * a + b][r]), wsv,
-                         xg[(size_t)(16 * a + r) * ng], first);
+                         xg[(size_t)a * ng * 16 + r], first);
     }
 }
 
@@ -270,6 +274,7 @@ int q8_amx_selftest(void) {
     enum { M = 37, N = 48, K = 96, NG = K / AG };
     static float x[M * K], xs[M * NG], ws[NG * N], y0[M * N], y1[M * N];
     static uint8_t xq[M * K], xt[48 * K];
+    static float xt_s[48 * NG];
     static int8_t wp[N * K];
     static int32_t wc[NG * N];
     if (q8_amx_init()) return 2;
@@ -282,12 +287,12 @@ int q8_amx_selftest(void) {
             int32_t c = 0;
             for (int k = g * AG; k < (g + 1) * AG; k++)
                 c -= 128 * wp[((n / 16) * (K / 4) + k / 4) * 64 + n % 16 * 4 + k % 4];
-            wc[g * N + n] = c;
+            wc[(n / 16 * NG + g) * 16 + n % 16] = c;
         }
     q8_quantize(M, K, AG, x, K, xq, xs, 0);
     q8_gemm(M, N, K, AG, xq, xs, wp, ws, wc, y0, 0, N);
-    q8_quantize(M, K, AG, x, K, xt, xs, 1);
-    q8_gemm_amx(M, N, K, AG, (const int8_t*)xt, xs, wp, ws, wc, y1, 0, N);
+    q8_quantize(M, K, AG, x, K, xt, xt_s, 1);
+    q8_gemm_amx(M, N, K, AG, (const int8_t*)xt, xt_s, wp, ws, wc, y1, 0, N);
     return memcmp(y0, y1, sizeof y0) ? 1 : 0;
 }
 

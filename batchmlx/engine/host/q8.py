@@ -1,5 +1,6 @@
 """The `int8` host format's GEMM: weights and activations int8 in groups of GROUP along K, each
-group with its own float32 scale, in a kernel of our own (native/q8.c, AVX-512 VNNI).
+group with its own float32 scale, in a kernel of our own (native/q8.c: AVX-512 VNNI, and AMX
+where it runs).
 
 Why a kernel of our own: oneDNN 3.2 (the CPU build on PyPI) scales an int8 GEMM per output
 channel and per tensor only. Per-channel weights with per-token activations lost too much
@@ -8,14 +9,16 @@ channel and per tensor only. Per-channel weights with per-token activations lost
 (benchmarks/RESULTS-int8.md: G=64 0.952 / 0.0058; G=32 0.954 / 0.0039; here, with a bf16 head,
 G=32 measured 0.9625 / 0.0032: benchmarks/RESULTS-fidelity.md). And grouped int8 is
 batch-invariant by construction: integer sums are exact and the float epilogue is the same per
-element whatever the batch (q8.c's header). Not yet the fastest: one 135M layer's four GEMMs
-on one thread of a 2-core Xeon whose oneDNN bf16 runs on AMX (load 1.7, 2026-12-06) took
-0.145 / 0.35 / 1.07 / 1.98 / 8.0 ms at 1 / 8 / 32 / 64 / 256 rows against bf16's 0.38 / 0.39 /
-0.54 / 0.83 / 3.4: ahead at a stream's width, 0.4-0.5x from 32 rows up. The epilogue is the
-cost: each group of 32 adds a convert, a subtract, a multiply and an FMA per 16 outputs beside
-8 VNNI products, on the same vector ports.
+element whatever the batch (q8.c's header), and whether VNNI or AMX computes it: both sum the
+same integers and run the same float epilogue, so a request's answer does not depend on the
+CPU having AMX. AMX (from AMX_ROWS rows, where `amx()` finds it usable) runs one group per tile
+product and its epilogue beside the next group's products; one 135M layer's four GEMMs on one
+thread of a 2-core Sapphire Rapids Xeon (benchmarks/RESULTS-int8.md, kernel section) took 0.20
+/ 0.21 / 0.47 / 0.88 / 3.3 ms at 1 / 8 / 32 / 64 / 256 rows against oneDNN bf16's (on AMX too)
+0.81 / 0.50 / 0.75 / 1.34 / 4.2; VNNI alone 0.20 / 0.30 / 0.86 / 1.57 / 6.3, ahead of oneDNN's
+bf16 without AMX (avx512_core_bf16: 0.37 at 1 row, 18.0 at 256).
 
-The library ships prebuilt (native/libbatchmlx_q8.so, ~60 KB, for x86-64 Linux, glibc 2.17+)
+The library ships prebuilt (native/libbatchmlx_q8.so, ~135 KB, for x86-64 Linux, glibc 2.17+)
 so that a user needs no compiler: `python -m batchmlx.engine.host.q8 --build` remakes it from
 q8.c with zig's C compiler (the `ziglang` wheel), and the library answers the SHA-1 of the
 source it was built from: a library older than its source is refused (and a test fails).

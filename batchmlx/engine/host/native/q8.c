@@ -90,8 +90,8 @@ static inline __attribute__((always_inline)) void block(
     // the float sums live in y itself (in registers they would spill: 48 vectors)
     for (int g = 0; g < ng; g++) {
         for (int j = 0; j < NT; j++) {
-            __m512i c = _mm512_loadu_si512((const void*)(wc + ((size_t)(n / 16 + j) * ng + g) * 16));
-            for (int r = 0; r < R; r++) acc[r][j] = c;
+            const int32_t* c = wc + ((size_t)(n / 16 + j) * ng + g) * 16;
+            for (int r = 0; r < R; r++) acc[r][j] = _mm512_loadu_si512((const void*)c);
         }
         int kend = (g + 1) * G < K ? (g + 1) * G : K;
         for (int k = g * G; k < kend; k += 4) {
@@ -270,6 +270,8 @@ int q8_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1
 // Whether AMX runs here and gives VNNI's bits, on a product with full and short tiles of both
 // kinds and 3 groups: 0 yes, 1 the bits differ, 2 no AMX permission. A CPU that advertises AMX
 // but traps it ends the process: q8.py runs this in a child.
+static uint32_t lcg(uint32_t* r) { return *r = *r * 1103515245u + 12345u; }
+
 int q8_amx_selftest(void) {
     enum { M = 37, N = 48, K = 96, NG = K / AG };
     static float x[M * K], xs[M * NG], ws[NG * N], y0[M * N], y1[M * N];
@@ -279,9 +281,9 @@ int q8_amx_selftest(void) {
     static int32_t wc[NG * N];
     if (q8_amx_init()) return 2;
     uint32_t r = 12345;
-    for (int i = 0; i < M * K; i++) x[i] = (float)(int)((r = r * 1103515245u + 12345u) >> 16) - 32768.f;
-    for (int i = 0; i < N * K; i++) wp[i] = (int8_t)((r = r * 1103515245u + 12345u) >> 24 | 1);
-    for (int i = 0; i < NG * N; i++) ws[i] = 1e-3f * (float)(1 + ((r = r * 1103515245u + 12345u) >> 24));
+    for (int i = 0; i < M * K; i++) x[i] = (float)(int)(lcg(&r) >> 16) - 32768.f;
+    for (int i = 0; i < N * K; i++) wp[i] = (int8_t)(lcg(&r) >> 24 | 1);  // -127..127
+    for (int i = 0; i < NG * N; i++) ws[i] = 1e-3f * (float)(1 + (lcg(&r) >> 24));
     for (int g = 0; g < NG; g++)
         for (int n = 0; n < N; n++) {  // -128 x the group's weights, as Q8Weights.pack
             int32_t c = 0;

@@ -17,9 +17,9 @@ from batchmlx.core.engine_api import EngineSettings
 
 PANEL = "Engine options"  # their own section of each command's --help
 DTYPE_HELP = (
-    "Weights: auto (bf16 GEMMs with float32 sums on the CPU, float32 without AVX-512; as stored "
-    "on Metal/CUDA), bfloat16, float32, stored; int8: Q8_0-like int8 in groups of 32 (AVX-512 "
-    "VNNI CPUs). README, 'Precision per --dtype'"
+    "Weights: auto (on the CPU int8 in groups of 32, as llama.cpp's Q8_0, where it has AVX-512 "
+    "VNNI, else bf16 GEMMs with float32 sums, float32 without AVX-512; as stored on "
+    "Metal/CUDA), int8, bfloat16, float32, stored. README, 'Precision per --dtype'"
 )
 
 

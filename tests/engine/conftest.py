@@ -30,8 +30,8 @@ def default_model_dir(engine_cache_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model(engine_cache_dir: Path, default_model_dir: Path):
-    """The default model loaded as a user gets it (--dtype auto: bf16 GEMMs on the CPU);
-    shared, so tests must not mutate it."""
+    """The default model loaded as a user gets it (--dtype auto: grouped int8 on AVX-512 VNNI,
+    else bf16 GEMMs); shared, so tests must not mutate it."""
     from batchmlx.core.models import resolve_model
     from batchmlx.engine.models.loader import load_model
 

@@ -281,6 +281,21 @@ def test_supports_answers_by_the_cpus_instructions() -> None:
 
 
 @needs_onednn
+def test_the_default_is_grouped_int8_where_its_kernel_runs_else_bf16(monkeypatch) -> None:
+    from batchmlx.engine.host import q8
+    from batchmlx.engine.models.loader import host_format
+
+    if not current().onednn().supports(onednn.DataType.BF16):
+        pytest.skip("no bf16 matmul in this CPU's oneDNN")
+    want = HostFormat.INT8 if q8.available() else HostFormat.BF16
+    assert host_format("auto", on_cpu=True) is want
+    assert host_format("bfloat16", on_cpu=True) is HostFormat.BF16  # asked for by name
+    monkeypatch.setattr(q8, "available", lambda: False)  # a CPU without AVX-512 VNNI
+    assert host_format("auto", on_cpu=True) is HostFormat.BF16
+    assert host_format("auto", on_cpu=False) is None  # a GPU: MLX's kernels
+
+
+@needs_onednn
 def test_a_cpu_without_bf16_matmul_gets_float32_host_weights(monkeypatch, caplog) -> None:
     from batchmlx.engine.models.loader import host_format
 
@@ -345,7 +360,7 @@ def test_real_model_int8_greedy_agrees_with_float32(engine_cache_dir) -> None:
 @pytest.mark.real_model
 @needs_onednn
 def test_real_model_bf16_greedy_follows_float32(engine_cache_dir) -> None:
-    f32, bf, prompts, runs = _beside_float32(engine_cache_dir, "auto", 32)  # the CPU default
+    f32, bf, prompts, runs = _beside_float32(engine_cache_dir, "bfloat16", 32)
     assert {type(m) for _, m in bf.model.named_modules()} >= {HostLinear, HostEmbedding}
     same = [a.token_ids == b.token_ids for a, b in zip(*runs, strict=True)]
     first_diff = [_first_difference(a.token_ids, b.token_ids) for a, b in zip(*runs, strict=True)]

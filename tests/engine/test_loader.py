@@ -17,11 +17,13 @@ from batchmlx.engine.models import default_model as dm
 from batchmlx.engine.models.gguf import MARKER_NAME, convert_gguf
 from batchmlx.engine.models.loader import dequantize_model, load_model, model_folder
 
-QUESTION = "What is the capital of France?"
+# asked for one sentence: the bare question's first token is a near tie (The / La / Le within
+# 0.03 of a logit in float32), which grouped int8, the CPU default, breaks towards French
+QUESTION = "What is the capital of France? Answer in one sentence."
 RENDERED = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
-    "<|im_start|>assistant\n"
+    "<|im_end|>\n<|im_start|>user\nWhat is the capital of France? Answer in one sentence."
+    "<|im_end|>\n<|im_start|>assistant\n"
 )
 
 

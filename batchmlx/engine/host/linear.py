@@ -1,20 +1,21 @@
 """Weights that stay small on MLX's CPU backend: every linear layer and the embedding in bf16
 or int8, their GEMMs computed on the host by oneDNN (onednn.py), activations float32.
 
-- **bfloat16** (`--dtype auto` on the CPU, `--dtype bfloat16`): weights rounded to bf16; a
-  layer's input is rounded to bf16 on the way in (in MLX, in the same evaluation as the work
-  before it) and the products accumulate in float32 (AVX-512 BF16 `vdpbf16ps`). Logits within
-  ~1.5% of float32's (of the largest logit) on the default model; greedy text follows float32's.
+- **bfloat16** (`--dtype bfloat16`, and `auto` on a CPU without AVX-512 VNNI): weights rounded
+  to bf16; a layer's input is rounded to bf16 on the way in (in MLX, in the same evaluation as
+  the work before it) and the products accumulate in float32 (AVX-512 BF16 `vdpbf16ps`). Logits
+  within ~1.5% of float32's (of the largest logit) on the default model; greedy text follows
+  float32's.
 - **float32** (`--dtype auto` on a CPU whose oneDNN has no bf16 matmul: oneDNN 3.2's bf16
   kernels need AVX-512, so an AVX2-only CPU gets this): weights and products float32, as
   MLX's float32 path computes them but for the order of the sums, the GEMMs on numpy's own
   BLAS (on a Zen 3 host 2.6x oneDNN's float32 matmul at decode widths, measured 2026-12-02);
   the format exists so the host steps (engine/host/step.py) run there too.
-- **int8** (`--dtype int8`): weights int8 in groups of 32 along K, one float32 scale per
-  (output channel, group) (symmetric, w ~= q * s, |q| <= 127); a layer's input is quantized per
-  (token, group) on the fly and each group's exact int32 product rescaled and summed in group
-  order (q8.py, our own AVX-512 VNNI kernel): as Q8_0 computes, batch-invariant by
-  construction, 4x smaller than float32; the embedding and the LM head in bf16
+- **int8** (`--dtype int8`, and `auto` on AVX-512 VNNI): weights int8 in groups of 32 along K,
+  one float32 scale per (output channel, group) (symmetric, w ~= q * s, |q| <= 127); a layer's
+  input is quantized per (token, group) on the fly and each group's exact int32 product rescaled
+  and summed in group order (q8.py, our own AVX-512 VNNI kernel): as Q8_0 computes, batch-
+  invariant by construction, 4x smaller than float32; the embedding and the LM head in bf16
   (`head_format`). Where that kernel cannot run (a CPU without AVX-512 VNNI, a shape not a
   multiple of 16), oneDNN's s8 GEMM with one scale per output channel and per token instead,
   which moves logits by up to ~15-20% of the largest (outlier channels).

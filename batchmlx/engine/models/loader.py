@@ -58,8 +58,9 @@ def model_folder(spec: ModelSpec, *, cache_dir: Path) -> Path | str:
 def load_model(
     spec: ModelSpec, *, cache_dir: Path, dtype: str = "auto", backend: HostBackend | None = None
 ) -> LoadedModel:
-    """Load `spec` with mlx-lm. dtype "auto" on MLX's CPU backend gives bf16 weights computed
-    by oneDNN (engine/host/linear.py; float32 where oneDNN cannot load), elsewhere it keeps
+    """Load `spec` with mlx-lm. dtype "auto" on MLX's CPU backend gives the grouped int8
+    weights of engine/host/q8.py on AVX-512 VNNI, else bf16 weights computed by oneDNN
+    (engine/host/linear.py; float32 where oneDNN cannot load), elsewhere it keeps
     weights as stored (quantized stays quantized); "stored" keeps them as stored anywhere;
     "float32"/"float16" dequantize every layer to that dtype; "bfloat16" is the host bf16
     format on the CPU (MLX's own bf16 elsewhere); "int8" gives int8 weights computed by oneDNN
@@ -141,14 +142,17 @@ def host_format(
     dtype: str, *, on_cpu: bool | None = None, backend: HostBackend | None = None
 ) -> HostFormat | None:
     """The host weight format `dtype` asks for, or None for MLX's own kernels. On MLX's CPU
-    backend "auto" and "bfloat16" mean bf16 weights through oneDNN (MLX's own bf16 CPU matmul
-    runs at a few GFLOP/s). Where this CPU's oneDNN has no bf16 matmul (3.2's needs AVX-512:
-    an AVX2-only CPU), "auto" means float32 weights through oneDNN, which the host steps run
-    as fast as any format there, and "bfloat16" MLX's own bf16. "float32" means float32
-    weights through oneDNN's brgemm kernels where it has them (AVX-512), else MLX's float32.
+    backend "auto" means int8 in groups of 32 through our own kernel (engine/host/q8.py: as
+    faithful as llama.cpp's Q8_0, batch-invariant, faster than bf16 at every width measured)
+    where the CPU runs it (AVX-512 VNNI), else bf16 weights through oneDNN as "bfloat16" does
+    (MLX's own bf16 CPU matmul runs at a few GFLOP/s). Where this CPU's oneDNN has no bf16
+    matmul (3.2's needs AVX-512: an AVX2-only CPU), "auto" means float32 weights through
+    oneDNN, which the host steps run as fast as any format there, and "bfloat16" MLX's own
+    bf16. "float32" means float32 weights through oneDNN's brgemm kernels where it has them
+    (AVX-512), else MLX's float32.
     Where oneDNN cannot load they fall back, with a warning, to float32 and to MLX's bf16.
     "int8" needs oneDNN and its int8 matmul (OneDNNUnavailable says what is missing)."""
-    from batchmlx.engine.host import onednn
+    from batchmlx.engine.host import onednn, q8
 
     backend = backend or current()
     if on_cpu is None:
@@ -177,6 +181,10 @@ def host_format(
         # kernels (AVX-512): batch-invariant there (docs/engine.md), and far faster than MLX's
         # float32 path (a 2,048-token step 2.5 s against 146 s: benchmarks/fidelity.py)
         return HostFormat.F32 if lib.brgemm(onednn.DataType.F32) else None
+    # int8's layers the grouped kernel does not take (N or K not a multiple of 16) run
+    # oneDNN's per-channel int8: the default asks for both
+    if dtype == "auto" and q8.available() and lib.supports(onednn.DataType.S8, scaled=True):
+        return HostFormat.INT8
     if lib.supports(onednn.DataType.BF16):
         return HostFormat.BF16
     if dtype == "bfloat16":

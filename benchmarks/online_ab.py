@@ -1,12 +1,15 @@
 """Online streams over a batch, A/B over serve's engine options, in one run (issue 49).
 
-    python -m benchmarks.online_ab [--rounds 3] [--batch 256] RUN [RUN ...]
+    python -m benchmarks.online_ab [--rounds 3] [--batch 256] [--streams 8] RUN [RUN ...]
 
-Each RUN is a fresh `batchmlx serve` (the default model, a fresh $BATCHMLX_HOME): `alone` (8
+Each RUN is a fresh `batchmlx serve` (the default model, a fresh $BATCHMLX_HOME): `alone` (the
 streams, no batch), or `name=OPTIONS` with serve's options after the `=`, e.g.
 `before=--batch-decodes-beside-online=256 after=--batch-decodes-beside-online=16`; with a batch
 (`--batch` chats of 32 tokens through the Files and Batches APIs, started 2 s before the
-streams). 8 streamed chats x `--rounds` of 32 tokens, as `benchmarks.peers.online` sends them.
+streams). `name@TREE=OPTIONS` (or `alone@TREE`) runs the server from another checkout (TREE
+first on PYTHONPATH), e.g. `main@../main= this=` for a change against main in one run.
+`--streams` (8) streamed chats x `--rounds` of 32 tokens, as `benchmarks.peers.online` sends
+them.
 Prints one line per run: TTFT and inter-token p50/p99, the batch lines finished while the
 streams ran, and the load average before and after. Alternate the runs (a b a b) on a shared
 machine: its load moves between them.
@@ -28,12 +31,14 @@ from benchmarks.load_plan import HOST, _pct
 from benchmarks.load_serve import Server, _free_port, httpx
 from benchmarks.peers import online as peers
 
-STREAMS = 8
+STREAMS = 8  # the default
 
 
-def _start(home: Path, options: list[str]) -> Server:
+def _start(home: Path, options: list[str], tree: str) -> Server:
     port = _free_port()
     env = dict(os.environ, BATCHMLX_HOME=str(home))
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
     env.setdefault("BATCHMLX_CACHE_DIR", str(Path.home() / ".cache" / "batchmlx-test"))
     env.pop("BATCHMLX_API_KEY", None)  # the harness sends no key
     log = home / "server.log"
@@ -54,14 +59,17 @@ def _ms(xs: list[float], q: float) -> str:
     return f"{1000 * _pct(xs, q):.0f}"
 
 
-async def run(name: str, options: list[str], setup: peers.Setup, underneath: bool) -> str:
+async def run(
+    name: str, options: list[str], setup: peers.Setup, underneath: bool, tree: str = ""
+) -> str:
+    (streams,) = setup.streams
     with tempfile.TemporaryDirectory(prefix="online-ab-") as tmp:
-        server = _start(Path(tmp), options)
+        server = _start(Path(tmp), options, tree)
         try:
             await peers._ready(server, setup)
             limits = httpx.Limits(max_connections=setup.batch + 16)
             async with httpx.AsyncClient(base_url=server.base, timeout=60, limits=limits) as c:
-                row = peers.Row("batchmlx", STREAMS, underneath)
+                row = peers.Row("batchmlx", streams, underneath)
                 batch = None
                 if underneath:
                     batch = peers.BmxBatch(c, server, setup)
@@ -69,7 +77,7 @@ async def run(name: str, options: list[str], setup: peers.Setup, underneath: boo
                     await asyncio.sleep(setup.settle_s)
                     before = _done(await batch.progress())
                 load0, t = os.getloadavg()[0], time.perf_counter()
-                await peers.streams(server.base, STREAMS, setup, row, 1000)
+                await peers.streams(server.base, streams, setup, row, 1000)
                 wall = time.perf_counter() - t
                 note = ""
                 if batch is not None:
@@ -89,11 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", help="alone, or name=serve options (see the module doc)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--streams", type=int, default=STREAMS)
     args = ap.parse_args(argv)
-    setup = replace(peers.Setup(), streams=(STREAMS,), rounds=args.rounds, batch=args.batch)
+    setup = replace(peers.Setup(), streams=(args.streams,), rounds=args.rounds, batch=args.batch)
     for spec in args.runs:
-        name, _, options = spec.partition("=")
-        line = asyncio.run(run(name, options.split(), setup, underneath=name != "alone"))
+        label, _, options = spec.partition("=")
+        name, _, tree = label.partition("@")
+        tree = str(Path(tree).resolve()) if tree else ""
+        line = asyncio.run(run(label, options.split(), setup, name != "alone", tree))
         print(line, flush=True)
     return 0
 

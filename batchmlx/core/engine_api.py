@@ -38,6 +38,11 @@ class EngineSettings:
     # prompts and every decode are not counted), so a step carrying an online decode stays near
     # a decode step's time rather than a full prefill's (issue 49); 0: no batch prefill then
     batch_prefill_beside_online: int = 256
+    # the engine takes online requests (serve's): one can arrive during any step and waits for
+    # it to end, so the bound above holds at every step, online work or not (0 there: whole
+    # steps while none runs). Traced under a 256-chat batch: the first online requests waited
+    # 1.1-1.4 s for a step of 2,016 batch prompt tokens begun before they came (issue 49)
+    serves_online: bool = False
     # and at most this many batch decodes (the earliest admitted; the rest keep their KV and
     # wait): a step's time grows with its rows, so online tokens come at the pace of a narrow
     # decode step rather than of the batch's whole running width (core/decode_turns.py). 32:

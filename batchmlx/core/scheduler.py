@@ -36,6 +36,8 @@ class SchedulerConfig:
     mixed_steps: bool = ENGINE_DEFAULTS.mixed_steps
     # batch prompt tokens of a step while online work runs or waits (EngineSettings says why)
     batch_prefill_beside_online: int = ENGINE_DEFAULTS.batch_prefill_beside_online
+    # online requests may arrive at any step: the bound above holds at every step
+    serves_online: bool = ENGINE_DEFAULTS.serves_online
     # batch decodes of a step while online work runs (EngineSettings says why)
     batch_decodes_beside_online: int = ENGINE_DEFAULTS.batch_decodes_beside_online
     # waiting batch work rises a priority level per this many seconds waited (0: strict)
@@ -264,12 +266,18 @@ class Scheduler:
 
     def _batch_budget(self, budget: int) -> int:
         """Prompt tokens batch work may take this step: the step's budget, or while online work
-        runs or waits, at most `batch_prefill_beside_online` of it."""
+        runs or waits, at most `batch_prefill_beside_online` of it. An engine that serves
+        online requests keeps a nonzero bound at every step: a running step is not
+        interrupted, so one arriving during a whole-budget batch prefill would wait for all
+        of it (seconds on a CPU)."""
         urgent = self.waiting.most_urgent_priority()
         online = (urgent is not None and urgent < BATCH_PRIORITY) or any(
             _urgent(s) for s in self.running
         )
-        return min(budget, self.config.batch_prefill_beside_online) if online else budget
+        cap = self.config.batch_prefill_beside_online
+        if online:
+            return min(budget, cap)
+        return min(budget, cap) if self.config.serves_online and cap > 0 else budget
 
     # -- prefill ----------------------------------------------------------------------------
 

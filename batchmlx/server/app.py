@@ -69,8 +69,10 @@ def create_app(settings: Settings, options: ServerOptions, *, host: str) -> Star
             from batchmlx.server.supervisor import Supervisor
             from batchmlx.worker import Worker
 
+            worker_options = options.worker.taking_online()  # online requests come here
+
             async def new_worker() -> Worker:
-                worker = Worker(store, settings, options.worker, finalize_hooks=ctx.finalize_hooks)
+                worker = Worker(store, settings, worker_options, finalize_hooks=ctx.finalize_hooks)
                 t0 = time.perf_counter()
                 # on the worker's engine thread (the loop stays free); before listening at
                 # start, so ready means loaded

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from batchmlx.core.engine_api import ENGINE_DEFAULTS, EngineSettings
 
@@ -20,3 +20,8 @@ class WorkerOptions:
     # covers batches naming none): workers on several hosts may each serve their own models
     only_models: tuple[str, ...] = ()
     progress_every_s: float = 30.0  # a running batch's progress line in the log, this often
+
+    def taking_online(self) -> WorkerOptions:
+        """These options for a worker that also takes online requests (the server's): its
+        engine bounds batch prefill at every step (EngineSettings.serves_online)."""
+        return replace(self, engine=replace(self.engine, serves_online=True))

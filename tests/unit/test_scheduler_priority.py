@@ -127,3 +127,56 @@ def test_no_batch_prefill_beside_online_work_when_its_share_is_zero():
     first_b0 = next(i for i, ids in enumerate(seen) if "b0" in ids)
     assert all("o0" not in ids for ids in seen[first_b0:])
     assert_all_free(sched)
+
+
+def _prompt_tokens(step, priority: int) -> int:
+    return sum(s.num_new_tokens for s in step.seqs if not s.decode
+               and s.seq.request.priority == priority)  # fmt: skip
+
+
+def test_an_engine_serving_online_bounds_batch_prefill_before_any_online_request_comes():
+    """In serve an online request can arrive during any step and waits for it to end, so
+    every step feeds at most batch_prefill_beside_online batch prompt tokens; one that
+    arrives gets its whole prompt in the next step. Outputs are unchanged."""
+    cfg = SchedulerConfig(max_batch_size=8, block_size=4, num_blocks=256, max_prefill_tokens=64,
+                          batch_prefill_beside_online=12, serves_online=True)  # fmt: skip
+    sched = Scheduler(cfg)
+    runner = runner_for(sched)
+    long = [list(range(1 + i, 41 + i)) for i in range(3)]  # 40-token batch prompts
+    for i, p in enumerate(long):
+        sched.add(req(f"b{i}", p, 4, priority=1))
+    fed = []
+    for _ in range(3):  # no online work anywhere yet
+        step = sched.schedule()
+        fed.append(_prompt_tokens(step, 1))
+        sched.update(step, *runner.run(step))
+    assert fed == [12, 12, 12]  # 120 tokens wait: one whole-budget step would have taken 64
+    online = [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8]  # 20 tokens > 12
+    sched.add(req("o0", online, 3, priority=0))
+    step = sched.schedule()
+    assert _prompt_tokens(step, 0) == 20 and _prompt_tokens(step, 1) <= 12
+    sched.update(step, *runner.run(step))
+    outputs, steps = drive(sched)
+    assert max(_prompt_tokens(s, 1) for s in steps) == 12
+    assert outputs["o0"] == alone(online, 3)
+    assert all(outputs[f"b{i}"] == alone(p, 4) for i, p in enumerate(long))
+    assert_all_free(sched)
+
+
+def test_without_online_requests_batch_prompts_take_whole_steps():
+    """A batch-only engine (worker, submit --wait), and serve with the bound at 0 while no
+    online work runs: the step's whole token budget."""
+    for cfg in (
+        SchedulerConfig(max_batch_size=8, block_size=4, num_blocks=256, max_prefill_tokens=64,
+                        batch_prefill_beside_online=12),
+        SchedulerConfig(max_batch_size=8, block_size=4, num_blocks=256, max_prefill_tokens=64,
+                        batch_prefill_beside_online=0, serves_online=True),
+    ):  # fmt: skip
+        sched = Scheduler(cfg)
+        for i in range(3):
+            sched.add(req(f"b{i}", list(range(1 + i, 41 + i)), 4, priority=1))
+        step = sched.schedule()
+        assert _prompt_tokens(step, 1) == 64
+        sched.update(step, *runner_for(sched).run(step))
+        drive(sched)
+        assert_all_free(sched)

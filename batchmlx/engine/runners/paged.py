@@ -138,6 +138,7 @@ class PagedRunner:
                 prefix_grouping=cfg.prefix_grouping,
                 mixed_steps=self.mixed_steps,
                 batch_prefill_beside_online=cfg.batch_prefill_beside_online,
+                serves_online=cfg.serves_online,
                 batch_decodes_beside_online=cfg.batch_decodes_beside_online,
                 priority_aging_s=cfg.priority_aging_s,
             ),

@@ -38,6 +38,7 @@ POINTS = (
     "after_finalize_files",  # both files written, status not changed
     "inbox_after_submit",  # an inbox file's batch committed, the file not moved yet
     "worker_loop",  # between two ticks of the worker loop while online requests run
+    "after_preemption",  # after an engine step that preempted sequences (their KV freed)
 )
 
 

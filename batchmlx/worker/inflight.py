@@ -248,8 +248,11 @@ class InFlight:
             else:
                 b = p.claimed.batch_id
                 self.ready_tokens[b] = self.ready_tokens.get(b, 0) + result.completion_tokens
+        preempted = self.metrics.series.latest.preemptions
         self.metrics.after_step(loaded.engine, time.time())
         crash_point("mid_generation")
+        if self.metrics.series.latest.preemptions > preempted:
+            crash_point("after_preemption")
 
     def run_embeddings(self) -> None:
         """One bounded slice of the waiting embeddings requests, before the next engine step."""

@@ -32,13 +32,23 @@ class Scenario:
     runs: list[tuple[str, int]] = field(default_factory=list)  # (crash spec, rc)
 
     @classmethod
-    def new(cls, base: Path, model: Path, batches: int, per_batch: int, max_tokens: int = 4):
+    def new(
+        cls,
+        base: Path,
+        model: Path,
+        batches: int,
+        per_batch: int,
+        max_tokens: int = 4,
+        **params: object,
+    ):
+        """`params`: more fields of every line's body (temperature, ...)."""
         s = cls(make_cli(base), model)
         for b in range(batches):
             ids = [f"b{b}-r{i}" for i in range(per_batch)]
             path = write_jsonl(
                 base / f"in{b}.jsonl",
-                [request_line(i, chat_body(f"Say {i}.", model="default", max_tokens=max_tokens))
+                [request_line(i, chat_body(f"Say {i}.", model="default", max_tokens=max_tokens,
+                                         **params))
                  for i in ids],
             )  # fmt: skip
             s.inputs[s.submit(path)] = ids

@@ -74,7 +74,14 @@ class Server:
                 self.proc.wait()
 
 
-def start_server(base: Path, *args: str, api_key: str | None = None, timeout: float = 240):
+def start_server(
+    base: Path,
+    *args: str,
+    api_key: str | None = None,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+):
+    """`env`: variables added to the server's (fault points)."""
     home = base / "home"  # made by the server, as a user's would be
     base.mkdir(parents=True, exist_ok=True)  # its log's folder (a caller may name a new one)
     port = free_port()
@@ -83,8 +90,9 @@ def start_server(base: Path, *args: str, api_key: str | None = None, timeout: fl
     if api_key:
         cmd += ["--api-key", api_key]
     proc = subprocess.Popen(
-        cmd, env=cli_env(home), cwd=base, stdout=log.open("wb"), stderr=subprocess.STDOUT
-    )
+        cmd, env={**cli_env(home), **(env or {})}, cwd=base, stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
     server = Server(proc, port, home, log, api_key)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -80,6 +80,16 @@ def engine_choice(
             "stays near a narrow decode step's time",
         ),
     ] = D.batch_decodes_beside_online,
+    online_linger_s: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            rich_help_panel=PANEL,
+            help="Seconds the two bounds above still hold after the last online request "
+            "ended, so a client's next request does not wait for a step of the whole batch "
+            "(0: they lift at once)",
+        ),
+    ] = D.online_linger_s,
     priority_aging_s: Annotated[
         float,
         typer.Option(
@@ -110,7 +120,7 @@ def engine_choice(
         cache_max_blocks=cache_max_blocks, threads=threads,
         batch_prefill_beside_online=batch_prefill_beside_online,
         batch_decodes_beside_online=batch_decodes_beside_online,
-        priority_aging_s=priority_aging_s,
+        online_linger_s=online_linger_s, priority_aging_s=priority_aging_s,
     )  # fmt: skip
     return EngineChoice(settings, dtype=dtype)
 

@@ -1,10 +1,11 @@
 """Which batch decodes a step carries while online work runs (issue 49, the inter-token tail).
 
 A step's time grows with its rows: beside 8 online streams, a running batch of 256 made each
-online token wait for a 256-row step. While an online sequence runs (or waits to), a step
-therefore feeds at most `limit` batch decodes, the earliest admitted first (they finish first,
-so every batch sequence gets its turn: no starvation), and online decodes always; the batch
-sequences left out keep their blocks and decode again once online work ends or a turn frees.
+online token wait for a 256-row step. Beside online work (an online sequence runs or waits, or
+ended moments ago: core/online_window.py), a step therefore feeds at most `limit` batch
+decodes, the earliest admitted first (they finish first, so every batch sequence gets its turn:
+no starvation), and online decodes always; the batch sequences left out keep their blocks and
+decode again once online work ends or a turn frees.
 """
 
 from __future__ import annotations
@@ -27,15 +28,6 @@ class DecodeTurns:
 
     left: int | None
     paused: int = 0  # batch decodes this step left out
-
-    @classmethod
-    def for_step(
-        cls, running: Iterable[Sequence], limit: int, online_waiting: bool = False
-    ) -> DecodeTurns:
-        """`limit` turns while an online sequence runs among `running` or waits, else
-        unbounded."""
-        online = online_waiting or any(is_urgent(s) for s in running)
-        return cls(limit if online else None)
 
     def takes(self, seq: Sequence) -> bool:
         """Whether decoding seq decodes this step (a turn is used)."""

@@ -50,6 +50,10 @@ class EngineSettings:
     # 16 and no bound in benchmarks/online_ab.py (docs/http-api.md): 16 cut the batch's rate
     # beside the streams by half again for an inter-token tail within the noise of 32's
     batch_decodes_beside_online: int = 32
+    # both bounds above hold this long after the last online request ended, as while it ran:
+    # an online client's next request usually comes within moments, and would otherwise wait
+    # for a step of the whole running batch and its prompts (core/online_window.py)
+    online_linger_s: float = 1.0
     # queued batch work rises one priority level per this many seconds waited, in the claim
     # order and the engine's waiting queue, so no batch starves (core/priority.py); 0: strict
     priority_aging_s: float = 60.0

@@ -16,6 +16,7 @@ from batchmlx.core.blocks import BlockPool
 from batchmlx.core.decode_turns import DecodeTurns, is_urgent
 from batchmlx.core.engine_api import ENGINE_DEFAULTS
 from batchmlx.core.kv_manager import KVCacheManager, blocks_for
+from batchmlx.core.online_window import OnlineWindow
 from batchmlx.core.priority import engine_aging
 from batchmlx.core.request import BATCH_PRIORITY, CacheOutcome, GenerationRequest
 from batchmlx.core.sequence import Sequence, SequenceStatus
@@ -40,6 +41,8 @@ class SchedulerConfig:
     serves_online: bool = ENGINE_DEFAULTS.serves_online
     # batch decodes of a step while online work runs (EngineSettings says why)
     batch_decodes_beside_online: int = ENGINE_DEFAULTS.batch_decodes_beside_online
+    # both bounds hold this long after online work ended (core/online_window.py)
+    online_linger_s: float = ENGINE_DEFAULTS.online_linger_s
     # waiting batch work rises a priority level per this many seconds waited (0: strict)
     priority_aging_s: float = ENGINE_DEFAULTS.priority_aging_s
 
@@ -132,6 +135,9 @@ class Scheduler:
         # controller moves it (core/width.py). More urgent work is admitted up to
         # max_batch_size, the hard cap, whatever this is.
         self.running_limit = config.max_batch_size
+        self._window = OnlineWindow(config.online_linger_s, clock)
+        self._online_now = False  # online work runs or waits at this step
+        self._beside_online = False  # this step keeps the bounds it takes beside online work
 
     # -- public API -------------------------------------------------------------------------
 
@@ -174,6 +180,11 @@ class Scheduler:
         preempted: list[Sequence] = []
         finished: list[Sequence] = []
         paused = self.stats.paused_decodes
+        urgent = self.waiting.most_urgent_priority()
+        self._online_now = (urgent is not None and urgent < BATCH_PRIORITY) or bool(
+            self.online_running()
+        )
+        self._beside_online = self._window.step(self._online_now)
         if self.config.mixed_steps:
             seqs = self._schedule_mixed(preempted, finished)
         else:
@@ -265,19 +276,17 @@ class Scheduler:
         return out
 
     def _batch_budget(self, budget: int) -> int:
-        """Prompt tokens batch work may take this step: the step's budget, or while online work
-        runs or waits, at most `batch_prefill_beside_online` of it. An engine that serves
-        online requests keeps a nonzero bound at every step: a running step is not
-        interrupted, so one arriving during a whole-budget batch prefill would wait for all
-        of it (seconds on a CPU)."""
-        urgent = self.waiting.most_urgent_priority()
-        online = (urgent is not None and urgent < BATCH_PRIORITY) or any(
-            _urgent(s) for s in self.running
-        )
+        """Prompt tokens batch work may take this step: the step's budget, or beside online
+        work (core/online_window.py), at most `batch_prefill_beside_online` of it. An engine
+        that serves online requests keeps a nonzero bound at every step: a running step is
+        not interrupted, so one arriving during a whole-budget batch prefill would wait for
+        all of it (seconds on a CPU)."""
         cap = self.config.batch_prefill_beside_online
-        if online:
+        if self._online_now:
             return min(budget, cap)
-        return min(budget, cap) if self.config.serves_online and cap > 0 else budget
+        if cap == 0:  # 0 stops batch prompts only while online work is there: else none could run
+            return budget
+        return min(budget, cap) if self._beside_online or self.config.serves_online else budget
 
     # -- prefill ----------------------------------------------------------------------------
 
@@ -351,16 +360,14 @@ class Scheduler:
         if seq.request.priority < BATCH_PRIORITY:
             return self.config.max_batch_size
         limit = min(self.running_limit, self.config.max_batch_size)
-        online = self.online_running()
-        if online:  # a batch sequence admitted past its decode turns would only wait
-            limit = min(limit, online + self.config.batch_decodes_beside_online)
+        if self._beside_online:  # a batch sequence admitted past its decode turns would wait
+            limit = min(limit, self.online_running() + self.config.batch_decodes_beside_online)
         return limit
 
     def _decode_turns(self) -> DecodeTurns:
         """This step's batch decodes (core/decode_turns.py)."""
-        urgent = self.waiting.most_urgent_priority()
-        waiting = urgent is not None and urgent < BATCH_PRIORITY
-        return DecodeTurns.for_step(self.running, self.config.batch_decodes_beside_online, waiting)
+        limit = self.config.batch_decodes_beside_online
+        return DecodeTurns(limit if self._beside_online else None)
 
     def online_running(self) -> int:
         """Running sequences more urgent than batch work."""

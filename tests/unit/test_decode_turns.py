@@ -19,8 +19,10 @@ def req(rid: str, prompt: list[int], max_tokens: int, priority: int) -> Generati
 
 
 def _batch_running(mixed: bool) -> Scheduler:
+    # no linger: the bounds lift with the online work's end (its own test: test_online_window)
     cfg = SchedulerConfig(max_batch_size=16, block_size=4, num_blocks=256,
-                          batch_decodes_beside_online=3, mixed_steps=mixed)  # fmt: skip
+                          batch_decodes_beside_online=3, mixed_steps=mixed,
+                          online_linger_s=0.0)  # fmt: skip
     sched = Scheduler(cfg)
     for i in range(8):
         sched.add(req(f"b{i}", [i + 1, 2, 3], 20, priority=BATCH))

@@ -82,8 +82,8 @@ def test_while_online_work_runs_batch_prompts_take_a_small_share_of_a_step():
     """A step carrying online work feeds at most batch_prefill_beside_online batch prompt
     tokens (the rest of the step's budget is the online prompts' and the decodes'); once the
     online work is done, batch prompts take whole steps again. Every output is unchanged."""
-    cfg = SchedulerConfig(max_batch_size=8, block_size=4, num_blocks=256,
-                          max_prefill_tokens=64, batch_prefill_beside_online=8)  # fmt: skip
+    cfg = SchedulerConfig(max_batch_size=8, block_size=4, num_blocks=256, max_prefill_tokens=64,
+                          batch_prefill_beside_online=8, online_linger_s=0.0)  # fmt: skip
     sched = Scheduler(cfg)
     runner = runner_for(sched)
     long = [list(range(1 + i, 61 + i)) for i in range(3)]  # 60-token batch prompts
@@ -113,8 +113,8 @@ def test_while_online_work_runs_batch_prompts_take_a_small_share_of_a_step():
 
 
 def test_no_batch_prefill_beside_online_work_when_its_share_is_zero():
-    cfg = SchedulerConfig(max_batch_size=8, block_size=4, num_blocks=256,
-                          max_prefill_tokens=64, batch_prefill_beside_online=0)  # fmt: skip
+    cfg = SchedulerConfig(max_batch_size=8, block_size=4, num_blocks=256, max_prefill_tokens=64,
+                          batch_prefill_beside_online=0, online_linger_s=0.0)  # fmt: skip
     sched = Scheduler(cfg)
     runner = runner_for(sched)
     sched.add(req("o0", [5, 6, 7, 8, 9], 3, priority=0))

@@ -140,6 +140,7 @@ class PagedRunner:
                 batch_prefill_beside_online=cfg.batch_prefill_beside_online,
                 serves_online=cfg.serves_online,
                 batch_decodes_beside_online=cfg.batch_decodes_beside_online,
+                online_linger_s=cfg.online_linger_s,
                 priority_aging_s=cfg.priority_aging_s,
             ),
             self.pool,

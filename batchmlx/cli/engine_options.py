@@ -90,6 +90,16 @@ def engine_choice(
             "(0: they lift at once)",
         ),
     ] = D.online_linger_s,
+    online_step_ratio: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            rich_help_panel=PANEL,
+            help="Beside online requests a step carries no more batch prompt tokens than keep "
+            "it within this many times a step of its decodes alone, as measured while it runs "
+            "(0: --batch-prefill-beside-online alone)",
+        ),
+    ] = D.online_step_ratio,
     priority_aging_s: Annotated[
         float,
         typer.Option(
@@ -120,7 +130,8 @@ def engine_choice(
         cache_max_blocks=cache_max_blocks, threads=threads,
         batch_prefill_beside_online=batch_prefill_beside_online,
         batch_decodes_beside_online=batch_decodes_beside_online,
-        online_linger_s=online_linger_s, priority_aging_s=priority_aging_s,
+        online_linger_s=online_linger_s, online_step_ratio=online_step_ratio,
+        priority_aging_s=priority_aging_s,
     )  # fmt: skip
     return EngineChoice(settings, dtype=dtype)
 

@@ -54,6 +54,11 @@ class EngineSettings:
     # an online client's next request usually comes within moments, and would otherwise wait
     # for a step of the whole running batch and its prompts (core/online_window.py)
     online_linger_s: float = 1.0
+    # beside online work a step carries no more batch prompt tokens than keep it within this
+    # many times a step of its decodes alone, measured as it runs (core/prefill_pace.py): 256
+    # tokens took 230-650 ms beside decode steps of 100-180 on a shared 2-core CPU; 0: the
+    # token bound alone
+    online_step_ratio: float = 2.0
     # queued batch work rises one priority level per this many seconds waited, in the claim
     # order and the engine's waiting queue, so no batch starves (core/priority.py); 0: strict
     priority_aging_s: float = 60.0

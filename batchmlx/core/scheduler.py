@@ -17,6 +17,7 @@ from batchmlx.core.decode_turns import DecodeTurns, is_urgent
 from batchmlx.core.engine_api import ENGINE_DEFAULTS
 from batchmlx.core.kv_manager import KVCacheManager, blocks_for
 from batchmlx.core.online_window import OnlineWindow
+from batchmlx.core.prefill_pace import PrefillPace
 from batchmlx.core.priority import engine_aging
 from batchmlx.core.request import BATCH_PRIORITY, CacheOutcome, GenerationRequest
 from batchmlx.core.sequence import Sequence, SequenceStatus
@@ -43,6 +44,8 @@ class SchedulerConfig:
     batch_decodes_beside_online: int = ENGINE_DEFAULTS.batch_decodes_beside_online
     # both bounds hold this long after online work ended (core/online_window.py)
     online_linger_s: float = ENGINE_DEFAULTS.online_linger_s
+    # beside online work, batch prompt tokens keep a step within this many decode steps' time
+    online_step_ratio: float = ENGINE_DEFAULTS.online_step_ratio
     # waiting batch work rises a priority level per this many seconds waited (0: strict)
     priority_aging_s: float = ENGINE_DEFAULTS.priority_aging_s
 
@@ -83,6 +86,7 @@ class SchedulerStep:
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler: LENGTH, the
     # pool cannot hold them even alone. The runner reports them like any finished sequence.
     paused: int = 0  # running batch decodes left out beside online work (core/decode_turns.py)
+    beside_online: bool = False  # taken beside online work: its time is measured (prefill_pace)
 
 
 @dataclass(slots=True)
@@ -136,6 +140,9 @@ class Scheduler:
         # max_batch_size, the hard cap, whatever this is.
         self.running_limit = config.max_batch_size
         self._window = OnlineWindow(config.online_linger_s, clock)
+        self._pace = PrefillPace(config.online_step_ratio, config.batch_prefill_beside_online)
+        self._clock = clock
+        self._scheduled_at = 0.0  # when the step being run was scheduled (its time: update())
         self._online_now = False  # online work runs or waits at this step
         self._beside_online = False  # this step keeps the bounds it takes beside online work
 
@@ -180,6 +187,7 @@ class Scheduler:
         preempted: list[Sequence] = []
         finished: list[Sequence] = []
         paused = self.stats.paused_decodes
+        self._scheduled_at = self._clock()
         urgent = self.waiting.most_urgent_priority()
         self._online_now = (urgent is not None and urgent < BATCH_PRIORITY) or bool(
             self.online_running()
@@ -195,7 +203,8 @@ class Scheduler:
             return None
         kind = _kind(seqs)
         self._count_step(kind, seqs)
-        return SchedulerStep(kind, seqs, preempted, finished, self.stats.paused_decodes - paused)
+        return SchedulerStep(kind, seqs, preempted, finished, self.stats.paused_decodes - paused,
+                             self._beside_online)  # fmt: skip
 
     def update(
         self, step: SchedulerStep, sampled: dict[str, int], finished: Collection[str]
@@ -206,6 +215,9 @@ class Scheduler:
         what the output shows); num_computed_tokens advances by the tokens fed; blocks that
         became full are registered in the prefix cache.
         """
+        if step.beside_online:  # the step's time, from schedule() to here (core/prefill_pace.py)
+            prompt = sum(s.num_new_tokens for s in step.seqs if not s.decode)
+            self._pace.observe(prompt, self._clock() - self._scheduled_at)
         for sched in step.seqs:
             seq = sched.seq
             if seq.status is not SequenceStatus.RUNNING:
@@ -277,16 +289,19 @@ class Scheduler:
 
     def _batch_budget(self, budget: int) -> int:
         """Prompt tokens batch work may take this step: the step's budget, or beside online
-        work (core/online_window.py), at most `batch_prefill_beside_online` of it. An engine
+        work (core/online_window.py), at most `batch_prefill_beside_online` of it and what keeps
+        the step within `online_step_ratio` decode steps (core/prefill_pace.py). An engine
         that serves online requests keeps a nonzero bound at every step: a running step is
         not interrupted, so one arriving during a whole-budget batch prefill would wait for
         all of it (seconds on a CPU)."""
         cap = self.config.batch_prefill_beside_online
         if self._online_now:
-            return min(budget, cap)
+            return min(budget, self._pace.tokens())
         if cap == 0:  # 0 stops batch prompts only while online work is there: else none could run
             return budget
-        return min(budget, cap) if self._beside_online or self.config.serves_online else budget
+        if self._beside_online:
+            return min(budget, self._pace.tokens())
+        return min(budget, cap) if self.config.serves_online else budget
 
     # -- prefill ----------------------------------------------------------------------------
 

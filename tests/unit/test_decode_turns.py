@@ -64,8 +64,9 @@ def test_online_work_caps_the_batch_decodes_of_a_step_and_outputs_are_unchanged(
 
 
 def test_batch_admissions_beside_online_work_stop_at_the_decode_turns():
+    # the token bound alone (no measured pace: its first step would admit no batch prompt)
     cfg = SchedulerConfig(max_batch_size=16, block_size=4, num_blocks=256,
-                          batch_decodes_beside_online=2)  # fmt: skip
+                          batch_decodes_beside_online=2, online_step_ratio=0.0)  # fmt: skip
     sched = Scheduler(cfg)
     sched.add(req("o0", [9, 9, 9, 9, 9], 30, priority=0))
     for i in range(5):

@@ -141,6 +141,7 @@ class PagedRunner:
                 serves_online=cfg.serves_online,
                 batch_decodes_beside_online=cfg.batch_decodes_beside_online,
                 online_linger_s=cfg.online_linger_s,
+                online_step_ratio=cfg.online_step_ratio,
                 priority_aging_s=cfg.priority_aging_s,
             ),
             self.pool,

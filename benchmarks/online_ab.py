@@ -9,7 +9,8 @@ streams, no batch), or `name=OPTIONS` with serve's options after the `=`, e.g.
 streams). `name@TREE=OPTIONS` (or `alone@TREE`) runs the server from another checkout (TREE
 first on PYTHONPATH), e.g. `main@../main= this=` for a change against main in one run.
 `--streams` (8) streamed chats x `--rounds` of 32 tokens, as `benchmarks.peers.online` sends
-them.
+them, each stream's next request at once or `--think-s` after its last answer (so that it comes
+while the batch runs alone, as a user's would).
 Prints one line per run: TTFT and inter-token p50/p99, the batch lines finished while the
 streams ran, and the load average before and after. Alternate the runs (a b a b) on a shared
 machine: its load moves between them.
@@ -98,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--streams", type=int, default=STREAMS)
+    ap.add_argument("--think-s", type=float, default=0.0)
     args = ap.parse_args(argv)
-    setup = replace(peers.Setup(), streams=(args.streams,), rounds=args.rounds, batch=args.batch)
+    setup = replace(peers.Setup(), streams=(args.streams,), rounds=args.rounds, batch=args.batch,
+                    think_s=args.think_s)  # fmt: skip
     for spec in args.runs:
         label, _, options = spec.partition("=")
         name, _, tree = label.partition("@")

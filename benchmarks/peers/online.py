@@ -87,6 +87,7 @@ class Setup:
     batch_max_tokens: int = 32
     stagger_s: float = 0.05  # stream i starts i x this late, as clients arrive
     settle_s: float = 2.0  # the batch runs this long before the streams start
+    think_s: float = 0.0  # a stream's pause between its requests (a user reading the answer)
     alone_slots: int = 64  # llama-server's slots with no batch
     timeout_s: float = 900.0  # a stream request, a batch
 
@@ -199,6 +200,8 @@ async def streams(base: str, n: int, setup: Setup, row: Row, first_round: int) -
             await asyncio.sleep(i * setup.stagger_s)
             open_s = 0.0
             for k in range(setup.rounds):
+                if k and setup.think_s:
+                    await asyncio.sleep(setup.think_s)
                 t = time.perf_counter()
                 await one_stream(c, plan, i, first_round + k, recs[i])
                 open_s += time.perf_counter() - t

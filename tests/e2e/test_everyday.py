@@ -254,13 +254,18 @@ def test_the_first_run_says_what_it_writes_and_how_much(cli: Cli, tmp_path: Path
     # the GGUF dequantized once to float32 as it is converted: no float32 copy besides
     assert re.search(r"wrote SmolLM2-135M-Instruct-mlx \(5\d\d\.\d MB\) in", text), text
     assert "float32 copy" not in text, text
-    from batchmlx.engine.host.linear import HostFormat, runs_here
+    from batchmlx.engine.host.linear import HostFormat
+    from batchmlx.engine.models.loader import host_format
 
-    if runs_here(HostFormat.BF16):  # the CPU's default: bf16 weights packed for oneDNN, kept
-        assert re.search(r"saving the bfloat16 weights packed for oneDNN \(3\d\d\.\d MB\)",
-                         text), text  # fmt: skip
+    packed = {
+        HostFormat.INT8: r"int8 weights packed for the host GEMMs \(2\d\d\.\d MB\)",
+        HostFormat.BF16: r"bfloat16 weights packed for the host GEMMs \(3\d\d\.\d MB\)",
+    }
+    fmt = host_format("auto", on_cpu=True)  # the CPU's default: its weights packed, kept
+    if fmt in packed:
+        assert re.search(f"saving the {packed[fmt]}", text), text
     else:  # float32 on numpy's BLAS (no AVX-512): nothing packed, nothing more kept
-        assert "packed for oneDNN" not in text, text
+        assert "packed for the host GEMMs" not in text, text
     holds = re.search(r"the model cache (\S+) now holds ([\d.]+) ([MG])B", text)
     assert holds and holds.group(1) == str(cache), text
     # (links take no room: the Fortran runtime's, which a start that probes the BLAS makes)

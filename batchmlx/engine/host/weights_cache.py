@@ -192,7 +192,7 @@ def save_cache(path: Path, cache: PackedCache, sig: str, fmt: HostFormat | None 
             log.info("host weights cache not written: %d MB needed, %d MB free in %s",
                      size >> 20, free >> 20, path.parent)  # fmt: skip
             return False
-        notes.note("saving the %sweights packed for oneDNN (%s), so that later starts read "
+        notes.note("saving the %sweights packed for the host GEMMs (%s), so that later starts read "
                    "them instead of packing again: %s", f"{fmt.value} " if fmt else "",
                    notes.size_text(size), path)  # fmt: skip
         _write(tmp, cache.kept, {_SIGNATURE_KEY: sig})

@@ -49,6 +49,16 @@ def default_model_f32(engine_cache_dir: Path):
     return load_model(spec, cache_dir=engine_cache_dir, dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def default_model_bf16(engine_cache_dir: Path):
+    """The default model in bf16 GEMMs (the CPU default before int8); shared, not mutated."""
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.models.loader import load_model
+
+    spec = resolve_model("default", cache_dir=engine_cache_dir)
+    return load_model(spec, cache_dir=engine_cache_dir, dtype="bfloat16")
+
+
 @pytest.fixture
 def tiny_model():
     """A random-weight 2-layer llama (vocab 256) for fast engine unit tests."""

@@ -182,8 +182,11 @@ def test_models_it_does_not_run_keep_the_mlx_path(monkeypatch):
 
 
 @pytest.mark.slow
-def test_real_model_text_equals_the_mlx_path(default_model):
-    lm = default_model
+def test_real_model_text_equals_the_mlx_path(default_model_bf16):
+    # bf16: in int8 a float32 sum in another order can flip an input's rounding to 8 bits,
+    # so the two paths part at more near-ties (test_host_families and test_invariance cover
+    # int8's host step)
+    lm = default_model_bf16
     qs = [f"Question {i}: tell me a fact about the number {i * 7 + 3}." for i in range(8)]
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=2)
     reqs = [GenerationRequest(f"q{i}", lm.tokenizer.encode(q), params) for i, q in enumerate(qs)]

@@ -91,7 +91,7 @@ def _attend(
     backend = backend or current()
     pool = backend.pool()
     if ql > tile:
-        starts = list(range(0, ql, tile))[::-1]
+        starts = _tile_starts(ql, causal_offset, tile)[::-1]
         jobs = [
             pool.submit(
                 _attend_tiles,
@@ -104,7 +104,7 @@ def _attend(
                 prefix,
                 out,
                 q0,
-                min(ql, q0 + tile),
+                _tile_end(q0, ql, causal_offset, tile),
                 None,
                 softcap,
             )  # fmt: skip
@@ -126,6 +126,19 @@ def _attend(
     for job in jobs:
         job.result()
     return out
+
+
+def _tile_starts(ql: int, causal_offset: int | None, tile: int) -> list[int]:
+    """The first query of each tile: tiles end at multiples of `tile` in the sequence's own
+    positions (its causal offset counted), so a query falls in the same tile whether its
+    chunk began at the prompt's start or after a prefix-cache hit."""
+    return [0, *range(_tile_end(0, ql, causal_offset, tile), ql, tile)]
+
+
+def _tile_end(q0: int, ql: int, causal_offset: int | None, tile: int) -> int:
+    """The end of the tile that starts at query q0 (see `_tile_starts`)."""
+    at = (causal_offset or 0) + q0
+    return min(ql, q0 + tile - at % tile)
 
 
 def _attend_tiles(
@@ -152,13 +165,21 @@ def _attend_tiles(
     two partial softmaxes add without rescaling. out [B, H, rep, Q, D]."""
     b, h, rep, _, d = q.shape
     kl = k.shape[2]
-    for q0 in range(first, last, tile):
-        q1 = min(last, q0 + tile)
+    q0 = first
+    while q0 < last:
+        q1 = min(last, _tile_end(q0, q.shape[3], causal_offset, tile))
         t = q1 - q0
         kc = _keys_seen(kl, causal_offset, q1)
-        qc = q[:, :, :, q0:q1].reshape(b, h, rep * t, d)
+        # the products over a whole tile's rows whatever its real ones (a cache hit's last
+        # queries, a prompt's first tile): a BLAS product's row depends on the rows around
+        # it, so a query's scores are the same bits in a chunk of any length
+        qt = np.zeros((b, h, rep, tile, d), np.float32)
+        qt[:, :, :, :t] = q[:, :, :, q0:q1]
+        qc = q[:, :, :, q0:q1].reshape(b, h, rep * t, d)  # the real rows (the prefix's part)
         kt, vt = (k, v) if kc == kl else (k[:, :, :kc], v[:, :, :kc])
-        s = np.matmul(qc, kt.swapaxes(-1, -2))  # [B, H, rep*t, kc]
+        s = np.matmul(qt.reshape(b, h, rep * tile, d), kt.swapaxes(-1, -2))
+        s = s.reshape(b, h, rep, tile, kc)[:, :, :, :t]
+        s = np.ascontiguousarray(s).reshape(b, h, rep * t, kc)  # [B, H, rep*t, kc]
         if softcap is not None:
             cap_scores(s, softcap)
         if bias is not None:
@@ -180,7 +201,10 @@ def _attend_tiles(
         np.subtract(s, m, out=s)
         np.exp(s, out=s)
         total = s.sum(axis=-1, keepdims=True)
-        o = np.matmul(s, vt)  # [B, H, rep*t, D]
+        p = np.zeros((b, h, rep, tile, kc), np.float32)  # a whole tile's rows, as above
+        p[:, :, :, :t] = s.reshape(b, h, rep, t, kc)
+        o = np.matmul(p.reshape(b, h, rep * tile, kc), vt).reshape(b, h, rep, tile, d)
+        o = np.ascontiguousarray(o[:, :, :, :t]).reshape(b, h, rep * t, d)  # [B, H, rep*t, D]
         if part is not None:
             tf = total.transpose(1, 0, 2, 3).reshape(h, b * rep * t)
             tf[:, sel] += part[0]
@@ -190,6 +214,7 @@ def _attend_tiles(
             o = of.reshape(h, b, rep * t, d).transpose(1, 0, 2, 3)
         o /= total
         out[:, :, :, q0:q1] = o.reshape(b, h, rep, t, d)
+        q0 = q1
 
 
 def host_attention(

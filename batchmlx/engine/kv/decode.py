@@ -153,16 +153,17 @@ class DecodeKV:
 
     def attach(
         self, layout: PackedLayout, seq_ids: list[str], token_chunks: list[list[int]],
-        starts: list[int], block_tables: list[list[int]],
+        starts: list[int], block_tables: list[list[int]], prompts: frozenset[int] = frozenset(),
     ) -> None:  # fmt: skip
         """Point the layout's decode segment at the dense copy, planned for this step, or drop
         the copy when the step has no segment that may use it. The other arguments: the step's
-        sequences as the layout was built from them."""
+        sequences as the layout was built from them (prompts: PackedLayout.build's)."""
         seg = layout.segments[0] if layout.segments else None
         if seg is None or seg.kind is not SegmentKind.ROWS:
             self.reset()
             return
-        rows = [i for i, c in enumerate(token_chunks) if len(c) == 1]  # the segment's order
+        # the segment's rows, in its order
+        rows = [i for i, c in enumerate(token_chunks) if len(c) == 1 and i not in prompts]
         # a shared prefix (cascade) is read once for all rows: the copy holds the keys after it
         shared = 0 if seg.prefix_runs is None else int(seg.prefix_runs.shape[1])
         seg.dense = self.plan(

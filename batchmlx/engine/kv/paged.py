@@ -259,14 +259,18 @@ class PackedLayout:
         block_tables: list[list[int]],
         share_prefix: bool = True,
         host: bool = False,
+        prompts: frozenset[int] = frozenset(),
     ) -> PackedLayout:
         """Lay out a step like BatchLayout.build, without padding. host (the host steps, made
         batch-invariant): each prompt chunk its own segment, never padded into a batch with
         another (its tiles, and so its bits, then depend on it alone), and each segment's keys
-        padded to a multiple of KEY_GROUP."""
+        padded to a multiple of KEY_GROUP. prompts: the chunks that are prompt work, laid out
+        as chunks even of one token (what a prefix-cache hit may leave: as a row with the
+        decodes its last token would be attended by another kernel than without the hit)."""
         h = n_kv_heads
-        singles = [i for i, c in enumerate(token_chunks) if len(c) == 1]
-        chunks = [i for i, c in enumerate(token_chunks) if len(c) > 1]
+        single = [len(c) == 1 and not (host and i in prompts) for i, c in enumerate(token_chunks)]
+        singles = [i for i, one in enumerate(single) if one]
+        chunks = [i for i, one in enumerate(single) if not one]
         tokens: list[int] = []
         positions: list[np.ndarray] = []
         rows: list[np.ndarray] = []

@@ -286,14 +286,18 @@ class PagedRunner:
         shape = dict(block_size=self.cfg.block_size, n_kv_heads=self.storage.n_kv_heads,
                      token_chunks=chunks, starts=starts, block_tables=tables,
                      share_prefix=share)  # fmt: skip
+        # host steps: laid out for batch invariance (kv/paged.py, PackedLayout.build), a
+        # one-token prompt chunk as a chunk, not as a decode row
+        host = self.mixed_steps and self.forward_pass.host is not None
+        prompts = frozenset(i for i, s in enumerate(step.seqs) if host and not s.decode)
         if self.mixed_steps:
-            # host steps: laid out for batch invariance (kv/paged.py, PackedLayout.build)
-            layout = PackedLayout.build(**shape, host=self.forward_pass.host is not None)
+            layout = PackedLayout.build(**shape, host=host, prompts=prompts)
         else:
             layout = BatchLayout.build(**shape)
         dense = self.decode_kv
         if dense is not None:
-            dense.attach(layout, [s.seq.seq_id for s in step.seqs], chunks, starts, tables)
+            dense.attach(layout, [s.seq.seq_id for s in step.seqs], chunks, starts, tables,
+                         prompts)  # fmt: skip
         t0 = time.perf_counter()
         try:
             logits = self.forward_pass.forward(layout, rows)

@@ -16,6 +16,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from batchmlx.core.gguf_support import TENSOR_TYPES, scan_header, summary_of
+from batchmlx.engine.models.gguf.affine import AFFINE
 from batchmlx.engine.models.gguf.families import Placed, Transform
 from batchmlx.engine.models.gguf.reader import open_gguf, summary
 from batchmlx.engine.models.gguf.weights import write_safetensors
@@ -30,6 +31,14 @@ _SCALES = {
 }  # fmt: skip
 # hidden 256: the K-quants' blocks are 256 values of a row
 CONFIG = {**CASES["llama"].config, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+
+
+def dequantized(params: dict, base: str, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """A quantized layer's weights as MLX dequantizes them, and each value's step (its scale)."""
+    scales = params[f"{base}.scales"]
+    w = mx.dequantize(params[f"{base}.weight"], scales, params[f"{base}.biases"], group_size=32,
+                      bits=bits)  # fmt: skip
+    return np.array(w), np.repeat(np.array(scales), 32, axis=1)
 
 
 def random_blocks(qtype: Q, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -69,13 +78,23 @@ def test_type_loads_as_gguf_py_dequantizes_it(type_name: str, tmp_path: Path) ->
     params = dict(tree_flatten(loaded.model.parameters()))
     reader = gguf.GGUFReader(str(path))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, CONFIG["num_hidden_layers"])
+    kind = AFFINE.get(type_name)
     checked = 0
     for key in weights:
         base, _, suffix = key.rpartition(".")
         t = next(t for t in reader.tensors if t.name == f"{names.get_name(base)}.{suffix}")
-        want = gguf.quants.dequantize(t.data, t.tensor_type)
-        got = np.array(params[key].astype(mx.float32))
-        np.testing.assert_array_equal(got, want.reshape(got.shape), err_msg=key)
+        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(weights[key].shape)
+        if kind is not None and t.tensor_type.name == type_name:
+            # kept in its bits: MLX's affine arrays, in memory as in the folder
+            assert params[key].dtype == mx.uint32, key
+            got, step = dequantized(params, base, kind.bits)
+            if kind.exact:
+                np.testing.assert_array_equal(got, want, err_msg=key)
+            else:  # requantized (sub-blocks of 16): within half a step of gguf-py's values
+                assert (np.abs(got - want) <= step * 0.5001).all(), key
+        else:
+            got = np.array(params[key].astype(mx.float32))
+            np.testing.assert_array_equal(got, want, err_msg=key)
         checked += t.tensor_type.name == type_name
     assert checked == sum(w.ndim == 2 for w in weights.values())
     tokens, logits = greedy(loaded.model, [1, 2, 3], 2)
@@ -107,10 +126,11 @@ def test_unknown_type_is_refused_naming_it(tmp_path: Path) -> None:
     assert problem.startswith("its tensor type IQ2_XXS ('blk.1.ffn_down.weight') is not one")
 
 
-def test_conversion_memory_is_one_tensor_not_the_model(tmp_path: Path) -> None:
-    """Eight Q8_0 tensors of 8M values (32 MB each as float32): the peak of Python/numpy
-    allocations while writing is under one tensor's float32 size (the model's is eight): the
-    rows go out in slices."""
+@pytest.mark.parametrize("suffix", ["", ".weight"])
+def test_conversion_memory_is_one_tensor_not_the_model(suffix: str, tmp_path: Path) -> None:
+    """Eight Q8_0 tensors of 8M values (32 MB each as float32), written as floats or (a layer's
+    `.weight`) in their bits: the peak of Python/numpy allocations while writing is under one
+    tensor's float32 size (the model's is eight): the rows go out in slices."""
     rows, cols, count = 4096, 2048, 8
     w = gguf.GGUFWriter(str(tmp_path / "big.gguf"), "llama")
     rng = np.random.default_rng(1)
@@ -121,7 +141,7 @@ def test_conversion_memory_is_one_tensor_not_the_model(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     f = open_gguf(tmp_path / "big.gguf")
-    placed = [Placed(f"t{i}", f"t{i}", Transform.NONE) for i in range(count)]
+    placed = [Placed(f"t{i}", f"t{i}{suffix}", Transform.NONE) for i in range(count)]
     tracemalloc.start()
     write_safetensors(f, placed, (1, 1), tmp_path / "out.safetensors")
     _, peak = tracemalloc.get_traced_memory()
@@ -130,7 +150,14 @@ def test_conversion_memory_is_one_tensor_not_the_model(tmp_path: Path) -> None:
     assert peak < one / 2, f"peak {peak / one:.2f} tensors"
     out = mx.load(str(tmp_path / "out.safetensors"))
     want = gguf.quants.dequantize(f.tensors["t7"].raw, Q.Q8_0)
-    np.testing.assert_array_equal(np.array(out["t7"]), want)
+    got = (
+        out["t7"]
+        if not suffix
+        else mx.dequantize(
+            out["t7.weight"], out["t7.scales"], out["t7.biases"], group_size=32, bits=8
+        )
+    )
+    np.testing.assert_array_equal(np.array(got), want)
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K"])
@@ -158,3 +185,68 @@ def test_stacked_experts_load_as_gguf_py_dequantizes_them(type_name: str, tmp_pa
             got = np.array(params[f"model.layers.{layer}.mlp.switch_mlp.{ours}.weight"])
             want = gguf.quants.dequantize(t.data, t.tensor_type)
             np.testing.assert_array_equal(got, want.reshape(got.shape))
+
+
+def _q8_0(name: str, value: np.ndarray):
+    """Matrices as llama.cpp's Q8_0 quantizer writes them (gguf-py's copy of it, bit-exact)."""
+    return None if value.ndim != 2 else (gguf.quants.quantize(value, Q.Q8_0), Q.Q8_0)
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_every_family_runs_in_its_bits(family: str, tmp_path: Path) -> None:
+    """A Q8_0 file of each family loads as QuantizedLinear/QuantizedEmbedding (mlx-lm's own
+    classes, 8 bits over 32), and its greedy tokens are mlx-lm's on gguf-py's dequantized
+    weights (each family's sanitize and layout take the quantized arrays)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    case = CASES[family]
+    reference = random_model(case.config)
+    weights = hf_weights(reference)
+    path = write_gguf(tmp_path / f"{family}.gguf", case, weights, quantize=_q8_0)
+    loaded = load(path, tmp_path / "cache")
+    kinds = {type(m) for _, m in loaded.model.named_modules()}
+    assert nn.QuantizedLinear in kinds and nn.Linear not in kinds
+    # the same rows quantized: llama.cpp's q/k permutation only moves whole rows
+    dequantized = {k: gguf.quants.dequantize(gguf.quants.quantize(v, Q.Q8_0), Q.Q8_0)
+                   if v.ndim == 2 else v for k, v in weights.items()}  # fmt: skip
+    reference.update(tree_unflatten([(k, mx.array(v)) for k, v in dequantized.items()]))
+    want, want_logits = greedy(reference, [1, 2, 3, 4, 5], 4)
+    got, got_logits = greedy(loaded.model, [1, 2, 3, 4, 5], 4)
+    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    assert got == want
+
+
+def test_int8_from_q8_0_is_the_files_own_ints_and_scales(tmp_path: Path) -> None:
+    """--dtype int8 packs a Q8_0 layer (dequantized as it is packed) into the grouped kernel's
+    format, int8 over 32 values with one float32 scale: the file's own q and d come back
+    (llama.cpp's quantizer puts +-127 in every group, so max|w| / 127 is d exactly)."""
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.host import q8
+    from batchmlx.engine.host.linear import HostLinear
+    from batchmlx.engine.models.loader import load_model
+
+    if not q8.available():
+        pytest.skip("the grouped int8 kernel does not run on this CPU")
+    case = replace(CASES["llama"], config=CONFIG)
+    path = write_gguf(tmp_path / "q8.gguf", case, hf_weights(random_model(CONFIG)), _q8_0)
+    spec = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    loaded = load_model(spec, cache_dir=tmp_path / "cache", dtype="int8")
+    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    layer = loaded.model.model.layers[1]
+    checked = 0
+    for module, names in ((layer.mlp.gate_proj, ("ffn_gate", "ffn_up")),
+                          (layer.mlp.down_proj, ("ffn_down",))):  # fmt: skip
+        assert isinstance(module, HostLinear)
+        w = module._gemm._q8
+        blocks = np.concatenate([np.asarray(reader[f"blk.1.{n}.weight"].data).reshape(-1, 34)
+                                 for n in names])  # fmt: skip
+        d = blocks[:, :2].view(np.float16).astype(np.float32).reshape(w.n, -1)
+        q = blocks[:, 2:].view(np.int8).reshape(w.n, w.k)
+        packed = w.packed.reshape(w.n // 16, w.k // 4, 16, 4).transpose(0, 2, 1, 3)
+        np.testing.assert_array_equal(packed.reshape(w.n, w.k), q)
+        ng = w.k // 32  # scales [N/16][ng][16] (q8.py)
+        scales = w.scales.reshape(w.n // 16, ng, 16).transpose(0, 2, 1).reshape(w.n, ng)
+        np.testing.assert_array_equal(scales, d)
+        checked += 1
+    assert checked == 2

@@ -161,11 +161,18 @@ def test_converted_folder_layout(default_model_dir: Path) -> None:
     assert config["model_type"] == "llama"
     assert config["rope_traditional"] is True
     assert config["tie_word_embeddings"] is True
-    # Q4_1 and Q8_0 dequantized on conversion (gguf-py, numpy): float32, no quantization left
-    assert "quantization" not in config
+    # Q4_1 and Q8_0 keep their bits: MLX's affine format, 4 and 8 bits over groups of 32
+    assert config["quantization"] == {
+        "group_size": 32,
+        "bits": 4,
+        "mode": "affine",
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
+    }
     weights = mx.load(str(default_model_dir / "model.safetensors"))
-    q = weights["model.layers.0.self_attn.q_proj.weight"]
-    assert q.dtype == mx.float32
+    q = "model.layers.0.self_attn.q_proj"
+    assert weights[f"{q}.weight"].dtype == mx.uint32
+    got = mx.dequantize(weights[f"{q}.weight"], weights[f"{q}.scales"], weights[f"{q}.biases"],
+                        group_size=32, bits=4)  # fmt: skip
     # llama.cpp's values exactly (MLX's own GGUF reader rounded them through float16)
     import gguf
 
@@ -173,7 +180,7 @@ def test_converted_folder_layout(default_model_dir: Path) -> None:
     tensor = next(t for t in gguf.GGUFReader(str(src)).tensors if t.name == "blk.0.attn_q.weight")
     assert tensor.tensor_type.name == "Q4_1"
     want = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    np.testing.assert_array_equal(np.array(q), want)
+    np.testing.assert_array_equal(np.array(got), want)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER_NAME):
         assert (default_model_dir / name).is_file()
 
@@ -280,8 +287,8 @@ def test_dtype_auto_asks_mlx_for_the_device():
 
 @pytest.mark.real_model
 def test_a_gguf_conversion_is_the_only_copy(engine_cache_dir: Path, tmp_path: Path) -> None:
-    """A GGUF is dequantized to float32 as it is converted (engine/models/gguf): every load,
-    at any dtype, reads that folder; nothing else is written under models/."""
+    """A GGUF is converted once (engine/models/gguf, its quantized matrices in their bits):
+    every load, at any dtype, reads that folder; nothing else is written under models/."""
     src = tmp_path / "src" / "small.gguf"
     src.parent.mkdir()
     shutil.copyfile(dm.default_gguf_path(engine_cache_dir), src)

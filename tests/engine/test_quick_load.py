@@ -1,6 +1,6 @@
-"""engine/models/quick.py: a dense folder batchmlx converted, loaded without transformers, gives
-what `mlx_lm.load` gives: the same weights and config, the same chat template text, the same
-token ids both ways and the same EOS ids."""
+"""engine/models/quick.py: a folder batchmlx converted (dense or quantized), loaded without
+transformers, gives what `mlx_lm.load` gives: the same weights and config, the same chat
+template text, the same token ids both ways and the same EOS ids."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_a_converted_dense_llama_folder_is_quick_loadable(tiny_model_dir: Path) 
 @pytest.mark.parametrize(
     "change",
     [
-        {"config": {"quantization": {"group_size": 32, "bits": 4}}},
+        {"config": {"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}},
+        {"config": {"quantization_config": {"quant_method": "awq"}}},
         {"config": {"model_type": "qwen2"}},
         {"tokenizer": {"chat_template_type": "x"}},
         {"tokenizer": {"chat_template": "{% generation %}{{ messages }}{% endgeneration %}"}},
@@ -87,6 +88,53 @@ def test_it_loads_what_mlx_lm_loads(tiny_model_dir: Path) -> None:
     for i in range(0, ref_tok.vocab_size, 97):  # every special token among them
         assert tok.decode([i]) == ref_tok.decode([i]), i
     assert tok.vocab_size == ref_tok.vocab_size  # anything else: mlx-lm's wrapper's answer
+
+
+def test_a_quantized_gguf_folder_loads_as_mlx_lm_loads_it(tmp_path: Path) -> None:
+    """A GGUF whose matrices keep their bits (Q4_1, Q8_0 and Q4_K layers: mixed bits, an F16
+    embedding) converts into a folder the quick load reads, into the same quantized layers and
+    the same arrays as mlx_lm.load."""
+    from dataclasses import replace
+
+    import gguf
+    import mlx_lm
+    import numpy as np
+
+    from batchmlx.engine.models.gguf import convert_gguf
+    from tests.engine.test_gguf_types import CONFIG, random_blocks
+    from tests.gguf_files import CASES, hf_weights, random_model, write_gguf
+
+    rng = np.random.default_rng(0)
+    types = {"attn": gguf.GGMLQuantizationType.Q4_1, "ffn_down": gguf.GGMLQuantizationType.Q4_K}
+
+    def quantize(name: str, value: np.ndarray):
+        if value.ndim != 2:
+            return None
+        if name.startswith("token_embd"):
+            return value.astype(np.float16), gguf.GGMLQuantizationType.F16
+        qtype = next((t for k, t in types.items() if k in name), gguf.GGMLQuantizationType.Q8_0)
+        return random_blocks(qtype, value.shape, rng), qtype
+
+    case = replace(CASES["llama"], config=CONFIG)
+    path = write_gguf(tmp_path / "q.gguf", case, hf_weights(random_model(CONFIG)), quantize)
+    folder = convert_gguf(path, tmp_path / "folder")
+    assert quick.quick_loadable(folder)
+    model, _, config = quick.load_quick(folder, lazy=False)
+    ref_model, _, ref_config = mlx_lm.load(str(folder), return_config=True)
+    assert config == ref_config and config["quantization"]["bits"] == 4  # the most common
+    layers = dict(model.named_modules())
+    for name, ref in ref_model.named_modules():
+        assert type(layers[name]) is type(ref), name
+        assert getattr(layers[name], "bits", None) == getattr(ref, "bits", None), name
+    assert layers["model.layers.0.self_attn.q_proj"].bits == 4
+    assert layers["model.layers.0.mlp.up_proj"].bits == 8
+    ours, theirs = (
+        dict(tree_flatten(model.parameters())),
+        dict(tree_flatten(ref_model.parameters())),
+    )
+    assert ours.keys() == theirs.keys()
+    for k, v in ours.items():
+        assert v.dtype == theirs[k].dtype and mx.array_equal(v, theirs[k]).item(), k
 
 
 def test_it_imports_no_transformers_until_asked(tiny_model_dir: Path) -> None:

@@ -64,10 +64,10 @@ def load_model(
     weights as stored (quantized stays quantized); "stored" keeps them as stored anywhere;
     "float32"/"float16" dequantize every layer to that dtype; "bfloat16" is the host bf16
     format on the CPU (MLX's own bf16 elsewhere); "int8" gives int8 weights computed by oneDNN
-    (CPU only). A GGUF file is dequantized once, as it is converted (engine/models/gguf):
-    every load reads that float32 folder. `backend`: the CPU backend the host formats compute
-    with (oneDNN, threads, the weights cache's switch; default: the process's,
-    engine/host/backend.py)."""
+    (CPU only). A GGUF file is converted once (engine/models/gguf), its quantized matrices
+    kept in their bits as MLX's affine format: every load reads that folder. `backend`: the
+    CPU backend the host formats compute with (oneDNN, threads, the weights cache's switch;
+    default: the process's, engine/host/backend.py)."""
     backend = backend or current()
     if dtype not in ("auto", "stored", "int8") and dtype not in _DTYPES:
         raise ValueError(
@@ -78,10 +78,10 @@ def load_model(
     written = notes.writes()
     with _collector_paused():
         folder = model_folder(spec, cache_dir=cache_dir)
-        ours = spec.kind in ("default", "gguf")  # a float32 folder batchmlx converted
-        # the host formats start from that float32 folder (exact norms, a fast load); any
-        # other model is converted layer by layer as it is stored
-        source = "float32" if host and ours else ("stored" if host else dtype)
+        ours = spec.kind in ("default", "gguf")  # a folder batchmlx converted
+        # the host formats convert every model layer by layer as it is stored (a quantized
+        # layer dequantized as it is packed: never the whole model in float32 at once)
+        source = "stored" if host else dtype
         # lazy for the host formats: each layer's weights are read as it is converted, so the
         # float weights never all sit in memory beside the converted ones
         if ours and quick.quick_loadable(Path(folder)):  # no transformers: ~0.9 s less

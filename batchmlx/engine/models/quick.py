@@ -1,4 +1,4 @@
-"""A model folder batchmlx converted (the default model, a GGUF file), once dense, loaded
+"""A model folder batchmlx converted (the default model, a GGUF file), dense or quantized, loaded
 without importing transformers: about 0.9 s of every start of a small job (mlx_lm's package
 imports transformers and huggingface_hub through mlx_lm.utils, and AutoTokenizer takes another
 0.2 s), where the job needs a llama module of mlx_lm, the `tokenizers` library and jinja2.
@@ -8,7 +8,7 @@ tokenizer whose chat template renders, encodes and decodes as mlx-lm's Tokenizer
 transformers does (the same jinja2 environment, the same `tokenizers` tokenizer underneath;
 tests/engine/test_quick_load.py compares them). Anything else asked of the tokenizer (the
 grammar's Hugging Face tokenizer, a streaming detokenizer, another keyword) loads that wrapper,
-once, and asks it. Folders it does not know how to read exactly (quantized, another
+once, and asks it. Folders it does not know how to read exactly (another quantization, another
 architecture, a template for thinking or a custom renderer) go through `mlx_lm.load`.
 """
 
@@ -25,7 +25,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-_QUANTIZED = ("quantization", "quantization_config", "quantize_activations", "model_file")
+# what mlx_lm.load reads that the quick load does not (an affine `quantization` it does read)
+_OTHER_LOADS = ("quantization_config", "quantize_activations", "model_file")
 # tokenizer_config.json keys that make mlx-lm's wrapper render or parse differently
 _WRAPPER_KEYS = ("chat_template_type", "tool_parser_type", "tool_call_start", "response_format")
 # transformers' own tag (assistant masks): its extension is not in the environment below
@@ -43,7 +44,8 @@ def quick_loadable(folder: Path) -> bool:
     template = tok.get("chat_template")
     return (
         config.get("model_type") == "llama"
-        and not any(k in config for k in _QUANTIZED)
+        and not any(k in config for k in _OTHER_LOADS)
+        and config.get("quantization", {}).get("mode", "affine") == "affine"
         and any(folder.glob("model*.safetensors"))
         and (folder / "tokenizer.json").is_file()
         and not (folder / "chat_template.jinja").exists()
@@ -72,11 +74,28 @@ def load_quick(folder: Path, *, lazy: bool) -> tuple[Any, QuickTokenizer, dict[s
         weights.update(loaded)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     weights = model.sanitize(weights)
+    if "quantization" in config:
+        _quantize(model, config["quantization"], weights)
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
     if not lazy:
         mx.eval(model.parameters())
     return model, QuickTokenizer(folder, config.get("eos_token_id")), config
+
+
+def _quantize(model: Any, quantization: dict[str, Any], weights: dict[str, Any]) -> None:
+    """The layers stored quantized made QuantizedLinear/QuantizedEmbedding, as mlx_lm.load
+    makes them: a layer's own entry, else the default where the layer has `scales`."""
+    import mlx.nn as nn
+
+    def predicate(path: str, module: Any) -> bool | dict[str, Any]:
+        if path in quantization:
+            entry: dict[str, Any] = quantization[path]
+            return entry
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                mode=quantization.get("mode", "affine"), class_predicate=predicate)  # fmt: skip
 
 
 def _config(folder: Path) -> dict[str, Any]:

@@ -20,12 +20,13 @@ from batchmlx.engine.models.first_run import disk_use, note, size_text, wrote
 from batchmlx.engine.models.gguf.families import model_config, placements
 from batchmlx.engine.models.gguf.reader import GGUFConversionError, open_gguf, summary
 from batchmlx.engine.models.gguf.tokenizer import write_tokenizer
-from batchmlx.engine.models.gguf.weights import write_safetensors
+from batchmlx.engine.models.gguf.weights import quantization, write_safetensors
 
 MARKER_NAME = ".batchmlx-converted.json"
 # Bump when the output layout changes so old conversions are redone. 2: dequantized by gguf-py
 # (float32 for quantized types), every family of families.py, SentencePiece tokenizers.
-CONVERTER_VERSION = 2
+# 3: quantized matrices keep their bits, as MLX's affine format (weights.py, affine.py).
+CONVERTER_VERSION = 3
 
 
 @contextmanager
@@ -116,7 +117,11 @@ def _write_model_folder(gguf_path: Path, dest: Path) -> None:
         raise GGUFConversionError(f"{gguf_path.name}: {problem}")
     config = model_config(f)
     heads = (config["num_attention_heads"], config["num_key_value_heads"])
-    write_safetensors(f, placements(f), heads, dest / "model.safetensors")
+    placed = placements(f)
+    write_safetensors(f, placed, heads, dest / "model.safetensors")
+    quantized = quantization(f, placed)
+    if quantized is not None:
+        config["quantization"] = quantized
     _write_json(dest / "config.json", config)
     write_tokenizer(f.meta, dest, context_length=config["max_position_embeddings"])
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}

@@ -39,7 +39,7 @@ import mlx.nn as nn
 import numpy as np
 
 from batchmlx.engine.host import experts as host_experts
-from batchmlx.engine.host import numpy_blas, q8
+from batchmlx.engine.host import numpy_blas, q8, quantized
 from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.elementwise import swiglu_halves
 from batchmlx.engine.host.onednn import DataType, OneDNN, Packed
@@ -159,7 +159,7 @@ class SharedGemm:
     the model's parameters count it; a read-only view of the mapped cache file when read from
     one, host_cache.py); `keep_plain` keeps the row-major ones too (an embedding's lookup)."""
 
-    def __init__(self, weights: list[mx.array], fmt: HostFormat,
+    def __init__(self, weights: list[mx.array | Dequantized], fmt: HostFormat,
                  biases: list[mx.array | None] | None = None, *,
                  keep_plain: bool = False, cache: PackedCache | None = None,
                  key: str = "", backend: HostBackend | None = None) -> None:  # fmt: skip
@@ -183,9 +183,10 @@ class SharedGemm:
                              "bias": None if self.bias is None else mx.array(self.bias),
                              "plain": None if self.plain is None else self.plain.data})  # fmt: skip
 
-    def _pack(self, weights: list[mx.array], biases: list[mx.array | None],
+    def _pack(self, lazy: list[mx.array | Dequantized], biases: list[mx.array | None],
               keep_plain: bool) -> None:  # fmt: skip
         fmt = self.fmt
+        weights = [w.array() if isinstance(w, Dequantized) else w for w in lazy]
         full = weights[0] if len(weights) == 1 else mx.concatenate(weights, axis=0)
         self._q8 = None
         if self._grouped(*full.shape):
@@ -342,7 +343,8 @@ class HostEmbedding(nn.Module):
     the packed head's weights beside it (a 135M model's 49,152 x 576 table: 54 MB that were
     copied into MLX's memory at each start, and resident twice, as the file's pages too)."""
 
-    def __init__(self, weight: mx.array, fmt: HostFormat, *, cache: PackedCache | None = None,
+    def __init__(self, weight: mx.array | Dequantized, fmt: HostFormat, *,
+                 cache: PackedCache | None = None,
                  key: str = "", backend: HostBackend | None = None) -> None:  # fmt: skip
         super().__init__()
         self._gemm = SharedGemm([weight], fmt, keep_plain=True, cache=cache, key=key,
@@ -452,8 +454,29 @@ _EXPERTS = "switch_mlp"
 _CONVERTED = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
 
 
-def _float_weight(module: nn.Module) -> mx.array:
+@dataclass(frozen=True, eq=False)
+class Dequantized:
+    """An affine-quantized layer's weight with float32 scales (a converted GGUF's), dequantized
+    in numpy (host/quantized.py: ~10x mx.dequantize on the CPU) when its layer is packed, never
+    where the packed layer comes from the weights cache."""
+
+    module: nn.Module
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, words = self.module.weight.shape
+        return rows, words * 32 // self.module.bits
+
+    def array(self) -> mx.array:
+        m = self.module
+        parts = (np.asarray(m.weight), np.asarray(m.scales), np.asarray(m.biases))
+        return mx.array(quantized.dequantize(*parts, m.bits, m.group_size))
+
+
+def _float_weight(module: nn.Module) -> mx.array | Dequantized:
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if getattr(module, "mode", "affine") == "affine" and module.scales.dtype == mx.float32:
+            return Dequantized(module)
         return mx.dequantize(module.weight, module.scales, module.get("biases"),
                              group_size=module.group_size, bits=module.bits,
                              mode=getattr(module, "mode", "affine"))  # fmt: skip

@@ -1,6 +1,7 @@
 """A quantized GGUF tensor as MLX's affine-quantized arrays (what `nn.QuantizedLinear` and
 `nn.QuantizedEmbedding` hold): `weight` the values q packed into uint32 (`bits` each, little
-end first), `scales` and `biases` one per group of 32 along K, w = scale * q + bias.
+end first: engine/host/quantized.py), `scales` and `biases` one per group of 32 along K,
+w = scale * q + bias.
 
 Where ggml's format is affine over 32 values the bits are kept as they are, exactly: Q8_0
 (w = d*q, q in [-127, 127]: 8 bits, q + 128, bias -128d), Q4_0 (d*(q-8): bias -8d), Q4_1
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchmlx.engine.host.quantized import pack
+
 GROUP = 32
 
 
@@ -29,14 +32,13 @@ class Affine:
 
     bits: int
     exact: bool  # the values are the file's (False: requantized from gguf-py's dequantization)
-    offset: float = 0.0  # bias = offset * d for the types without a min (Q8_0: -128)
 
 
 AFFINE = {
-    "Q8_0": Affine(8, True, -128.0),
-    "Q4_0": Affine(4, True, -8.0),
+    "Q8_0": Affine(8, True),
+    "Q4_0": Affine(4, True),
     "Q4_1": Affine(4, True),
-    "Q5_0": Affine(5, True, -16.0),
+    "Q5_0": Affine(5, True),
     "Q5_1": Affine(5, True),
     "Q4_K": Affine(4, True),
     "Q5_K": Affine(5, True),
@@ -72,23 +74,6 @@ def affine_rows(raw: np.ndarray, type_name: str, cols: int) -> AffineRows:
         scales=scale.reshape(rows, cols // GROUP),
         biases=bias.reshape(rows, cols // GROUP),
     )
-
-
-def pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """q[R, K] (uint8, each < 2**bits) as MLX packs it: a little-endian stream of `bits`-bit
-    values per row, read as uint32 [R, K * bits / 32] (eight values fill `bits` bytes)."""
-    rows, cols = q.shape
-    q = np.ascontiguousarray(q, dtype=np.uint8)
-    if bits == 8:
-        return q.view("<u4")
-    if bits == 4:
-        return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).view("<u4")
-    eight = q.reshape(rows, cols // 8, 8)
-    words = eight[:, :, 0].astype(np.uint64)
-    for i in range(1, 8):
-        words |= eight[:, :, i].astype(np.uint64) << np.uint64(bits * i)
-    stream = words.astype("<u8").view(np.uint8).reshape(rows, cols // 8, 8)[:, :, :bits]
-    return np.ascontiguousarray(stream).reshape(rows, cols * bits // 8).view("<u4")
 
 
 def requantize(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

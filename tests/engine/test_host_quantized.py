@@ -45,7 +45,8 @@ def test_a_quantized_layer_is_dequantized_once_when_packed_never_from_the_cache(
     weights = [(k, mx.array(v)) for k, v in _flat(tiny_model)]
     calls = []
     real = quantized.dequantize
-    monkeypatch.setattr(quantized, "dequantize", lambda *a: calls.append(a[3]) or real(*a))
+    monkeypatch.setattr(quantized, "dequantize",
+                        lambda *a, **k: calls.append(a[3]) or real(*a, **k))  # fmt: skip
     model = _quantized(tiny_model.args, weights)
     layers = sum(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
                  for _, m in model.named_modules())  # fmt: skip

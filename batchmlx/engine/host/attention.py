@@ -173,13 +173,12 @@ def _attend_tiles(
         # the products over a whole tile's rows whatever its real ones (a cache hit's last
         # queries, a prompt's first tile): a BLAS product's row depends on the rows around
         # it, so a query's scores are the same bits in a chunk of any length
-        qt = np.zeros((b, h, rep, tile, d), np.float32)
-        qt[:, :, :, :t] = q[:, :, :, q0:q1]
         qc = q[:, :, :, q0:q1].reshape(b, h, rep * t, d)  # the real rows (the prefix's part)
         kt, vt = (k, v) if kc == kl else (k[:, :, :kc], v[:, :, :kc])
-        s = np.matmul(qt.reshape(b, h, rep * tile, d), kt.swapaxes(-1, -2))
-        s = s.reshape(b, h, rep, tile, kc)[:, :, :, :t]
-        s = np.ascontiguousarray(s).reshape(b, h, rep * t, kc)  # [B, H, rep*t, kc]
+        s = np.matmul(_whole_tile(qc, rep, tile), kt.swapaxes(-1, -2))
+        if t < tile:
+            s = s.reshape(b, h, rep, tile, kc)[:, :, :, :t]
+            s = np.ascontiguousarray(s).reshape(b, h, rep * t, kc)  # [B, H, rep*t, kc]
         if softcap is not None:
             cap_scores(s, softcap)
         if bias is not None:
@@ -201,10 +200,10 @@ def _attend_tiles(
         np.subtract(s, m, out=s)
         np.exp(s, out=s)
         total = s.sum(axis=-1, keepdims=True)
-        p = np.zeros((b, h, rep, tile, kc), np.float32)  # a whole tile's rows, as above
-        p[:, :, :, :t] = s.reshape(b, h, rep, t, kc)
-        o = np.matmul(p.reshape(b, h, rep * tile, kc), vt).reshape(b, h, rep, tile, d)
-        o = np.ascontiguousarray(o[:, :, :, :t]).reshape(b, h, rep * t, d)  # [B, H, rep*t, D]
+        o = np.matmul(_whole_tile(s, rep, tile), vt)  # [B, H, rep*tile, D]
+        if t < tile:
+            o = o.reshape(b, h, rep, tile, d)[:, :, :, :t]
+            o = np.ascontiguousarray(o).reshape(b, h, rep * t, d)  # [B, H, rep*t, D]
         if part is not None:
             tf = total.transpose(1, 0, 2, 3).reshape(h, b * rep * t)
             tf[:, sel] += part[0]
@@ -215,6 +214,18 @@ def _attend_tiles(
         o /= total
         out[:, :, :, q0:q1] = o.reshape(b, h, rep, t, d)
         q0 = q1
+
+
+def _whole_tile(x: np.ndarray, rep: int, tile: int) -> np.ndarray:
+    """x [B, H, rep*t, N] as [B, H, rep*tile, N]: each query head's t rows followed by zero
+    rows up to `tile` (x itself when t == tile), for the products of `_attend_tiles`."""
+    b, h, rows, n = x.shape
+    t = rows // rep
+    if t == tile:
+        return x
+    whole = np.zeros((b, h, rep, tile, n), np.float32)
+    whole[:, :, :, :t] = x.reshape(b, h, rep, t, n)
+    return whole.reshape(b, h, rep * tile, n)
 
 
 def host_attention(

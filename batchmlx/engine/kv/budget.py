@@ -47,10 +47,13 @@ def _mem_available(path: str = "/proc/meminfo") -> int | None:
 
 
 # Freed buffers MLX's CPU allocator keeps for reuse. Its default, 32 MiB, is less than a
-# decode step frees (activations, gathered keys, logits: ~30 MB at width 64 for a 135M model),
-# so every step took part of its buffers fresh from the OS and paid a page fault per 4 KB
-# (7,500 a step, measured; 1,300 at 128 MiB, and decode steps 132 -> 125 ms).
-CPU_BUFFER_CACHE = 256 << 20
+# decode step of the MLX path frees (activations, gathered keys, logits: ~30 MB at width 64
+# for a 135M model), so every step took part of its buffers fresh from the OS and paid a page
+# fault per 4 KB (7,500 a step, measured; 1,300 at 128 MiB, and decode steps 132 -> 125 ms).
+# The host steps free far less through MLX (their activations are numpy's): 64 chats x 128
+# tokens at int8 peaked at 1,435 MB with 254 MB of it this cache at 256 MiB, 1,248 MB at
+# 64 MiB, in 17.2 and 16.7-16.8 s (2026-12-06, 2-core Xeon, load 0.8, two runs each).
+CPU_BUFFER_CACHE = 64 << 20
 
 
 def size_buffer_cache(on_cpu: bool | None = None) -> int:

@@ -16,7 +16,7 @@ when a large one-off piece of work ends or the engine goes idle (`release_free_m
 also empties MLX's cache). What stays between two trims is at most what the steps of those
 seconds freed. A fixed mmap threshold (`bound_host_heap`, every buffer above 1 MiB mmapped and
 unmapped) bounds it tighter, but measured +12% CPU per decode step (2.7x the page faults: the
-heap was the reuse MLX's 256 MiB cache misses), so it is there for whoever wants it, not on.
+heap was the reuse MLX's cache, then 256 MiB, misses), so it is there for whoever wants it, not on.
 """
 
 from __future__ import annotations

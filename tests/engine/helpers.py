@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_map
+from mlx_lm.models import llama
 
 from batchmlx.engine.host import q8
 from batchmlx.engine.host.linear import HostFormat, runs_here
@@ -68,3 +73,19 @@ def grouped_exact(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         part = p[:, cut].astype(np.int64) @ q[:, cut].T.astype(np.int64)
         out += part * (t[:, g : g + 1].astype(np.float64) * s[None, :, g].astype(np.float64))
     return out
+
+
+def random_llama(**args: Any) -> llama.Model:
+    """A 2-layer random-weight llama in float32 (seed 0; `args` override the tiny defaults),
+    its weights scaled x4 so that the argmax is decided by the context, not by near-ties."""
+    mx.random.seed(0)
+    defaults = dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=97, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    m = llama.Model(llama.ModelArgs(**{**defaults, **args}))
+    m.set_dtype(mx.float32)
+    m.update(tree_map(lambda p: p * 4.0, m.parameters()))
+    mx.eval(m.parameters())
+    return m

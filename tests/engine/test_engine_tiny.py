@@ -5,32 +5,20 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_map
-from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from batchmlx.core.engine_api import EngineSettings
 from batchmlx.core.request import CacheOutcome, FinishReason, GenerationRequest, SamplingParams
 from batchmlx.engine.core import EngineCore
 from batchmlx.engine.runners.paged import FORECAST_TOKENS, paged_engine
+from tests.engine.helpers import random_llama
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def model():
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=97, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=True,
-    )  # fmt: skip
-    m = llama.Model(args)
-    m.set_dtype(mx.float32)
-    # larger weights so the argmax is decided by the context, not near-ties
-    m.update(tree_map(lambda p: p * 4.0, m.parameters()))
-    mx.eval(m.parameters())
-    return m
+    return random_llama()
 
 
 def engine(model, **cfg) -> EngineCore:

@@ -9,7 +9,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_map
 from mlx_lm.models import llama
 
 from batchmlx.config import HostSettings
@@ -17,7 +16,7 @@ from batchmlx.core.request import GenerationRequest, SamplingParams
 from batchmlx.engine.host.backend import current
 from batchmlx.engine.host.linear import HostFormat, runs_here, to_host_format
 from batchmlx.engine.host.step import HostRope, HostStep, backend_of, unsupported
-from tests.engine.helpers import assert_greedy_texts_agree, host_formats
+from tests.engine.helpers import assert_greedy_texts_agree, host_formats, random_llama
 from tests.engine.test_decode_kv import churn
 from tests.engine.test_engine_tiny import engine, staggered
 
@@ -38,17 +37,7 @@ TOLERANCE = {HostFormat.BF16: 1.5e-2, HostFormat.INT8: 0.2, HostFormat.F32: 1e-4
 
 
 def tiny(fmt: HostFormat, traditional: bool = False):
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=97, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=True, rope_traditional=traditional,
-    )  # fmt: skip
-    m = llama.Model(args)
-    m.set_dtype(mx.float32)
-    m.update(tree_map(lambda p: p * 4.0, m.parameters()))  # argmax decided by the context
-    mx.eval(m.parameters())
-    return to_host_format(m, fmt)
+    return to_host_format(random_llama(rope_traditional=traditional), fmt)
 
 
 class Compare:

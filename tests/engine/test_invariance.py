@@ -12,14 +12,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_map
-from mlx_lm.models import llama, qwen3_moe
+from mlx_lm.models import qwen3_moe
 
 from batchmlx.core.request import GenerationRequest, SamplingParams
 from batchmlx.engine.host import attention as host_attention
 from batchmlx.engine.host.backend import current
 from batchmlx.engine.host.linear import HostFormat, SharedGemm, to_host_format
 from batchmlx.engine.kv.paged import KEY_GROUP
-from tests.engine.helpers import host_formats
+from tests.engine.helpers import host_formats, random_llama
 from tests.engine.test_engine_tiny import engine, staggered
 
 pytestmark = pytest.mark.skipif(not current().onednn_available(), reason="oneDNN (onednn-cpu-gomp)")
@@ -96,16 +96,8 @@ def test_decode_attention_rows_are_the_rows_computed_alone():
 def _model(fmt: HostFormat):
     """A 2-layer random llama of the default model's widths (576 hidden, 9 query and 3 KV heads
     of 64, 1,536 MLP, 49,152 vocabulary): its GEMMs take the kernels the real model's take."""
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=576, num_hidden_layers=2, intermediate_size=1536,
-        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=True,
-    )  # fmt: skip
-    m = llama.Model(args)
-    m.set_dtype(mx.float32)
-    m.update(tree_map(lambda p: p * 4.0, m.parameters()))  # argmax decided by the context
-    mx.eval(m.parameters())
+    m = random_llama(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152)  # fmt: skip
     return to_host_format(m, fmt)
 
 

@@ -19,9 +19,9 @@ thread of a 2-core Sapphire Rapids Xeon (benchmarks/RESULTS-int8.md, kernel sect
 bf16 without AMX (avx512_core_bf16: 0.37 at 1 row, 18.0 at 256).
 
 The library ships prebuilt (native/libbatchmlx_q8.so, ~135 KB, for x86-64 Linux, glibc 2.17+)
-so that a user needs no compiler: `python -m batchmlx.engine.host.q8 --build` remakes it from
-q8.c with zig's C compiler (the `ziglang` wheel), and the library answers the SHA-1 of the
-source it was built from: a library older than its source is refused (and a test fails).
+so that a user needs no compiler (engine/host/native_lib.py: `python -m
+batchmlx.engine.host.native_lib --build q8` remakes it; a library older than its source is
+refused, and a test fails).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from batchmlx.engine.host.native_lib import NativeLibrary, cpu_has, register
+
 log = logging.getLogger("batchmlx.engine")
 
 # K per scale: Q8_0's. G=64 cost ~15-25% less here, but scored 0.9516 / 0.0058 (top-1 agreement
@@ -47,17 +49,16 @@ log = logging.getLogger("batchmlx.engine")
 # past llama.cpp's Q8_0 (0.9561 / 0.0039)
 GROUP = 32
 TILE = 16  # output columns per vector: N must be a multiple
-NATIVE = Path(__file__).parent / "native"
-SOURCE = NATIVE / "q8.c"
-LIBRARY = NATIVE / "libbatchmlx_q8.so"
 # what the library is compiled for; the CPU must have each (/proc/cpuinfo's names)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+LIB = register(NativeLibrary("q8", CPU_FLAGS, ("-mavx512f", "-mavx512bw", "-mavx512vl",
+                                              "-mavx512vnni"), "grouped int8 kernel"))  # fmt: skip
+SOURCE = LIB.source
+LIBRARY = LIB.path
 # what its AMX path needs besides (and Linux's leave, and a CPU that does not trap it: `amx`)
 AMX_FLAGS = ("amx_tile", "amx_int8")
 # from this many rows a GEMM goes through AMX where it runs (same bits as VNNI; faster from here)
 AMX_ROWS = 4
-_COMPILE = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-mavx512f", "-mavx512bw",
-            "-mavx512vl", "-mavx512vnni")  # fmt: skip
 # a GEMM of at least this many multiply-adds is split over threads by columns (a split costs
 # ~30-50 us of dispatch, a decode-width projection takes ~50-250 us on one thread)
 SPLIT_MACS = 4 << 20
@@ -68,49 +69,24 @@ _I = ctypes.c_int
 
 
 def source_sha() -> str:
-    return hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:16]
-
-
-def _cpu_has(flags: tuple[str, ...]) -> bool:
-    from batchmlx.engine.host.fast_blas import cpu_flags
-
-    have = cpu_flags()
-    return all(f in have for f in flags)
+    return LIB.source_sha()
 
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The kernel, or None where it cannot run here (another OS or CPU, or a library built from
-    another source than the q8.c beside it); the reason is logged once."""
-    why = None
-    if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
-        why = "it is built for x86-64 Linux"
-    elif not _cpu_has(CPU_FLAGS):
-        why = f"this CPU lacks one of {', '.join(CPU_FLAGS)}"
-    elif not LIBRARY.is_file():
-        why = f"{LIBRARY} is missing"
-    if why is None:
-        try:
-            lib = ctypes.CDLL(str(LIBRARY))
-        except OSError as exc:
-            why = f"{LIBRARY} does not load ({exc})"
-        else:
-            lib.q8_source_sha.restype = ctypes.c_char_p
-            built = lib.q8_source_sha().decode()
-            if built != source_sha():
-                why = f"{LIBRARY.name} was built from another q8.c ({built}): rebuild it"
-            else:
-                lib.q8_quantize.argtypes = [_I, _I, _I, _P, ctypes.c_int64, _P, _P, _I]
-                lib.q8_quantize.restype = None
-                for gemm in (lib.q8_gemm, lib.q8_gemm_amx):
-                    gemm.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I]
-                    gemm.restype = None
-                lib.q8_amx_init.restype = _I
-                lib.q8_gemm_shared.argtypes = [*lib.q8_gemm.argtypes[:10], _I, _P, _I]
-                lib.q8_gemm_shared.restype = None
-                return lib
-    log.info("grouped int8 kernel unavailable: %s", why)
-    return None
+    """The kernel, or None where it cannot run here (see native_lib); the reason is logged once."""
+    lib = LIB.load()
+    if lib is None:
+        return None
+    lib.q8_quantize.argtypes = [_I, _I, _I, _P, ctypes.c_int64, _P, _P, _I]
+    lib.q8_quantize.restype = None
+    for gemm in (lib.q8_gemm, lib.q8_gemm_amx):
+        gemm.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I]
+        gemm.restype = None
+    lib.q8_amx_init.restype = _I
+    lib.q8_gemm_shared.argtypes = [*lib.q8_gemm.argtypes[:10], _I, _P, _I]
+    lib.q8_gemm_shared.restype = None
+    return lib
 
 
 def available() -> bool:
@@ -128,7 +104,7 @@ def amx() -> bool:
     child's verdict is kept in the cache folder (`_amx_mark`), so it runs once per machine
     and library, not at every start (~30 ms)."""
     lib = library()
-    if lib is None or not _cpu_has(AMX_FLAGS):
+    if lib is None or not cpu_has(AMX_FLAGS):
         return False
     mark = _amx_mark()
     verdict = mark.read_text() if mark is not None and mark.is_file() else ""
@@ -305,24 +281,3 @@ def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
     for f in futures:
         if not f.cancel():
             f.result()
-
-
-def build(target: Path = LIBRARY) -> Path:
-    """Compile q8.c into `target` with zig's C compiler (pip install ziglang), else `cc`."""
-    try:
-        import ziglang  # noqa: F401
-
-        # glibc 2.17's symbols: the library loads on any Linux of the last decade
-        cc = [sys.executable, "-m", "ziglang", "cc", "-target", "x86_64-linux-gnu.2.17"]
-    except ImportError:
-        cc = ["cc"]
-    sha = source_sha()
-    cmd = [*cc, *_COMPILE, f'-DQ8_SOURCE_SHA="{sha}"', "-o", str(target), str(SOURCE)]
-    subprocess.run(cmd, check=True)
-    return target
-
-
-if __name__ == "__main__":  # python -m batchmlx.engine.host.q8 --build
-    if sys.argv[1:] != ["--build"]:
-        sys.exit("usage: python -m batchmlx.engine.host.q8 --build")
-    print(build())

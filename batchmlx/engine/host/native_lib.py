@@ -1,0 +1,134 @@
+"""The host backend's own C kernels: each a source in native/ shipped with its library prebuilt.
+
+A kernel `NAME` is native/NAME.c, compiled into native/libbatchmlx_NAME.so for x86-64 Linux
+(glibc 2.17+) so that a user needs no compiler. The library answers the SHA-1 of the source it
+was built from (`NAME_source_sha()`, set by -DNAME_SOURCE_SHA at build): a library older than
+its source is refused, and its tests fail. `python -m batchmlx.engine.host.native_lib --build
+[NAME ...]` remakes them with zig's C compiler (the `ziglang` wheel), else `cc`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger("batchmlx.engine")
+
+NATIVE = Path(__file__).parent / "native"
+# floats as written (no fused multiply-add contraction): the same bits from every build
+COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    """One kernel's source and library, the CPU flags it is compiled for (/proc/cpuinfo's
+    names; the CPU must have each) and the compiler's target options."""
+
+    name: str
+    cpu_flags: tuple[str, ...]
+    target_flags: tuple[str, ...]
+    what: str  # for the log: "grouped int8 kernel"
+
+    @property
+    def source(self) -> Path:
+        return NATIVE / f"{self.name}.c"
+
+    @property
+    def path(self) -> Path:
+        return NATIVE / f"libbatchmlx_{self.name}.so"
+
+    def source_sha(self) -> str:
+        return hashlib.sha1(self.source.read_bytes()).hexdigest()[:16]
+
+    def load(self) -> ctypes.CDLL | None:
+        """The library, or None where it cannot run here (another OS or CPU, or a library
+        built from another source than the one beside it); the reason is logged once."""
+        return _load(self)
+
+    def build(self, target: Path | None = None) -> Path:
+        """Compile the source into `target` (default: the shipped library's path)."""
+        target = target or self.path
+        try:
+            import ziglang  # noqa: F401
+
+            # glibc 2.17's symbols: the library loads on any Linux of the last decade
+            cc = [sys.executable, "-m", "ziglang", "cc", "-target", "x86_64-linux-gnu.2.17"]
+        except ImportError:
+            cc = ["cc"]
+        sha = f'-D{self.name.upper()}_SOURCE_SHA="{self.source_sha()}"'
+        flags = [*COMMON_FLAGS, *self.target_flags, sha]
+        subprocess.run([*cc, *flags, "-o", str(target), str(self.source)], check=True)
+        return target
+
+
+def cpu_has(flags: tuple[str, ...]) -> bool:
+    from batchmlx.engine.host.fast_blas import cpu_flags
+
+    have = cpu_flags()
+    return all(f in have for f in flags)
+
+
+@cache
+def _load(lib: NativeLibrary) -> ctypes.CDLL | None:
+    why = None
+    if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
+        why = "it is built for x86-64 Linux"
+    elif not cpu_has(lib.cpu_flags):
+        why = f"this CPU lacks one of {', '.join(lib.cpu_flags)}"
+    elif not lib.path.is_file():
+        why = f"{lib.path} is missing"
+    if why is None:
+        try:
+            handle = ctypes.CDLL(str(lib.path))
+        except OSError as exc:
+            why = f"{lib.path} does not load ({exc})"
+        else:
+            answer = getattr(handle, f"{lib.name}_source_sha")
+            answer.restype = ctypes.c_char_p
+            built = answer().decode()
+            if built == lib.source_sha():
+                return handle
+            why = f"{lib.path.name} was built from another {lib.source.name} ({built}): rebuild it"
+    log.info("%s unavailable: %s", lib.what, why)
+    return None
+
+
+LIBRARIES: dict[str, NativeLibrary] = {}
+# the modules that own a kernel, each registering its library on import
+KERNEL_MODULES = ("q8",)
+
+
+def register(lib: NativeLibrary) -> NativeLibrary:
+    """Record a kernel's library for `--build` (each kernel module registers its own)."""
+    LIBRARIES[lib.name] = lib
+    return lib
+
+
+def kernel_libraries() -> dict[str, NativeLibrary]:
+    """Every kernel's library, by name."""
+    import importlib
+
+    for module in KERNEL_MODULES:
+        importlib.import_module(f"batchmlx.engine.host.{module}")
+    return dict(LIBRARIES)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] != "--build":
+        print("usage: python -m batchmlx.engine.host.native_lib --build [NAME ...]")
+        return 2
+    libraries = kernel_libraries()
+    for name in argv[1:] or sorted(libraries):
+        print(libraries[name].build())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

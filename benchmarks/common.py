@@ -25,6 +25,7 @@ class Settings:
     block_size: int = 16
     kv_grow_blocks: int = 64  # sections 1, 2, 5
     memory_grow_blocks: int = 8  # sections 3 and 4: allocated KV tracks the blocks in use
+    peer_models: tuple[str, ...] = ()  # section 12's models (benchmarks/peers/section.py); () all
 
 
 QUICK = Settings(

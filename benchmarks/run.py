@@ -105,6 +105,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "float16", "bfloat16", "int8"])  # fmt: skip
     p.add_argument("--baseline", help="section 6: also run batchmlx from this git revision")
+    p.add_argument(
+        "--peer-models",
+        default="",
+        help="section 12: only these models, e.g. default,qwen3-1.7b (default: all)",
+    )
     return p.parse_args(argv)
 
 
@@ -115,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     sections = sorted({int(x) for x in args.sections.split(",") if x.strip()})
     if unknown := set(sections) - set(ALL_SECTIONS):
         raise SystemExit(f"unknown sections: {sorted(unknown)}")
-    s = replace(QUICK if args.quick else Settings(), model=args.model, dtype=args.dtype)
+    s = replace(
+        QUICK if args.quick else Settings(),
+        model=args.model,
+        dtype=args.dtype,
+        peer_models=tuple(m for m in args.peer_models.split(",") if m),
+    )
     if args.max_tokens:
         s = replace(s, max_tokens=args.max_tokens)
 

@@ -364,7 +364,9 @@ def targets(b: Bench) -> list[tuple[str, str, bool]]:
 def peer_results(b: Bench) -> dict[tuple[str, str], list]:
     from benchmarks.peers import section
 
-    return b._once(("peers", b.quick), section.run_all, b.quick, Path("/tmp/batchmlx-peers.json"))
+    models = b.s.peer_models
+    return b._once(("peers", b.quick, models), section.run_all, b.quick,
+                   Path("/tmp/batchmlx-peers.json"), frozenset(), models)  # fmt: skip
 
 
 def section_peers(b: Bench) -> list[str]:
@@ -373,7 +375,7 @@ def section_peers(b: Bench) -> list[str]:
     results = peer_results(b)
     rows = [[t, v, "MET" if ok else "**MISSED**"] for t, v, ok in section.targets(results)]
     return ["## 12. CPU peers: llama.cpp, OpenVINO GenAI, vLLM CPU at every model size", "",
-            *section.markdown(results, b.quick), "Targets (issues 23 and 28):", "",
+            *section.markdown(results, b.quick), "Targets (issues 47 and 48):", "",
             *_table(["Target", "Measured", "Status"], rows)]  # fmt: skip
 
 

@@ -10,11 +10,20 @@
 - `360m`, `1.7b`, `8b`: random weights of SmolLM2-360M's, SmolLM2-1.7B's and Llama-3-8B's shapes
   (the 8B one with SmolLM2's 49152-token vocabulary, so every peer shares one tokenizer: 7.5B
   parameters), built from `mlx_lm.models.llama`, saved bf16 as a folder batchmlx loads (and vLLM
-  reads: it is a Hugging Face llama folder), plus GGUFs of the same weights at Q8_0 and Q4_0
-  (gguf-py from the llama.cpp tree writes a BF16 GGUF, the built `llama-quantize` quantizes it).
-  Random weights produce no eos, so every request runs to max_tokens. Built lazily, on first use.
+  reads: it is a Hugging Face llama folder), plus GGUFs of the same weights at Q8_0, Q4_0 and
+  Q4_K_M (gguf-py from the llama.cpp tree writes a BF16 GGUF, the built `llama-quantize`
+  quantizes it). Random weights produce no eos, so every request runs to max_tokens. Built
+  lazily, on first use.
+- `qwen3-1.7b`, `gemma3-1b`: the same for Qwen3-1.7B's shape (q/k norms, 16 heads of 128, 8 KV
+  heads) from `mlx_lm.models.qwen3` and Gemma-3-1B's (1,152 wide, 4 heads of 256, one KV head,
+  five sliding-window layers of 512 to one global, its norms and embedding scale) from
+  `mlx_lm.models.gemma3_text`, both with SmolLM2's 49152-token vocabulary in place of their own
+  (151,936 and 262,144): 1.5B and 0.76B parameters. Their GGUFs are written as llama.cpp's
+  converter writes these architectures (`qwen3`, `gemma3`: gguf-py's tensor names, no q/k row
+  permutation, Gemma's norms stored as 1 + w).
 
-    python -m benchmarks.peers.models [--model default|360m|1.7b|8b] [--format mlx|hf|Q8_0|Q4_0]
+    python -m benchmarks.peers.models [--model default|360m|1.7b|8b|qwen3-1.7b|gemma3-1b]
+                                      [--format mlx|hf|Q8_0|Q4_0|Q4_K_M]
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from benchmarks.peers.setup import ensure, llama_tool
 BMX_CACHE = Path(os.environ.get("BATCHMLX_CACHE_DIR", "~/.cache/batchmlx-test")).expanduser()
 MODELS = BENCH_CACHE / "models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-QUANTS = ("Q8_0", "Q4_0")
+QUANTS = ("Q8_0", "Q4_0")  # what the default model is requantized to (benchmarks/fidelity.py)
+RANDOM_QUANTS = (*QUANTS, "Q4_K_M")  # a random shape's GGUFs
 _COMMON = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152,
     "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "bos_token_id": 1,
@@ -53,15 +63,23 @@ SHAPES: dict[str, dict[str, Any]] = {
     "8b": _COMMON | {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                      "rope_theta": 500000.0, "tie_word_embeddings": False},
+    "qwen3-1.7b": _COMMON | {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                             "hidden_size": 2048, "intermediate_size": 6144,
+                             "num_hidden_layers": 28, "num_attention_heads": 16,
+                             "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+                             "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "gemma3-1b": _COMMON | {"model_type": "gemma3_text", "hidden_act": "gelu_pytorch_tanh",
+                            "architectures": ["Gemma3ForCausalLM"], "hidden_size": 1152,
+                            "intermediate_size": 6912, "num_hidden_layers": 26,
+                            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                            "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256,
+                            "sliding_window": 512, "sliding_window_pattern": 6,
+                            "tie_word_embeddings": True},
 }  # fmt: skip
+# general.architecture of each model_type, as llama.cpp's converter names it
+GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 _SHARD_BYTES = 2 << 30
-_GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}  # fmt: skip
-_GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
 def log(msg: str) -> None:
@@ -193,20 +211,23 @@ def _copy_tokenizer(src: Path, dest: Path) -> None:
 
 
 def random_mlx_folder(shape: str) -> Path:
-    """Random bf16 weights of `shape` from mlx-lm's llama, saved in shards (mlx arrays are lazy:
-    only one shard is in memory at a time, so the 8B shape builds in about 2 GB)."""
+    """Random bf16 weights of `shape` from mlx-lm's class of its model_type, saved in shards
+    (mlx arrays are lazy: only one shard is in memory at a time, so the 8B shape builds in
+    about 2 GB)."""
     dest = MODELS / f"random-{shape}-mlx-bf16"
     if (dest / "config.json").is_file():
         return dest
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
 
     config = SHAPES[shape]
+    family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     MODELS.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".random-{shape}-", dir=MODELS))
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = family.Model(family.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)  # lazy: the float32 inits are freed as each shard evaluates
     params = dict(tree_flatten(model.parameters()))
     del model  # the dict holds the only references: a saved shard leaves memory
@@ -243,12 +264,13 @@ def random_mlx_folder(shape: str) -> Path:
     return dest
 
 
-def _gguf_name(key: str) -> str:
+def _gguf_name(key: str, names: Any) -> str:
+    """A weight's GGUF name from gguf-py's own table (llama.cpp's converter's names)."""
     base, _, suffix = key.rpartition(".")
-    parts = base.split(".")
-    if parts[:2] == ["model", "layers"]:
-        return f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:])]}.{suffix}"
-    return f"{_GGUF_TOP[base]}.{suffix}"
+    name = names.get_name(base)
+    if name is None:
+        raise KeyError(f"gguf-py names no tensor for {key}")
+    return f"{name}.{suffix}"
 
 
 def _tensor_order(folder: Path) -> list[tuple[str, str]]:
@@ -272,15 +294,20 @@ def _tensor_order(folder: Path) -> list[tuple[str, str]]:
 
 
 def write_bf16_gguf(folder: Path, out: Path) -> Path:
-    """A BF16 GGUF of an MLX llama folder (Hugging Face row order), its tokenizer metadata copied
-    from the default GGUF (the same SmolLM2 tokenizer), written one tensor at a time."""
+    """A BF16 GGUF of an MLX folder (Hugging Face row order) of a GGUF_ARCH family, its
+    tokenizer metadata copied from the default GGUF (the same SmolLM2 tokenizer), written one
+    tensor at a time as llama.cpp's converter would: llama's q/k rows permuted for its
+    interleaved RoPE, Gemma's norms stored as 1 + w, norms float32."""
     import mlx.core as mx
     import numpy as np
 
     gguf = _gguf_module()
     config = json.loads((folder / "config.json").read_text())
+    arch = GGUF_ARCH[config.get("model_type", "llama")]
+    llama, gemma = arch == "llama", arch == "gemma3"
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     reader = gguf.GGUFReader(str(default_gguf()))
-    writer = gguf.GGUFWriter(str(out), "llama")
+    writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(f"random-{folder.name}")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -294,6 +321,8 @@ def write_bf16_gguf(folder: Path, out: Path) -> Path:
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
     writer.add_vocab_size(config["vocab_size"])
+    if gemma:
+        writer.add_sliding_window(config["sliding_window"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
@@ -308,10 +337,10 @@ def write_bf16_gguf(folder: Path, out: Path) -> Path:
             files.clear()  # one shard open at a time
             files[file] = mx.load(str(folder / file))
         w = files[file][key]
-        n = _heads(key, config)
+        n = _heads(key, config) if llama else None
         w = permute(w, n) if n else w
         if w.ndim == 1:  # norms stay float32, as llama.cpp's converter keeps them
-            return np.array(w.astype(mx.float32))
+            return np.array(w.astype(mx.float32) + (1.0 if gemma else 0.0))
         return np.array(w.astype(mx.bfloat16).view(mx.uint16))
 
     shapes: dict[str, list[int]] = {}
@@ -323,7 +352,7 @@ def write_bf16_gguf(folder: Path, out: Path) -> Path:
         kind = gguf.GGMLQuantizationType.F32 if norm else gguf.GGMLQuantizationType.BF16
         dtype = np.dtype(np.float32 if norm else np.uint16)
         nbytes = int(np.prod(shape)) * dtype.itemsize
-        writer.add_tensor_info(_gguf_name(key), shape, dtype, nbytes, raw_dtype=kind)
+        writer.add_tensor_info(_gguf_name(key, names), shape, dtype, nbytes, raw_dtype=kind)
     writer.write_header_to_file(out)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -354,9 +383,9 @@ def _gguf_module() -> Any:
 
 
 def random_gguf(shape: str, quant: str) -> Path:
-    """`shape`'s random weights (the MLX folder's) as a GGUF at `quant` (Q8_0 or Q4_0)."""
-    if quant not in QUANTS:
-        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    """`shape`'s random weights (the MLX folder's) as a GGUF at `quant` (RANDOM_QUANTS)."""
+    if quant not in RANDOM_QUANTS:
+        raise ValueError(f"quant must be one of {RANDOM_QUANTS}, got {quant!r}")
     dest = MODELS / f"random-{shape}.{quant}.gguf"
     if dest.is_file():
         return dest
@@ -366,7 +395,7 @@ def random_gguf(shape: str, quant: str) -> Path:
         bf16 = write_bf16_gguf(folder, Path(tmp) / "bf16.gguf")
         # both at once (the BF16 file is the expensive part), but for the 8B shape only the one
         # asked for: its BF16 file, both GGUFs and the folder would hold ~45 GB at once
-        for q in (quant,) if shape == "8b" else QUANTS:
+        for q in (quant,) if shape == "8b" else RANDOM_QUANTS:
             target = MODELS / f"random-{shape}.{q}.gguf"
             if target.is_file():
                 continue
@@ -397,7 +426,7 @@ def model_files(name: str) -> ModelFiles:
 def path_for(name: str, fmt: str) -> Path | str:
     """The file or folder of model `name` in `fmt`: "mlx" (what batchmlx's `model` takes), "hf"
     (a Hugging Face folder, for vLLM), a GGUF type ("Q4_1", and "F32"/"Q8_0"/"Q4_0" made from it,
-    for the default; "Q8_0"/"Q4_0" for the random shapes). Built on first use."""
+    for the default; RANDOM_QUANTS for the random shapes). Built on first use."""
     if name == "default":
         if fmt == "mlx":
             return "default"
@@ -430,10 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default", choices=["default", *SHAPES])
     p.add_argument("--format", action="append", default=[],
-                   help="mlx, hf, Q4_1, F32 (default model), Q8_0, Q4_0 (repeatable)")  # fmt: skip
+                   help="mlx, hf, Q4_1, F32 (default model), Q8_0, Q4_0, Q4_K_M "
+                        "(repeatable)")  # fmt: skip
     args = p.parse_args(argv)
     for fmt in args.format or (["mlx", "hf", "Q4_1"] if args.model == "default"
-                               else ["mlx", *QUANTS]):  # fmt: skip
+                               else ["mlx", *RANDOM_QUANTS]):  # fmt: skip
         print(f"{args.model} {fmt}: {path_for(args.model, fmt)}")
     return 0
 

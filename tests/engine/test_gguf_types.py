@@ -163,7 +163,10 @@ def test_conversion_memory_is_one_tensor_not_the_model(suffix: str, tmp_path: Pa
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K"])
 def test_stacked_experts_load_as_gguf_py_dequantizes_them(type_name: str, tmp_path: Path) -> None:
     """A mixture of experts' file (qwen3moe) whose router and stacked experts [E, rows, cols]
-    are quantized: each expert's weights as gguf-py dequantizes them, in mlx-lm's SwitchGLU."""
+    are quantized: the experts keep their bits (mlx-lm's QuantizedSwitchLinear), and each
+    expert's weights dequantize to gguf-py's values."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
     case = CASES["qwen3moe"]
     config = {**case.config, "hidden_size": 256, "moe_intermediate_size": 256, "head_dim": 64}
     weights = hf_weights(random_model(config))
@@ -175,16 +178,27 @@ def test_stacked_experts_load_as_gguf_py_dequantizes_them(type_name: str, tmp_pa
 
     path = write_gguf(tmp_path / "moe.gguf", replace(case, config=config), weights,
                       quantize=quantize)  # fmt: skip
-    params = dict(tree_flatten(load(path, tmp_path / "cache").model.parameters()))
+    model = load(path, tmp_path / "cache").model
+    params = dict(tree_flatten(model.parameters()))
     reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    bits = AFFINE[type_name].bits
     for layer in range(config["num_hidden_layers"]):
         for ours, theirs in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
                              ("down_proj", "ffn_down_exps")):  # fmt: skip
             t = reader[f"blk.{layer}.{theirs}.weight"]
             assert t.tensor_type == qtype and len(t.shape) == 3
-            got = np.array(params[f"model.layers.{layer}.mlp.switch_mlp.{ours}.weight"])
+            assert isinstance(model.model.layers[layer].mlp.switch_mlp[ours], QuantizedSwitchLinear)
+            base = f"model.layers.{layer}.mlp.switch_mlp.{ours}"
             want = gguf.quants.dequantize(t.data, t.tensor_type)
-            np.testing.assert_array_equal(got, want.reshape(got.shape))
+            for e in range(config["num_experts"]):
+                got = mx.dequantize(
+                    params[f"{base}.weight"][e],
+                    params[f"{base}.scales"][e],
+                    params[f"{base}.biases"][e],
+                    group_size=32,
+                    bits=bits,
+                )
+                np.testing.assert_array_equal(np.array(got), want[e])
 
 
 def _q8_0(name: str, value: np.ndarray):
@@ -250,3 +264,46 @@ def test_int8_from_q8_0_is_the_files_own_ints_and_scales(tmp_path: Path) -> None
         np.testing.assert_array_equal(scales, d)
         checked += 1
     assert checked == 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_quantized_experts_run_on_the_host_from_their_bits(dtype: str, tmp_path: Path) -> None:
+    """A Q4_0 mixture of experts (qwen3moe) loaded in a host format: its experts are packed
+    from the folder's 4-bit arrays (each expert dequantized in numpy, one at a time) and the
+    engine's greedy tokens are mlx-lm's on the same file's QuantizedSwitchLinear layers."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from batchmlx.core.engine_api import EngineSettings
+    from batchmlx.core.models import resolve_model
+    from batchmlx.core.request import GenerationRequest, SamplingParams
+    from batchmlx.engine.choose import make_engine
+    from batchmlx.engine.host.linear import HostExperts
+    from batchmlx.engine.models.loader import load_model
+
+    case = CASES["qwen3moe"]
+    config = {**case.config, "hidden_size": 256, "moe_intermediate_size": 256, "head_dim": 64}
+    weights = hf_weights(random_model(config))
+
+    def quantize(name: str, value: np.ndarray):
+        if value.ndim != 3:
+            return None
+        return gguf.quants.quantize(value, Q.Q4_0), Q.Q4_0
+
+    path = write_gguf(tmp_path / "moe.gguf", replace(case, config=config), weights, quantize)
+    reference = load(path, tmp_path / "cache").model  # the folder as mlx-lm builds it
+    assert isinstance(reference.model.layers[0].mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
+    spec = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    loaded = load_model(spec, cache_dir=tmp_path / "cache", dtype=dtype)
+    kinds = {type(m) for _, m in loaded.model.named_modules()}
+    if HostExperts not in kinds:
+        pytest.skip("no host format for mixtures of experts on this CPU")
+    prompts = [[5, 200, 17, 99, 3, 256, 41, 7], [9, 8, 7, 6, 5]]
+    want = [[int(t) for t, _ in generate_step(mx.array(p), reference, max_tokens=4)]
+            for p in prompts]  # fmt: skip
+    settings = EngineSettings(block_size=4, cache_memory_mb=16, max_prefill_tokens=64,
+                              max_batch_size=4)  # fmt: skip
+    eng = make_engine(loaded.model, None, name="moe", context_length=256, config=settings)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    outs = eng.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    assert [o.token_ids for o in outs] == want

@@ -435,11 +435,13 @@ class HostExperts(nn.Module):
         return swiglu_halves(gu, backend=self._backend)
 
 
-def _expert_weight(layer: nn.Module, e: int) -> mx.array:
+def _expert_weight(layer: nn.Module, e: int) -> mx.array | Dequantized:
     """Expert e's weight [N, K] of a SwitchLinear, or of a QuantizedSwitchLinear dequantized
-    (an mlx-lm 4-bit model's experts: one expert's float weights at a time)."""
+    (an mlx-lm 4-bit model's experts, or a GGUF's: one expert's float weights at a time)."""
     if "scales" not in layer:
         return layer["weight"][e]
+    if getattr(layer, "mode", "affine") == "affine" and layer["scales"].dtype == mx.float32:
+        return Dequantized(layer, e)
     biases = layer.get("biases")
     return mx.dequantize(layer["weight"][e], layer["scales"][e],
                          None if biases is None else biases[e], group_size=layer.group_size,
@@ -461,18 +463,21 @@ class Dequantized:
     where the packed layer comes from the weights cache."""
 
     module: nn.Module
+    expert: int | None = None  # of a QuantizedSwitchLinear: this expert's [N, K]
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows, words = self.module.weight.shape
+        rows, words = self.module.weight.shape[-2:]
         return rows, words * 32 // self.module.bits
 
     def array(self) -> mx.array:
         m = self.module
         out = mx.zeros(self.shape, mx.float32)  # written in place: one float32 copy, MLX's
         mx.eval(out)
-        parts = (np.asarray(m.weight), np.asarray(m.scales), np.asarray(m.biases))
-        quantized.dequantize(*parts, m.bits, m.group_size, out=np.asarray(out))
+        parts = [m.weight, m.scales, m.biases]
+        if self.expert is not None:
+            parts = [a[self.expert] for a in parts]
+        quantized.dequantize(*map(np.asarray, parts), m.bits, m.group_size, out=np.asarray(out))
         return out
 
 

@@ -5,8 +5,10 @@ head's rows). Peak memory is one slice (or one q/k matrix), whatever the model's
 
 A quantized matrix keeps its bits as MLX's affine format (affine.py: `weight` packed, `scales`,
 `biases`, three tensors of the folder written side by side, each slice at its place), and
-`quantization` gives config.json the entry mlx-lm builds QuantizedLinear and QuantizedEmbedding
-layers from. Float types keep their width; a quantized vector (rare) becomes float32."""
+`quantization` gives config.json the entry mlx-lm builds QuantizedLinear, QuantizedEmbedding
+and (a mixture of experts' stacked [experts, rows, columns] matrices, written as the rows of
+all experts in turn) QuantizedSwitchLinear layers from. Float types keep their width; a
+quantized vector (rare) becomes float32."""
 
 from __future__ import annotations
 
@@ -51,8 +53,11 @@ def out_dtype(type_name: str, transform: Transform) -> str:
 
 
 def kept_bits(t: Tensor, p: Placed) -> Affine | None:
-    """The affine format `p`'s tensor keeps its bits in (a quantized matrix), or None."""
-    if len(t.shape) != 2 or p.transform is Transform.MINUS_ONE or not p.target.endswith(".weight"):
+    """The affine format `p`'s tensor keeps its bits in (a quantized matrix, or the experts'
+    stacked matrices), or None."""
+    if len(t.shape) not in (2, 3) or p.transform is Transform.MINUS_ONE:
+        return None
+    if not p.target.endswith(".weight"):
         return None
     return AFFINE.get(t.type_name)
 
@@ -62,11 +67,11 @@ def stored(t: Tensor, p: Placed) -> list[Stored]:
     kind = kept_bits(t, p)
     if kind is None:
         return [Stored(p.target, out_dtype(t.type_name, p.transform), t.shape)]
-    rows, cols = t.shape
+    *rows, cols = t.shape
     base = p.target.removesuffix(".weight")
-    return [Stored(p.target, "U32", (rows, cols * kind.bits // 32)),
-            Stored(f"{base}.scales", "F32", (rows, cols // GROUP)),
-            Stored(f"{base}.biases", "F32", (rows, cols // GROUP))]  # fmt: skip
+    return [Stored(p.target, "U32", (*rows, cols * kind.bits // 32)),
+            Stored(f"{base}.scales", "F32", (*rows, cols // GROUP)),
+            Stored(f"{base}.biases", "F32", (*rows, cols // GROUP))]  # fmt: skip
 
 
 def quantization(f: GGUFFile, placed: list[Placed]) -> dict[str, Any] | None:
@@ -116,12 +121,15 @@ def _converted(f: GGUFFile, p: Placed, heads: tuple[int, int]) -> Iterator[dict[
     other)."""
     t = f.tensors[p.source]
     kind = kept_bits(t, p)
-    if len(t.shape) != 2 or p.transform in (Transform.UNPERMUTE_Q, Transform.UNPERMUTE_K):
+    # stacked experts kept in their bits go as rows too: [E, R, X] is laid out as [E * R, X]
+    sliced = len(t.shape) == 2 or (kind is not None and len(t.shape) == 3)
+    if not sliced or p.transform in (Transform.UNPERMUTE_Q, Transform.UNPERMUTE_K):
         yield _transformed(_piece(t, p, kind, None), p, t.type_name, heads)
         return
-    step = max(1, _SLICE_BYTES // (4 * t.shape[1]))
-    for start in range(0, t.shape[0], step):
-        rows = slice(start, min(start + step, t.shape[0]))
+    total = int(np.prod(t.shape[:-1]))
+    step = max(1, _SLICE_BYTES // (4 * t.shape[-1]))
+    for start in range(0, total, step):
+        rows = slice(start, min(start + step, total))
         yield _transformed(_piece(t, p, kind, rows), p, t.type_name, heads)
 
 
@@ -129,7 +137,8 @@ def _piece(t: Tensor, p: Placed, kind: Affine | None, rows: slice | None) -> dic
     if kind is None:
         return {p.target: tensor_array(t, rows)}
     raw = np.asarray(t.raw)
-    a = affine_rows(raw if rows is None else raw[rows], t.type_name, t.shape[1])
+    raw = raw.reshape(-1, raw.shape[-1])  # the experts' rows in turn (a matrix: unchanged)
+    a = affine_rows(raw if rows is None else raw[rows], t.type_name, t.shape[-1])
     base = p.target.removesuffix(".weight")
     return {p.target: a.weight, f"{base}.scales": a.scales, f"{base}.biases": a.biases}
 

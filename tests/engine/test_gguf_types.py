@@ -11,6 +11,7 @@ from pathlib import Path
 
 import gguf
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -307,3 +308,33 @@ def test_quantized_experts_run_on_the_host_from_their_bits(dtype: str, tmp_path:
     params = SamplingParams(max_tokens=4, temperature=0.0)
     outs = eng.generate([GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])
     assert [o.token_ids for o in outs] == want
+
+
+def test_a_model_too_large_to_pack_keeps_its_bits_or_is_refused(tmp_path: Path, monkeypatch,
+                                                                caplog) -> None:  # fmt: skip
+    """Packing for the host must fit the memory available: "auto" then keeps the file's bits
+    on MLX's kernels, with a warning naming the sizes; a format asked for by name is refused
+    with the same sizes, before anything is packed."""
+    import logging
+
+    from batchmlx.core.models import resolve_model
+    from batchmlx.engine.host.linear import HostFormat, HostLinear
+    from batchmlx.engine.kv import budget
+    from batchmlx.engine.models import loader
+
+    case = replace(CASES["llama"], config=CONFIG)
+    path = write_gguf(tmp_path / "q8.gguf", case, hf_weights(random_model(CONFIG)), _q8_0)
+    spec = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    stored = loader.load_model(spec, cache_dir=tmp_path / "cache", dtype="stored").model
+    values = sum(w.size for k, w in hf_weights(random_model(CONFIG)).items() if w.ndim == 2)
+    assert loader.packed_bytes(stored, HostFormat.INT8) == int(values * 1.25)
+    assert loader.packed_bytes(stored, HostFormat.BF16) == values * 2
+
+    monkeypatch.setattr(budget, "available_memory_bytes", lambda on_gpu=None: values)
+    with caplog.at_level(logging.WARNING, logger="batchmlx.engine"):
+        auto = loader.load_model(spec, cache_dir=tmp_path / "cache", dtype="auto").model
+    kinds = {type(m) for _, m in auto.named_modules()}
+    assert HostLinear not in kinds and nn.QuantizedLinear in kinds
+    assert "running it on MLX's kernels" in caplog.text
+    with pytest.raises(loader.ModelTooLarge, match="--dtype stored"):
+        loader.load_model(spec, cache_dir=tmp_path / "cache", dtype="bfloat16")

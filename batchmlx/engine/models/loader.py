@@ -27,6 +27,16 @@ _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16
 _FALLBACK_CONTEXT = 2048
 _QUANTIZATION_KEYS = ("quantization", "quantization_config")
 log = logging.getLogger("batchmlx.engine")
+# The host formats' packed weights must leave room for the KV cache, the step's buffers and the
+# OS: at most this share of the memory available as the model loads.
+HOST_MEMORY_SHARE = 0.75
+# bytes a weight takes packed in each host format (int8: a float32 scale and an int32 offset
+# per group of 32 besides the byte: engine/host/q8.py's Q8Weights)
+_PACKED_BYTES = {HostFormat.F32: 4.0, HostFormat.BF16: 2.0, HostFormat.INT8: 1.25}
+
+
+class ModelTooLarge(ValueError):
+    """The weights in the host format asked for would not fit in the memory available."""
 
 
 @dataclass
@@ -98,6 +108,8 @@ def load_model(
     if host or source in _DTYPES:
         config = {k: v for k, v in config.items() if k not in _QUANTIZATION_KEYS}
     path = Path(folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
+    if host and not _fits(model, host, spec.name, asked=dtype):
+        host = None  # "auto": MLX's kernels on the weights as stored
     if host:
         _to_host(model, host, path, Path(cache_dir), backend)
     log.info("model %s: weights as %s on %s, from %s", spec.name,
@@ -116,6 +128,41 @@ def load_model(
         context_length=int(context),
         eos_token_ids=frozenset(int(i) for i in tokenizer.eos_token_ids),
     )
+
+
+def packed_bytes(model: nn.Module, fmt: HostFormat) -> int:
+    """What `model`'s weights take packed in `fmt`: each matrix's values (a quantized one's
+    unpacked count) at the format's width. Counted from shapes: nothing is evaluated."""
+    from mlx.utils import tree_flatten
+
+    values = 0
+    for _, module in model.named_modules():
+        weight = module.get("weight") if isinstance(module, nn.Module) else None
+        if not isinstance(weight, mx.array) or weight.ndim < 2:
+            continue
+        bits = getattr(module, "bits", None) if "scales" in module else None
+        values += weight.size * 32 // bits if bits else weight.size
+    if values == 0:  # not a module tree of layers (a test double): count every array
+        values = sum(a.size for _, a in tree_flatten(model.parameters()))
+    return int(values * _PACKED_BYTES[fmt])
+
+
+def _fits(model: nn.Module, fmt: HostFormat, name: str, *, asked: str) -> bool:
+    """Whether `model` packed in `fmt` fits in HOST_MEMORY_SHARE of the memory available. When
+    it does not, "auto" says so and keeps the weights as stored (MLX's kernels); a format asked
+    for by name is refused (ModelTooLarge) rather than run the machine out of memory."""
+    from batchmlx.engine.kv.budget import available_memory_bytes
+
+    need = packed_bytes(model, fmt)
+    have = available_memory_bytes(on_gpu=False)
+    if need <= HOST_MEMORY_SHARE * have:
+        return True
+    why = (f"model {name}: its weights as {fmt.value} would take {need / 2**30:.1f} GiB, more "
+           f"than {HOST_MEMORY_SHARE:.0%} of the {have / 2**30:.1f} GiB available")  # fmt: skip
+    if asked != "auto":
+        raise ModelTooLarge(f"{why}; --dtype stored runs it on MLX's kernels as stored")
+    log.warning("%s: running it on MLX's kernels, weights as stored", why)
+    return False
 
 
 def _to_host(

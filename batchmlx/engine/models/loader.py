@@ -113,7 +113,7 @@ def load_model(
     if host:
         _to_host(model, host, path, Path(cache_dir), backend)
     log.info("model %s: weights as %s on %s, from %s", spec.name,
-             f"{host.value} (oneDNN)" if host else source, mx.default_device(),
+             _computed_by(host) if host else source, mx.default_device(),
              Path(folder).name)  # fmt: skip
     if notes.writes() != written:  # a first run: say what the cache holds now
         notes.note("the model cache %s now holds %s", cache_dir,
@@ -128,6 +128,15 @@ def load_model(
         context_length=int(context),
         eos_token_ids=frozenset(int(i) for i in tokenizer.eos_token_ids),
     )
+
+
+def _computed_by(fmt: HostFormat) -> str:
+    """The format and what computes its GEMMs, for the log ("int8 (grouped int8 kernel)")."""
+    from batchmlx.engine.host import q8
+
+    if fmt is HostFormat.INT8 and q8.available():
+        return f"{fmt.value} (grouped int8 kernel)"
+    return f"{fmt.value} (oneDNN)"
 
 
 def packed_bytes(model: nn.Module, fmt: HostFormat) -> int:

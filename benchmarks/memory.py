@@ -1,6 +1,7 @@
 """Where a batchmlx process's memory goes: a breakdown at load, engine start and the run's peak.
 
     python -m benchmarks.memory [--requests 64 --max-tokens 128] [--dtype auto] [--whole]
+                                [--model default|FOLDER|FILE.gguf|qwen3-1.7b ...]
 
 Runs the unique workload of benchmarks/RESULTS.md section 12 (`whole_process.Workload`: N
 different chats, up to M new tokens, greedy) in this process, on the engine the worker builds
@@ -158,7 +159,8 @@ def engine_figures(engine: Any) -> dict[str, int]:
     return out
 
 
-def run_in_process(requests: int, max_tokens: int, dtype: str) -> tuple[list[Snapshot], dict]:
+def run_in_process(requests: int, max_tokens: int, dtype: str,
+                   model_name: str = "default") -> tuple[list[Snapshot], dict]:  # fmt: skip
     """The workload on the worker's engine in this process; snapshots at each point."""
     snaps = []
     import mlx.core as mx
@@ -169,7 +171,7 @@ def run_in_process(requests: int, max_tokens: int, dtype: str) -> tuple[list[Sna
     from batchmlx.worker.build import build_engine
 
     snaps.append(snapshot("after import"))
-    serving = _build(build_engine, dtype, ENGINE_DEFAULTS, snaps)
+    serving = _build(build_engine, dtype, ENGINE_DEFAULTS, snaps, model_name)
     engine = serving.engine
     model = engine.runner.forward_pass.model if hasattr(engine, "runner") else None
     snaps.append(snapshot("engine built", engine, model))
@@ -199,7 +201,8 @@ def run_in_process(requests: int, max_tokens: int, dtype: str) -> tuple[list[Sna
     return snaps, {"tokens": tokens, "wall_s": wall, "outputs": outputs}
 
 
-def _build(build_engine: Any, dtype: str, settings: Any, snaps: list[Snapshot]) -> Any:
+def _build(build_engine: Any, dtype: str, settings: Any, snaps: list[Snapshot],
+           model_name: str = "default") -> Any:  # fmt: skip
     """build_engine, with a snapshot between the model's load and the engine's making."""
     import batchmlx.engine.choose as choose
 
@@ -211,7 +214,7 @@ def _build(build_engine: Any, dtype: str, settings: Any, snaps: list[Snapshot]) 
 
     choose.make_engine = noted
     try:
-        return build_engine("default", cache_dir=CACHE, dtype=dtype, settings=settings)
+        return build_engine(model_name, cache_dir=CACHE, dtype=dtype, settings=settings)
     finally:
         choose.make_engine = make
 
@@ -283,7 +286,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--whole", action="store_true", help="also a whole `submit --wait` process")
     p.add_argument("--whole-only", action="store_true", help="only the whole process")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="a model alias, folder or GGUF, or a benchmark shape (benchmarks/peers/"
+        "models.py: 360m, 1.7b, qwen3-1.7b, gemma3-1b, 8b); in process only",
+    )
     args = p.parse_args(argv)
+    model = args.model
+    if model != "default" and not Path(model).exists():
+        from benchmarks.peers.models import SHAPES, random_mlx_folder
+
+        if model in SHAPES:
+            model = str(random_mlx_folder(model))
     if args.whole or args.whole_only:
         whole = run_whole(args.requests, args.max_tokens, args.dtype)
         print(f"whole process (`batchmlx submit --wait`, {args.requests} x {args.max_tokens}): "
@@ -294,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.common import fast_blas
 
     fast_blas()  # the BLAS a batchmlx command runs on (a re-exec, before MLX loads)
-    snaps, run = run_in_process(args.requests, args.max_tokens, args.dtype)
+    snaps, run = run_in_process(args.requests, args.max_tokens, args.dtype, model)
     digest = hashlib.sha256(repr(sorted(run["outputs"].items())).encode()).hexdigest()[:12]
     print(f"in process: {args.requests} chats x up to {args.max_tokens} tokens, "
           f"{run['tokens']} tokens (digest {digest}) in {run['wall_s']:.1f} s; MB:")  # fmt: skip

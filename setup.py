@@ -12,7 +12,7 @@ setup(
         "batchmlx.migrations": ["script.py.mako", "versions/*.py"],
         "batchmlx.examples": ["*.jsonl"],  # data only (batchmlx/cli/examples.py finds them)
         "batchmlx.server": ["static/*"],  # the dashboard's page, script and styles
-        # the grouped int8 kernel: its source and the library built from it (engine/host/q8.py)
-        "batchmlx.engine.host": ["native/q8.c", "native/libbatchmlx_q8.so"],
+        # the host kernels: each source and the library built from it (engine/host/native_lib.py)
+        "batchmlx.engine.host": ["native/*.c", "native/libbatchmlx_*.so"],
     },
 )

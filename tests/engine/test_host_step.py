@@ -13,6 +13,7 @@ from mlx_lm.models import llama
 
 from batchmlx.config import HostSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
+from batchmlx.engine.host import ops as host_ops
 from batchmlx.engine.host.backend import current
 from batchmlx.engine.host.linear import HostFormat, runs_here, to_host_format
 from batchmlx.engine.host.step import HostRope, HostStep, backend_of, unsupported
@@ -122,13 +123,21 @@ def test_steps_behind_a_shared_prefix_match_the_mlx_path(fmt, dense):
     assert _tokens(got) == _tokens(staggered(ref, work))
 
 
-@pytest.mark.parametrize(("traditional", "dims"), [(False, 16), (True, 16), (False, 8), (True, 8)],
-                         ids=["halves", "pairs", "halves-partial", "pairs-partial"])  # fmt: skip
-def test_host_rope_is_the_pair_formula_and_mlx_rope(traditional, dims):
-    """HostRope.rotate over q and k heads at once (a strided view of the GEMM's rows, as the
-    step passes it): nn.RoPE's pair formula at each row's own position, bit for bit, and
-    nn.RoPE itself within float32 rounding of the angles; dims below head_dim as they were."""
-    t, heads, d = 5, 4, 16
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "numpy"])
+@pytest.mark.parametrize(("traditional", "dims", "d"),
+                         [(False, 16, 16), (True, 16, 16), (False, 8, 16), (True, 8, 16),
+                          (False, 32, 32)],
+                         ids=["halves", "pairs", "halves-partial", "pairs-partial",
+                              "halves-vector"])  # fmt: skip
+def test_host_rope_is_the_pair_formula_and_mlx_rope(monkeypatch, native, traditional, dims, d):
+    """HostRope.rotate_scaled over q and k heads at once (a strided view of the GEMM's rows,
+    as the step passes it), in our kernel and in numpy: nn.RoPE's pair formula at each row's
+    own position, bit for bit, and nn.RoPE itself within float32 rounding of the angles; dims
+    below head_dim as they were; the query heads then times the scale, bit for bit."""
+    if native and not host_ops.available():
+        pytest.skip("the host ops kernel does not run here")
+    monkeypatch.setattr(host_ops, "available", lambda: native)
+    t, heads, scaled, scale = 5, 4, 3, np.float32(0.125)
     rope = nn.RoPE(dims, traditional=traditional, base=10000.0)
     host = HostRope(dims, traditional, 10000.0, 1.0, d, heads)
     rng = np.random.default_rng(3)
@@ -136,12 +145,15 @@ def test_host_rope_is_the_pair_formula_and_mlx_rope(traditional, dims):
     positions = np.array([0, 3, 17, 250, 4095])
     x = rows[:, : heads * d].reshape(t, heads, d)
     tables = host.tables(positions)
-    got = host.rotate(x, tables)
+    assert (tables.cos is None) == native
+    out = host.rotate_scaled(rows[:, : heads * d], tables, scaled, scale)
+    got = out.copy()
+    got[:, :scaled] /= scale  # exact: a power of two
     first, second = host._pairs()
-    cos, sin = tables.cos.reshape(t, heads, d)[..., second], tables.sin.reshape(t, heads, d)
+    cos, sin = tables.half_cos[:, None, :], tables.half_sin[:, None, :]
     x1, x2 = x[..., first], x[..., second]
-    np.testing.assert_array_equal(got[..., first], x1 * cos - x2 * sin[..., second])
-    np.testing.assert_array_equal(got[..., second], x1 * sin[..., second] + x2 * cos)
+    np.testing.assert_array_equal(got[..., first], x1 * cos - x2 * sin)
+    np.testing.assert_array_equal(got[..., second], x1 * sin + x2 * cos)
     np.testing.assert_array_equal(got[..., dims:], x[..., dims:])
     for i, p in enumerate(positions):
         row = mx.array(x[i].reshape(1, heads, 1, d))

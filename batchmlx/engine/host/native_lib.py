@@ -102,7 +102,7 @@ def _load(lib: NativeLibrary) -> ctypes.CDLL | None:
 
 LIBRARIES: dict[str, NativeLibrary] = {}
 # the modules that own a kernel, each registering its library on import
-KERNEL_MODULES = ("q8",)
+KERNEL_MODULES = ("q8", "ops")
 
 
 def register(lib: NativeLibrary) -> NativeLibrary:
@@ -117,7 +117,8 @@ def kernel_libraries() -> dict[str, NativeLibrary]:
 
     for module in KERNEL_MODULES:
         importlib.import_module(f"batchmlx.engine.host.{module}")
-    return dict(LIBRARIES)
+    # the kernels register with the package's module, not with `python -m`'s __main__ copy
+    return dict(importlib.import_module("batchmlx.engine.host.native_lib").LIBRARIES)
 
 
 def main(argv: list[str]) -> int:

@@ -17,13 +17,19 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from batchmlx.engine.host import ops
+
 
 @dataclass(frozen=True, slots=True)
 class RopeTables:
-    """A step's RoPE factors, [T, (query + KV heads) x head_dim]."""
+    """A step's RoPE factors: each row's angles' cos and sin [T, dims / 2] (our kernel reads
+    these), and for the numpy form the same spread over every element, [T, (query + KV heads)
+    x head_dim] (None where the kernel runs)."""
 
-    cos: np.ndarray  # 1 on the dims RoPE leaves alone
-    sin: np.ndarray  # -sin on a pair's first element, +sin on its second; 0 on dims left alone
+    half_cos: np.ndarray
+    half_sin: np.ndarray
+    cos: np.ndarray | None  # 1 on the dims RoPE leaves alone
+    sin: np.ndarray | None  # -sin on a pair's first element, +sin on its second; 0 elsewhere
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,18 +68,33 @@ class HostRope:
         if self.mscale != 1.0:  # (m x) cos - (m x') sin: the factor in the tables
             cos *= np.float32(self.mscale)
             sin *= np.float32(self.mscale)
+        if ops.available():
+            return RopeTables(cos, sin, None, None)
         t, d = positions.shape[0], self.head_dim
         c, s = np.ones((t, d), np.float32), np.zeros((t, d), np.float32)  # past dims: as is
         first, second = self._pairs()
         c[:, first], c[:, second] = cos, cos
         s[:, first], s[:, second] = -sin, sin
-        return RopeTables(np.tile(c, (1, self.heads)), np.tile(s, (1, self.heads)))
+        return RopeTables(cos, sin, np.tile(c, (1, self.heads)), np.tile(s, (1, self.heads)))
 
     def _pairs(self) -> tuple[slice, slice]:
         """The elements of a head rotated together: (first, second) of each pair."""
         if self.traditional:  # pairs (2i, 2i + 1)
             return slice(0, self.dims, 2), slice(1, self.dims, 2)
         return slice(0, self.dims // 2), slice(self.dims // 2, self.dims)  # (i, i + dims / 2)
+
+    def rotate_scaled(self, x: np.ndarray, rope: RopeTables, scaled: int,
+                      scale: np.float32) -> np.ndarray:  # fmt: skip
+        """x's rows [T, heads x D] (a view of the GEMM's rows, or normed heads) rotated by
+        their row's positions, then the first `scaled` heads (the queries) times `scale`, as a
+        new [T, heads, D] array: in one pass of our kernel where it runs, else `rotate`."""
+        t = x.shape[0]
+        if rope.cos is None:
+            return ops.rope(x, self.heads, self.head_dim, self.dims, self.traditional,
+                            rope.half_cos, rope.half_sin, scaled, float(scale))  # fmt: skip
+        out = self.rotate(x.reshape(t, self.heads, self.head_dim), rope)
+        out[:, :scaled] *= scale
+        return out
 
     def rotate(self, x: np.ndarray, rope: RopeTables) -> np.ndarray:
         """x [T, heads, D] (a view of the GEMM's rows) rotated by its row's position, a new
@@ -82,6 +103,7 @@ class HostRope:
         three whole-row passes and a copy; per half-head views took 3.5x as long (1,776
         prompt tokens, alone: 3.3 ms a layer against 0.95; a width-64 prefill's RoPE 162 ->
         110 ms)."""
+        assert rope.cos is not None and rope.sin is not None
         t, n, d = x.shape
         first, second = self._pairs()
         sw = np.empty((t, n, d), np.float32)

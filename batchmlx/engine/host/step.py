@@ -6,8 +6,10 @@ the host through an evaluation barrier: 121 a step at 135M, ~350 us each, 42 ms 
 decode step's 81 (measured 2026-12-02), and the norms, RoPE and SwiGLU between them run in
 MLX's slow CPU elementwise kernels. Here a packed step (decodes, prompt chunks, or both) runs
 as numpy and oneDNN calls over the very same packed weights, paged KV pool and decodes' dense
-copy (kv/decode.py), each segment's attention in host_attention's kernels (step_kv.py), and
-only the logits go back to MLX, in a buffer MLX owns. One block is written once: its norms
+copy (kv/decode.py), each segment's attention in host_attention's kernels (step_kv.py), the
+norms (each with the residual add before it), RoPE and gated MLP activations in our elementwise
+kernel (ops.py; numpy where it cannot run), and only the logits go back to MLX, in a buffer MLX
+owns. One block is written once: its norms
 before or after each sublayer, q/k norms, RoPE per layer (or none), sliding windows, GeGLU or
 SwiGLU or a mixture of experts (engine/host/experts.py), and the embedding, residual and logit
 factors are the Family's parts, so llama, qwen2/3, phi3, gemma2/3, granite, olmo2, smollm3,
@@ -33,6 +35,7 @@ import mlx.nn as nn
 import numpy as np
 
 from batchmlx.engine.host import experts as host_experts
+from batchmlx.engine.host import ops
 from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.elementwise import geglu_halves, softcap, swiglu_halves
 from batchmlx.engine.host.family import CODE, Activation, Family, QKNorm, describe, norm_weight
@@ -63,17 +66,35 @@ def backend_of(model: nn.Module) -> HostBackend:
 
 @dataclass(frozen=True, slots=True)
 class HostNorm:
-    """An RMSNorm on the host: its float32 weight (gemma's 1 + w already added) and eps."""
+    """An RMSNorm on the host: its float32 weight (gemma's 1 + w already added) and eps; in
+    our kernel (ops.py) where it runs and x is rows, else numpy."""
 
     weight: np.ndarray
     eps: np.float32
+    address: int  # the weight's, for the kernel (found once: ~2 us a lookup)
 
     @classmethod
     def of(cls, norm: nn.Module | None, offset: float) -> HostNorm | None:
-        return None if norm is None else cls(norm_weight(norm, offset), np.float32(norm.eps))
+        if norm is None:
+            return None
+        w = np.ascontiguousarray(norm_weight(norm, offset), np.float32)
+        return cls(w, np.float32(norm.eps), w.ctypes.data)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if ops.available() and ops.rows_of(x):
+            out = np.empty(x.shape, np.float32)
+            ops.rms_norm(x, self.address, float(self.eps), out)
+            return out
         return _rms_norm(x, self.weight, self.eps)
+
+    def add_then(self, x: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """x += r (in place), then the norm of x: one pass in the kernel."""
+        if ops.available() and ops.rows_of(x) and ops.rows_of(r):
+            out = np.empty(x.shape, np.float32)
+            ops.rms_norm(x, self.address, float(self.eps), out, r)
+            return out
+        x += r
+        return self(x)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,14 +277,17 @@ class HostStep:
         tables = [r.tables(offsets) for r in self.ropes]
         kv = StepKV(storage, layout, self.backend)
         hq, h, d = self.n_heads, self.n_kv, self.head_dim
+        pending = None  # a sublayer's output not yet added to x: added in its next norm's pass
         for i, blk in enumerate(self.blocks):
-            qkv = blk.qkv.host(x if blk.pre_attn is None else blk.pre_attn(x))
+            qkv = blk.qkv.host(_residual(x, pending, blk.pre_attn))
             q, k = self._queries_keys(qkv, blk, tables)
             v = qkv[:, (hq + h) * d :].reshape(t, h, d)
             o = kv.attend(i, q, k, np.ascontiguousarray(v), blk.window, fam.attn_softcap)
-            self._add(x, blk.o.host(o.reshape(t, hq * d)), blk.post_attn)
-            self._add(x, self._ffn(x if blk.pre_mlp is None else blk.pre_mlp(x), blk),
-                      blk.post_mlp)  # fmt: skip
+            pending = self._sublayer(blk.o.host(o.reshape(t, hq * d)), blk.post_attn)
+            pending = self._sublayer(self._ffn(_residual(x, pending, blk.pre_mlp), blk),
+                                     blk.post_mlp)  # fmt: skip
+        if pending is not None:
+            x += pending
         last = np.asarray(layout.last_index)
         if rows is not None:
             last = last[np.asarray(rows, dtype=np.int64)]
@@ -299,13 +323,14 @@ class HostStep:
                 normed[:, :hq] = blk.q_norm(qkv[:, : hq * d]).reshape(t, hq, d)
                 normed[:, hq:] = blk.k_norm(qkv[:, hq * d : (hq + h) * d]).reshape(t, h, d)
             qk = normed
-        if blk.rope is not None:
-            qk = self.ropes[blk.rope].rotate(qk, tables[blk.rope])
-        elif blk.q_norm is None:
-            qk = qk.copy()  # (the scaling below must not write the GEMM's rows)
-        q, k = qk[:, :hq], qk[:, hq:]
-        q *= self.scale
-        return q, k
+        if blk.rope is not None:  # rotated and the queries scaled into a new array
+            rows = qk.reshape(t, (hq + h) * d)  # (a view: the GEMM's rows, or the normed heads)
+            qk = self.ropes[blk.rope].rotate_scaled(rows, tables[blk.rope], hq, self.scale)
+        else:
+            if blk.q_norm is None:
+                qk = qk.copy()  # (the scaling below must not write the GEMM's rows)
+            qk[:, :hq] *= self.scale
+        return qk[:, :hq], qk[:, hq:]
 
     def _ffn(self, h: np.ndarray, blk: _Block) -> np.ndarray:
         """The block's MLP of h [T, hidden]: its gated MLP, or its mixture of experts (each
@@ -321,14 +346,14 @@ class HostStep:
         )
         return host_experts.combine(outs, routed.weights)
 
-    def _add(self, x: np.ndarray, r: np.ndarray, norm: HostNorm | None) -> None:
-        """x += a sublayer's output r: normed first where the family norms after the sublayer
-        (gemma, olmo2), times its residual factor (granite)."""
+    def _sublayer(self, r: np.ndarray, norm: HostNorm | None) -> np.ndarray:
+        """A sublayer's output r as it is added to the residual: normed first where the family
+        norms after the sublayer (gemma, olmo2), times its residual factor (granite)."""
         if norm is not None:
             r = norm(r)
         if self.family.residual_scale is not None:
             r *= np.float32(self.family.residual_scale)
-        x += r
+        return r
 
     def _embedding(self, tokens: np.ndarray) -> np.ndarray:
         rows = self._embed[tokens]
@@ -337,6 +362,17 @@ class HostStep:
         if self._embed_scales is None:
             return rows
         return rows.astype(np.float32) * self._embed_scales[tokens][:, None]
+
+
+def _residual(x: np.ndarray, pending: np.ndarray | None, norm: HostNorm | None) -> np.ndarray:
+    """x += pending (a sublayer's output, None: nothing yet), then a sublayer's input: x
+    normed by `norm`, or x itself."""
+    if pending is None:
+        return x if norm is None else norm(x)
+    if norm is None:
+        x += pending
+        return x
+    return norm.add_then(x, pending)
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:

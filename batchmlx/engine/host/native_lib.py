@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import numpy as np
+
 log = logging.getLogger("batchmlx.engine")
 
 NATIVE = Path(__file__).parent / "native"
@@ -98,6 +100,18 @@ def _load(lib: NativeLibrary) -> ctypes.CDLL | None:
             why = f"{lib.path.name} was built from another {lib.source.name} ({built}): rebuild it"
     log.info("%s unavailable: %s", lib.what, why)
     return None
+
+
+_BYTES = ctypes.c_char * 0
+
+
+def pointer(a: np.ndarray) -> ctypes.Array | int:
+    """What a kernel takes for a's first element: a ctypes view of a contiguous, writable
+    array (~0.5 us), else its address (`a.ctypes.data`, ~1.5 us; a decode step passes ~1,000)."""
+    try:
+        return _BYTES.from_buffer(a)
+    except TypeError:  # a strided view, or read-only
+        return a.ctypes.data
 
 
 LIBRARIES: dict[str, NativeLibrary] = {}

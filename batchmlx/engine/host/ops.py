@@ -20,7 +20,7 @@ from functools import cache
 
 import numpy as np
 
-from batchmlx.engine.host.native_lib import NativeLibrary, register
+from batchmlx.engine.host.native_lib import NativeLibrary, pointer, register
 
 CPU_FLAGS = ("avx512f",)
 LIB = register(NativeLibrary("ops", CPU_FLAGS, ("-mavx512f",), "host step's elementwise kernel"))
@@ -66,8 +66,9 @@ def gated(gu: np.ndarray, out: np.ndarray, lo: int, hi: int, act: Activation) ->
     lib = library()
     assert lib is not None
     i = out.shape[1]
-    lib.ops_gated(lo, hi, i, gu.ctypes.data, gu.strides[0] // 4, out.ctypes.data,
-                  out.strides[0] // 4, act)  # fmt: skip
+    lib.ops_gated(
+        lo, hi, i, pointer(gu), gu.strides[0] // 4, pointer(out), out.strides[0] // 4, act
+    )
 
 
 def rms_norm(x: np.ndarray, weight: int, eps: float, out: np.ndarray,
@@ -77,9 +78,9 @@ def rms_norm(x: np.ndarray, weight: int, eps: float, out: np.ndarray,
     lib = library()
     assert lib is not None
     m, n = x.shape
-    r, ldr = (None, 0) if residual is None else (residual.ctypes.data, residual.strides[0] // 4)
-    lib.ops_rms_norm(m, n, x.ctypes.data, x.strides[0] // 4, r, ldr, weight, eps,
-                     out.ctypes.data, out.strides[0] // 4)  # fmt: skip
+    r, ldr = (None, 0) if residual is None else (pointer(residual), residual.strides[0] // 4)
+    lib.ops_rms_norm(m, n, pointer(x), x.strides[0] // 4, r, ldr, weight, eps, pointer(out),
+                     out.strides[0] // 4)  # fmt: skip
 
 
 def rope(x: np.ndarray, heads: int, head_dim: int, dims: int, traditional: bool,
@@ -91,5 +92,5 @@ def rope(x: np.ndarray, heads: int, head_dim: int, dims: int, traditional: bool,
     t = x.shape[0]
     out = np.empty((t, heads, head_dim), np.float32)
     lib.ops_rope(t, heads, head_dim, dims, int(traditional), x.ctypes.data, x.strides[0] // 4,
-                 cos.ctypes.data, sin.ctypes.data, out.ctypes.data, scaled, scale)  # fmt: skip
+                 pointer(cos), pointer(sin), pointer(out), scaled, scale)  # fmt: skip
     return out

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchmlx.engine.host.native_lib import NativeLibrary, cpu_has, register
+from batchmlx.engine.host.native_lib import NativeLibrary, cpu_has, pointer, register
 
 log = logging.getLogger("batchmlx.engine")
 
@@ -289,8 +289,8 @@ def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
         x = np.ascontiguousarray(x, dtype=np.float32)
     # AMX reads its activations and their scales as tiles of 16 rows: the last one rounded up
     (xq, xs), _held = _scratch(-(-m // 16) * 16 if use_amx else m, k)
-    lib.q8_quantize(m, k, GROUP, x.ctypes.data, x.strides[0] // 4, xq, xs, int(use_amx))
-    args = (m, w.n, k, GROUP, xq, xs, *w.addresses, out.ctypes.data)
+    lib.q8_quantize(m, k, GROUP, pointer(x), x.strides[0] // 4, xq, xs, int(use_amx))
+    args = (m, w.n, k, GROUP, xq, xs, *w.addresses, pointer(out))
     gemm = lib.q8_gemm_amx if use_amx else lib.q8_gemm
     if threads <= 1 or pool is None or m * w.n * k < SPLIT_MACS:
         gemm(*args, 0, w.n)

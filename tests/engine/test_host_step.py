@@ -1,5 +1,6 @@
 """Packed steps on the host alone (engine/host/step.py): every step's logits against the MLX
-path's on the same step (decodes over the dense copy or gathered keys, prompt chunks alone,
+path's on the same step (decodes straight from the paged pool, or with the paged kernel off
+over the dense copy or gathered keys, prompt chunks alone,
 padded together or beside decodes, behind a shared prefix), greedy tokens equal, the models it
 declines; on the real default model, text equal to the MLX path's."""
 
@@ -14,6 +15,7 @@ from mlx_lm.models import llama
 from batchmlx.config import HostSettings
 from batchmlx.core.request import GenerationRequest, SamplingParams
 from batchmlx.engine.host import ops as host_ops
+from batchmlx.engine.host import paged_attention
 from batchmlx.engine.host.backend import current
 from batchmlx.engine.host.linear import HostFormat, runs_here, to_host_format
 from batchmlx.engine.host.step import HostRope, HostStep, backend_of, unsupported
@@ -69,13 +71,28 @@ class Compare:
         return mx.array(got)
 
 
+# how the host step's decode rows read their keys: straight from the pool (the paged kernel),
+# or with it off (a CPU without AVX-512) through the dense copy or gathered
+KV_PATHS = ["paged", "dense-copy", "gathered"]
+
+
+def kv_path(monkeypatch, path: str) -> bool:
+    """Sets the decode rows' path up; returns the engine's dense_decode."""
+    if path != "paged":
+        monkeypatch.setattr(paged_attention, "takes", lambda d, rep: False)
+    elif paged_attention.library() is None:
+        pytest.skip("the paged kernel does not run on this CPU")
+    return path == "dense-copy"
+
+
 def _tokens(outs) -> dict[str, list[int]]:
     return {k: o.token_ids for k, o in outs.items()}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dense", [True, False], ids=["dense-copy", "gathered"])
-def test_host_steps_match_the_mlx_path_with_sequences_joining_and_leaving(fmt, dense):
+@pytest.mark.parametrize("path", KV_PATHS)
+def test_host_steps_match_the_mlx_path_with_sequences_joining_and_leaving(fmt, path, monkeypatch):
+    dense = kv_path(monkeypatch, path)
     model = tiny(fmt)
     work = churn()  # arrivals while others decode: host steps and mixed MLX steps alternate
     e = engine(model, max_batch_size=8, max_prefill_tokens=24, block_size=8, dense_decode=dense)
@@ -85,6 +102,8 @@ def test_host_steps_match_the_mlx_path_with_sequences_joining_and_leaving(fmt, d
     assert e.runner.stats.mixed_steps > 0  # prompt chunks beside decodes
     if dense:
         assert e.runner.decode_kv.rebuilds >= 2 and e.runner.decode_kv.joins >= 2
+    else:
+        assert e.runner.decode_kv is None
     assert max(cmp.diffs) < TOLERANCE[fmt], max(cmp.diffs)
     if fmt is HostFormat.INT8:
         # a flipped 8-bit rounding (see TOLERANCE) can turn a near-tie of this tiny model, and
@@ -100,8 +119,9 @@ def test_host_steps_match_the_mlx_path_with_sequences_joining_and_leaving(fmt, d
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dense", [True, False], ids=["dense-copy", "gathered"])
-def test_steps_behind_a_shared_prefix_match_the_mlx_path(fmt, dense):
+@pytest.mark.parametrize("path", KV_PATHS)
+def test_steps_behind_a_shared_prefix_match_the_mlx_path(fmt, path, monkeypatch):
+    dense = kv_path(monkeypatch, path)
     model = tiny(fmt, traditional=True)
     rng = np.random.default_rng(5)
     shared = rng.integers(1, 97, size=140).tolist()  # 17 blocks of 8: cascade attention

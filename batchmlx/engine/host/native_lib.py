@@ -116,7 +116,7 @@ def pointer(a: np.ndarray) -> ctypes.Array | int:
 
 LIBRARIES: dict[str, NativeLibrary] = {}
 # the modules that own a kernel, each registering its library on import
-KERNEL_MODULES = ("q8", "ops")
+KERNEL_MODULES = ("q8", "ops", "paged_attention")
 
 
 def register(lib: NativeLibrary) -> NativeLibrary:
@@ -146,4 +146,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # the kernel modules register into the imported module, not this __main__ copy of it
+    from batchmlx.engine.host import native_lib
+
+    sys.exit(native_lib.main(sys.argv[1:]))

@@ -5,9 +5,10 @@ On MLX's CPU backend a host-format step (engine/host/linear.py) hands every GEMM
 the host through an evaluation barrier: 121 a step at 135M, ~350 us each, 42 ms of a width-8
 decode step's 81 (measured 2026-12-02), and the norms, RoPE and SwiGLU between them run in
 MLX's slow CPU elementwise kernels. Here a packed step (decodes, prompt chunks, or both) runs
-as numpy and oneDNN calls over the very same packed weights, paged KV pool and decodes' dense
-copy (kv/decode.py), each segment's attention in host_attention's kernels (step_kv.py), the
-norms (each with the residual add before it), RoPE and gated MLP activations in our elementwise
+as numpy and oneDNN calls over the very same packed weights and paged KV pool, decode rows
+attending straight from the pool in the paged kernel (paged_attention.py; the decodes' dense
+copy, kv/decode.py, where it cannot run), prompt chunks in host_attention's kernels, the norms
+(each with the residual add before it), RoPE and gated MLP activations in our elementwise
 kernel (ops.py; numpy where it cannot run), and only the logits go back to MLX, in a buffer MLX
 owns. One block is written once: its norms
 before or after each sublayer, q/k norms, RoPE per layer (or none), sliding windows, GeGLU or
@@ -35,7 +36,7 @@ import mlx.nn as nn
 import numpy as np
 
 from batchmlx.engine.host import experts as host_experts
-from batchmlx.engine.host import ops
+from batchmlx.engine.host import ops, paged_attention
 from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.elementwise import geglu_halves, softcap, swiglu_halves
 from batchmlx.engine.host.family import CODE, Activation, Family, QKNorm, describe, norm_weight
@@ -256,6 +257,12 @@ class HostStep:
             return None
         assert not isinstance(fam, str)
         return cls(model, storage, backend, fam)
+
+    @property
+    def attends_from_pool(self) -> bool:
+        """Whether its decode rows attend straight from the paged pool (the paged kernel runs
+        here for this shape): then the runner keeps no dense copy of the decodes' KV."""
+        return paged_attention.takes(self.head_dim, self.n_heads // self.n_kv)
 
     @staticmethod
     def runs(layout: object) -> bool:

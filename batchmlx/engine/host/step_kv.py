@@ -1,8 +1,12 @@
 """A host step's keys and values (engine/host/step.py): each token's new rows written to the
-paged pool (and the decodes' into their dense copy, kv/decode.py), and each segment's attention
-over the keys its rows see, in engine/host/attention.py's kernels. A sliding-window layer's
-segments add their window to the step's mask (built once a step per window size); gemma2's
-soft-capped scores go through the same kernels with their cap.
+paged pool, and each segment's attention over the keys its rows see. Decode rows attend
+straight from the pool through their block tables in the paged kernel
+(engine/host/paged_attention.py: no gather, no dense copy, batch-invariant by construction),
+where it runs; elsewhere through the decodes' dense copy (kv/decode.py) in
+engine/host/attention.py's kernels, which prompt chunks always use. A sliding-window layer's
+segments add their window to the step's mask (built once a step per window size; the paged
+kernel takes the window itself); gemma2's soft-capped scores go through the same kernels with
+their cap.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from batchmlx.engine.host import attention as host_attention
+from batchmlx.engine.host import paged_attention
 from batchmlx.engine.host.backend import HostBackend
 from batchmlx.engine.kv.decode import DecodePlan
 from batchmlx.engine.kv.paged import PackedLayout, PagedKVStorage, Segment, SegmentKind
@@ -64,6 +69,7 @@ class _SegmentPlan:
     valid: np.ndarray | None = None  # CHUNKS behind a prefix: [B, Q] the real queries
     backend: HostBackend | None = None  # its attention's thread pool and oneDNN
     windows: dict[int, np.ndarray] = field(default_factory=dict)  # bias within each window
+    rows: paged_attention.DecodeRows | None = None  # ROWS: what the paged kernel reads
 
     @classmethod
     def of(cls, seg: Segment, backend: HostBackend | None = None) -> _SegmentPlan:
@@ -74,6 +80,10 @@ class _SegmentPlan:
         p = cls(seg, np.asarray(seg.bias), np.asarray(seg.gather_runs),
                 None if seg.prefix_runs is None else np.asarray(seg.prefix_runs),
                 backend=backend)  # fmt: skip
+        if seg.kind is SegmentKind.ROWS and seg.block_table is not None:
+            assert seg.query_pos is not None
+            shared = 0 if p.prefix_runs is None else p.prefix_runs.shape[1]
+            p.rows = paged_attention.DecodeRows.of(seg.block_table, seg.query_pos[:, 0] + 1, shared)
         if seg.kind is SegmentKind.CHUNKS:
             p.pad_rows, p.real_rows = np.asarray(seg.pad_rows), np.asarray(seg.real_rows)
             if p.prefix_runs is not None and seg.queries <= host_attention.TILE_QUERIES:
@@ -110,6 +120,13 @@ class _SegmentPlan:
         n, hq, d = q.shape
         h = k.shape[1]
         rep = hq // h
+        if self.rows is not None and self.dense is None and paged_attention.takes(d, rep):
+            backend = self.backend
+            pool = None if backend is None else backend.pool()
+            return paged_attention.decode(
+                q, kpool, vpool, self.rows, h, kr.shape[1] // d, window=window,
+                softcap=softcap, pool=pool, threads=1 if backend is None else backend.pool_threads,
+            )  # fmt: skip
         bias = self.bias if window is None else self.window_bias(window)
         if self.dense is not None:
             keys, values, prefix = self.dense.fetch(layer, kpool, vpool, k, v)

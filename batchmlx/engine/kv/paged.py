@@ -232,6 +232,10 @@ class Segment:
     # sliding-window layers limit the mask with them (engine/host/step_kv.py)
     query_pos: np.ndarray | None = None
     key_pos: np.ndarray | None = None
+    # ROWS only, host-side: [B, blocks] each row's block ids (a shared prefix's first), for
+    # the host's paged decode attention (engine/host/paged_attention.py), which reads the pool
+    # through them; each row sees query_pos + 1 keys
+    block_table: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -317,6 +321,8 @@ class PackedLayout:
                 query_pos=qwin,
                 key_pos=kpos,
             )
+            if kind is SegmentKind.ROWS:
+                seg.block_table = table
             if kind is SegmentKind.CHUNKS:
                 member_first = np.concatenate([[0], np.cumsum(lens)[:-1]])
                 pad = member_first[:, None] + np.arange(q)[None, :]

@@ -125,7 +125,7 @@ class PagedRunner:
                 budget_bytes=min(kv_bound // 2, DECODE_KV_BUDGET),
                 key_group=KEY_GROUP if self.forward_pass.host is not None else 1,
             )  # fmt: skip
-            if self.mixed_steps and cfg.dense_decode
+            if self.mixed_steps and cfg.dense_decode and not self._attends_from_pool()
             else None
         )
         self.scheduler = Scheduler(
@@ -314,6 +314,12 @@ class PagedRunner:
         if self.storage.nbytes > st.kv_bound_bytes:
             st.bound_violations += 1
         return logits
+
+    def _attends_from_pool(self) -> bool:
+        """Host steps whose decode rows read the paged pool directly (engine/host/
+        paged_attention.py) need no dense copy; the MLX path's decodes still do."""
+        host = self.forward_pass.host
+        return host is not None and host.attends_from_pool
 
     def _kv_forecast(self) -> int:
         """Block ids the running sequences may need soon: those handed out so far and each

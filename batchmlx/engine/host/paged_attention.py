@@ -1,0 +1,128 @@
+"""Decode attention straight from the paged KV pool: native/attn.c, a kernel of our own.
+
+Each decode row (one query token of one sequence) reads its keys and values block by block
+through its block table, with a block-wise online softmax in a fixed order (attn.c's header):
+no gather, no dense copy of the decodes' KV (kv/decode.py), no oneDNN product, and a row's bits
+depend on its own keys alone, never on the batch, its width or the split over threads. Rows
+behind a prefix every one of them shares walk its blocks block-major (each read once for all
+while in cache) with the same per-(row, block) arithmetic: the cascade gives the bits of the
+row alone.
+
+The library ships prebuilt (native/libbatchmlx_attn.so; `python -m
+batchmlx.engine.host.native_lib --build attn` remakes it). Where it cannot run (another CPU or
+OS) the host step keeps numpy's decode attention over the dense copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+
+from batchmlx.engine.host.native_lib import NativeLibrary, register
+
+CPU_FLAGS = ("avx512f",)
+LIB = register(NativeLibrary("attn", CPU_FLAGS, ("-mavx512f",), "paged decode-attention kernel"))
+# rows x query heads x keys from which a call's rows are split over two threads (a hand-off
+# costs ~30-50 us; one such call is ~40 us of work)
+SPLIT_WORK = 1 << 15
+# the shapes the kernel takes (attn.c's MAX_D, MAX_REP)
+MAX_D = 512
+MAX_REP = 16
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The kernel, or None where it cannot run here (see native_lib); the reason is logged once."""
+    lib = LIB.load()
+    if lib is None:
+        return None
+    lib.attn_decode.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I,
+                                ctypes.c_float, _P]  # fmt: skip
+    lib.attn_decode.restype = _I
+    return lib
+
+
+def takes(head_dim: int, rep: int) -> bool:
+    """Whether the kernel runs here for this attention shape."""
+    return head_dim % 16 == 0 and head_dim <= MAX_D and rep <= MAX_REP and library() is not None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """A step's decode rows as the kernel reads them: tables [R, blocks] int32 block ids of
+    each row's sequence (its shared prefix's first), counts [R] int32 keys each row sees,
+    shared: blocks every row's table starts with (the same ones: a cascade's prefix)."""
+
+    tables: np.ndarray
+    counts: np.ndarray
+    shared: int = 0
+
+    @classmethod
+    def of(cls, tables: np.ndarray, counts: np.ndarray, shared: int = 0) -> DecodeRows:
+        return cls(np.ascontiguousarray(tables, dtype=np.int32),
+                   np.ascontiguousarray(counts, dtype=np.int32), shared)  # fmt: skip
+
+    def splits(self, rep_heads: int, threads: int) -> list[tuple[int, int]]:
+        """Row ranges, one per thread, of about equal keys (one range below SPLIT_WORK)."""
+        n = len(self.counts)
+        work = np.cumsum(self.counts, dtype=np.int64)
+        if threads <= 1 or n < 2 or int(work[-1]) * rep_heads < SPLIT_WORK:
+            return [(0, n)]
+        cuts = [0]
+        for t in range(1, threads):
+            cut = int(np.searchsorted(work, work[-1] * t / threads))
+            cuts.append(min(max(cut, cuts[-1] + 1), n - 1))
+        return [(a, b) for a, b in zip(cuts, [*cuts[1:], n], strict=True) if a < b]
+
+
+def decode(
+    q: np.ndarray,
+    kpool: np.ndarray,
+    vpool: np.ndarray,
+    rows: DecodeRows,
+    kv_heads: int,
+    block_size: int,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    pool: ThreadPoolExecutor | None = None,
+    threads: int = 1,
+    ranges: list[tuple[int, int]] | None = None,
+) -> np.ndarray:
+    """q [R, H * rep, D] float32 (scaled) against the pool's keys and values (float32
+    C-contiguous, row ((block * H + head) * block_size + offset) of D; H = kv_heads) -> [R,
+    H * rep, D]. window: each row sees its last `window` keys only; softcap: scores ->
+    softcap * tanh(s / softcap). The rows are split over this thread and `pool`'s
+    (`threads` in all) unless `ranges` names the split; a row's result is the same bits
+    whichever."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("paged decode-attention kernel unavailable (see the log)")
+    r, hq, d = q.shape
+    h = kv_heads
+    if not (kpool.flags.c_contiguous and vpool.flags.c_contiguous):
+        raise ValueError("the pool must be C-contiguous")
+    if kpool.dtype != np.float32 or vpool.dtype != np.float32:
+        raise ValueError("the kernel reads a float32 pool")
+    if q.dtype != np.float32 or not q.flags.c_contiguous:
+        q = np.ascontiguousarray(q, dtype=np.float32)
+    out = np.empty((r, hq, d), np.float32)
+    tables = rows.tables
+    args = (q.ctypes.data, kpool.ctypes.data, vpool.ctypes.data, tables.ctypes.data,
+            tables.shape[1], rows.counts.ctypes.data)  # fmt: skip
+    tail = (h, hq // h, d, block_size, rows.shared, window or 0, float(softcap or 0.0),
+            out.ctypes.data)  # fmt: skip
+    parts = ranges or rows.splits(hq, threads if pool is not None else 1)
+    jobs = [pool.submit(lib.attn_decode, *args, a, b, *tail) for a, b in parts[1:]] if pool else []
+    codes = [lib.attn_decode(*args, *parts[0], *tail)] if parts else []
+    codes += [job.result() for job in jobs]
+    if any(codes):
+        raise ValueError(f"attn_decode does not take D={d}, rep={hq // h}")
+    return out

@@ -1,0 +1,104 @@
+"""The paged decode-attention kernel (native/attn.c): against a float64 reference, and a row's
+bits whatever the other rows, the split over threads and the cascade's loop order."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from batchmlx.engine.host import paged_attention as pa
+
+pytestmark = pytest.mark.skipif(pa.library() is None, reason="kernel does not run on this CPU")
+
+BS = 16
+
+
+def _case(seed: int, rows: int, h: int = 3, rep: int = 3, d: int = 64, shared: int = 0,
+          max_keys: int = 200, blocks: int = 64):  # fmt: skip
+    """A random pool [blocks * H * BS, D] and rows with ragged lengths and shuffled tables
+    (the first `shared` blocks of each the same ones)."""
+    rng = np.random.default_rng(seed)
+    kpool = rng.standard_normal((blocks * h * BS, d), dtype=np.float32)
+    vpool = rng.standard_normal((blocks * h * BS, d), dtype=np.float32)
+    q = rng.standard_normal((rows, h * rep, d), dtype=np.float32) * np.float32(0.3)
+    counts = rng.integers(shared * BS + 1, max_keys + 1, rows)
+    width = -(-int(counts.max()) // BS)
+    prefix = rng.permutation(np.arange(1, blocks))[:shared]
+    tables = np.zeros((rows, width), np.int32)
+    for r in range(rows):
+        own = rng.permutation(np.arange(1, blocks))[: width - shared]
+        tables[r] = np.concatenate([prefix, own])
+    return q, kpool, vpool, pa.DecodeRows.of(tables, counts, shared), h
+
+
+def _reference(q, kpool, vpool, rows: pa.DecodeRows, h: int, window=None, softcap=None):
+    """float64 softmax attention over each row's keys, gathered through its table."""
+    r, hq, d = q.shape
+    rep = hq // h
+    kp = kpool.astype(np.float64).reshape(-1, h, BS, d)
+    vp = vpool.astype(np.float64).reshape(-1, h, BS, d)
+    out = np.empty((r, hq, d))
+    for i in range(r):
+        n = int(rows.counts[i])
+        blocks = rows.tables[i][: -(-n // BS)]
+        k = kp[blocks].transpose(1, 0, 2, 3).reshape(h, -1, d)[:, :n]
+        v = vp[blocks].transpose(1, 0, 2, 3).reshape(h, -1, d)[:, :n]
+        lo = max(0, n - window) if window else 0
+        for head in range(hq):
+            s = k[head // rep, lo:] @ q[i, head].astype(np.float64)
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            p = np.exp(s - s.max())
+            out[i, head] = p @ v[head // rep, lo:] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("shape", "window", "softcap"),
+    [(dict(h=3, rep=3, d=64), None, None), (dict(h=2, rep=4, d=128), None, None),
+     (dict(h=1, rep=1, d=32), 40, None), (dict(h=2, rep=2, d=64), None, 5.0),
+     (dict(h=3, rep=3, d=64, shared=5), None, None)],
+)  # fmt: skip
+def test_kernel_matches_a_float64_reference(shape, window, softcap):
+    q, kp, vp, rows, h = _case(1, rows=9, **shape)
+    got = pa.decode(q, kp, vp, rows, h, BS, window=window, softcap=softcap)
+    want = _reference(q, kp, vp, rows, h, window, softcap)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_a_row_is_the_same_bits_whatever_the_batch_and_the_split():
+    q, kp, vp, rows, h = _case(2, rows=12, max_keys=300)
+    full = pa.decode(q, kp, vp, rows, h, BS)
+    with ThreadPoolExecutor(3) as pool:
+        for ranges in ([(0, 12)], [(0, 1), (1, 12)], [(0, 5), (5, 9), (9, 12)]):
+            split = pa.decode(q, kp, vp, rows, h, BS, pool=pool, ranges=ranges)
+            assert np.array_equal(split, full)
+    for i in (0, 5, 11):  # each row alone, and beside others in another order
+        alone = pa.DecodeRows.of(rows.tables[i : i + 1], rows.counts[i : i + 1])
+        assert np.array_equal(pa.decode(q[i : i + 1], kp, vp, alone, h, BS)[0], full[i])
+    order = np.arange(12)[::-1]
+    shuffled = pa.DecodeRows.of(rows.tables[order], rows.counts[order])
+    assert np.array_equal(pa.decode(q[order], kp, vp, shuffled, h, BS)[::-1], full)
+
+
+def test_the_cascade_is_a_loop_order_not_another_computation():
+    q, kp, vp, rows, h = _case(3, rows=10, shared=6, max_keys=250)
+    cascade = pa.decode(q, kp, vp, rows, h, BS)
+    plain = pa.decode(q, kp, vp, pa.DecodeRows.of(rows.tables, rows.counts, 0), h, BS)
+    assert np.array_equal(cascade, plain)
+    with ThreadPoolExecutor(2) as pool:
+        split = pa.decode(q, kp, vp, rows, h, BS, pool=pool, ranges=[(0, 3), (3, 10)])
+    assert np.array_equal(split, plain)
+    alone = pa.DecodeRows.of(rows.tables[4:5], rows.counts[4:5], 6)
+    assert np.array_equal(pa.decode(q[4:5], kp, vp, alone, h, BS)[0], plain[4])
+
+
+def test_splits_cover_every_row_once():
+    rows = pa.DecodeRows.of(np.zeros((7, 20), np.int32), np.array([3000, 1, 1, 1, 1, 1, 3000]))
+    parts = rows.splits(9, 2)
+    assert parts[0][0] == 0 and parts[-1][1] == 7
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False))
+    assert len(parts) == 2
+    assert pa.DecodeRows.of(np.zeros((1, 1), np.int32), np.array([3])).splits(9, 2) == [(0, 1)]

@@ -30,13 +30,15 @@ ANY = HostFormat.BF16 if runs_here(HostFormat.BF16) else HostFormat.F32
 # bound on max |host - MLX| / max |MLX| of a step's logits: the same arithmetic in another
 # order of float32 sums, whose last-bit differences move some GEMM inputs across a bf16
 # rounding (or int8 quantization) step: one such flip moves a product by up to 2^-8 of an
-# input (measured on these models, whose weights are scaled up: bf16 <= 4.7e-3, int8 <= 1.7e-2)
+# input (measured on these models, whose weights are scaled up: bf16 <= 1.1e-2 over the dense
+# copy, 1.8e-2 from the paged kernel, whose other order of sums flips another rounding: its
+# float32 steps are within 1e-5, as the others', int8 <= 1.7e-2)
 # int8: the two paths' GEMM inputs differ in the last float32 bits (the order of sums in norms
 # and RoPE), and one activation whose rounding to its group's 8 bits flips moves the product by
 # a whole quantization step, which this tiny model's 4x weights amplify: measured up to 0.12 of
 # the largest logit at groups of 32 (0.067 with one group per row). The argmax and the tokens
 # below are held to equality.
-TOLERANCE = {HostFormat.BF16: 1.5e-2, HostFormat.INT8: 0.2, HostFormat.F32: 1e-4}
+TOLERANCE = {HostFormat.BF16: 3e-2, HostFormat.INT8: 0.2, HostFormat.F32: 1e-4}
 
 
 def tiny(fmt: HostFormat, traditional: bool = False):

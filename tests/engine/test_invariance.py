@@ -16,6 +16,7 @@ from mlx_lm.models import qwen3_moe
 
 from batchmlx.core.request import GenerationRequest, SamplingParams
 from batchmlx.engine.host import attention as host_attention
+from batchmlx.engine.host import paged_attention
 from batchmlx.engine.host.backend import current
 from batchmlx.engine.host.linear import HostFormat, SharedGemm, to_host_format
 from batchmlx.engine.kv.paged import KEY_GROUP
@@ -262,6 +263,30 @@ def test_without_cascade_attention_the_same_bits_behind_a_shared_prompt(model):
                               PARAMS) for i in range(8)]  # fmt: skip
     alone = engine(m, simple=True, **CFG).generate(reqs)
     got = engine(m, cascade_attention=False, **CFG).generate(reqs)
+    assert [o.cached_tokens for o in got] == [o.cached_tokens for o in alone]
+    assert [_bits(o) for o in got] == [_bits(o) for o in alone]
+
+
+def test_the_cascade_gives_the_same_bits_behind_a_shared_prompt(model):
+    """The same eight requests with cascade attention on: their decode rows read the shared
+    prompt's blocks block-major, once for all of them, in the paged kernel
+    (engine/host/paged_attention.py), with each row's arithmetic that of the row alone."""
+    if paged_attention.library() is None:
+        pytest.skip("the paged decode kernel does not run on this CPU")
+    fmt, m = model
+    rng = np.random.default_rng(11)
+    shared = rng.integers(1, 49152, size=96).tolist()
+    reqs = [GenerationRequest(f"r{i}", shared + rng.integers(1, 49152, size=3 + 2 * i).tolist(),
+                              PARAMS) for i in range(8)]  # fmt: skip
+    alone = engine(m, simple=True, **CFG).generate(reqs)
+    e = engine(m, **CFG)
+    rows = []
+    real = paged_attention.decode
+    with pytest.MonkeyPatch.context() as mp:  # the steps' decode rows, to see the cascade ran
+        mp.setattr(paged_attention, "decode", lambda q, k, v, r, *a, **kw: (
+            rows.append(r.shared), real(q, k, v, r, *a, **kw))[1])  # fmt: skip
+        got = e.generate(reqs)
+    assert max(rows) >= 12  # the prompt's 12 blocks of 8, read once a step for all rows
     assert [o.cached_tokens for o in got] == [o.cached_tokens for o in alone]
     assert [_bits(o) for o in got] == [_bits(o) for o in alone]
 

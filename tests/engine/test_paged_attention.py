@@ -102,3 +102,17 @@ def test_splits_cover_every_row_once():
     assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False))
     assert len(parts) == 2
     assert pa.DecodeRows.of(np.zeros((1, 1), np.int32), np.array([3])).splits(9, 2) == [(0, 1)]
+
+
+def test_a_float16_pool_is_read_as_its_exact_float32_values():
+    """A float16 pool gives the bits of the float32 pool holding the same (rounded) values:
+    the kernel widens each element exactly, then runs the same arithmetic."""
+    q, kp, vp, rows, h = _case(4, rows=7, shared=3)
+    k16, v16 = kp.astype(np.float16), vp.astype(np.float16)
+    half = pa.decode(q, k16, v16, rows, h, BS)
+    assert np.array_equal(half, pa.decode(q, k16.astype(np.float32), v16.astype(np.float32),
+                                          rows, h, BS))  # fmt: skip
+    want = _reference(q, k16.astype(np.float32), v16.astype(np.float32), rows, h)
+    np.testing.assert_allclose(half, want, rtol=2e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="float16 pool"):
+        pa.decode(q, k16, vp, rows, h, BS)

@@ -32,6 +32,8 @@ SPLIT_WORK = 1 << 15
 # the shapes the kernel takes (attn.c's MAX_D, MAX_REP)
 MAX_D = 512
 MAX_REP = 16
+# what the pool may hold: float16 is widened exactly on load (F16C, part of AVX-512F's vcvtph2ps)
+POOL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -43,7 +45,7 @@ def library() -> ctypes.CDLL | None:
     lib = LIB.load()
     if lib is None:
         return None
-    lib.attn_decode.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I,
+    lib.attn_decode.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I,
                                 ctypes.c_float, _P]  # fmt: skip
     lib.attn_decode.restype = _I
     return lib
@@ -96,8 +98,8 @@ def decode(
     threads: int = 1,
     ranges: list[tuple[int, int]] | None = None,
 ) -> np.ndarray:
-    """q [R, H * rep, D] float32 (scaled) against the pool's keys and values (float32
-    C-contiguous, row ((block * H + head) * block_size + offset) of D; H = kv_heads) -> [R,
+    """q [R, H * rep, D] float32 (scaled) against the pool's keys and values (float32 or
+    float16, C-contiguous, row ((block * H + head) * block_size + offset) of D; H = kv_heads) -> [R,
     H * rep, D]. window: each row sees its last `window` keys only; softcap: scores ->
     softcap * tanh(s / softcap). The rows are split over this thread and `pool`'s
     (`threads` in all) unless `ranges` names the split; a row's result is the same bits
@@ -109,13 +111,14 @@ def decode(
     h = kv_heads
     if not (kpool.flags.c_contiguous and vpool.flags.c_contiguous):
         raise ValueError("the pool must be C-contiguous")
-    if kpool.dtype != np.float32 or vpool.dtype != np.float32:
-        raise ValueError("the kernel reads a float32 pool")
+    if kpool.dtype != vpool.dtype or kpool.dtype not in POOL_DTYPES:
+        raise ValueError(f"the kernel reads a float32 or float16 pool, not {kpool.dtype}")
     if q.dtype != np.float32 or not q.flags.c_contiguous:
         q = np.ascontiguousarray(q, dtype=np.float32)
     out = np.empty((r, hq, d), np.float32)
     tables = rows.tables
-    args = (q.ctypes.data, kpool.ctypes.data, vpool.ctypes.data, tables.ctypes.data,
+    half = int(kpool.dtype == np.float16)
+    args = (q.ctypes.data, kpool.ctypes.data, vpool.ctypes.data, half, tables.ctypes.data,
             tables.shape[1], rows.counts.ctypes.data)  # fmt: skip
     tail = (h, hq // h, d, block_size, rows.shared, window or 0, float(softcap or 0.0),
             out.ctypes.data)  # fmt: skip

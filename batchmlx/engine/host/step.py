@@ -56,7 +56,8 @@ log = logging.getLogger("batchmlx.engine")
 # mlx-lm modules whose models the host step composes (engine/host/family.py's CODE)
 ARCHITECTURES = tuple(CODE)
 
-__all__ = ["ARCHITECTURES", "HostRope", "HostStep", "backend_of", "covers", "unsupported"]
+__all__ = ["ARCHITECTURES", "HostRope", "HostStep", "backend_of", "covers", "pool_dtype",
+           "unsupported"]  # fmt: skip
 
 
 def backend_of(model: nn.Module) -> HostBackend:
@@ -154,11 +155,27 @@ def covers(model: nn.Module) -> Family | None:
     return fam
 
 
+# host formats whose KV pool holds float16 (where the paged kernel reads it): half the bytes
+# every decode row reads and the pool holds; the keys and values are float32 before, widened
+# exactly after (llama.cpp's default KV cache is float16 too). float32 keeps a float32 pool.
+HALF_POOL_FORMATS = (HostFormat.INT8, HostFormat.BF16)
+
+
+def pool_dtype(model: nn.Module) -> mx.Dtype | None:
+    """The KV pool's dtype for host steps of `model`: float16 in HALF_POOL_FORMATS where the
+    paged decode kernel runs for its shape; None: the model's own (float32 for host steps)."""
+    fam = covers(model)
+    if fam is None or not paged_attention.takes(fam.head_dim, fam.n_heads // fam.n_kv_heads):
+        return None
+    gemm = getattr(model.model.embed_tokens, "_gemm", None)
+    return mx.float16 if getattr(gemm, "fmt", None) in HALF_POOL_FORMATS else None
+
+
 def _host_layers_missing(
     model: nn.Module, fam: Family, storage: PagedKVStorage | None
 ) -> str | None:
     inner = model.model
-    if storage is not None and storage.dtype != mx.float32:
+    if storage is not None and storage.dtype not in (mx.float32, mx.float16):
         return f"KV stored as {storage.dtype}"
     if not isinstance(getattr(inner, "embed_tokens", None), HostEmbedding):
         return "embedding not in a host format"

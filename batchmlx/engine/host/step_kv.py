@@ -138,12 +138,12 @@ class _SegmentPlan:
             o = o.reshape(-1, hq, d)
             return o if dp.row_slots is None else o[dp.row_slots]
         b = seg.batch
-        keys = kr[self.gather].reshape(b, h, -1, d)
-        values = vr[self.gather].reshape(b, h, -1, d)
+        keys = _f32(kr[self.gather]).reshape(b, h, -1, d)
+        values = _f32(vr[self.gather]).reshape(b, h, -1, d)
         prefix = None
         if self.prefix_runs is not None:
-            prefix = (kr[self.prefix_runs].reshape(h, -1, d),
-                      vr[self.prefix_runs].reshape(h, -1, d))  # fmt: skip
+            prefix = (_f32(kr[self.prefix_runs]).reshape(h, -1, d),
+                      _f32(vr[self.prefix_runs]).reshape(h, -1, d))  # fmt: skip
         if seg.kind is SegmentKind.ROWS:
             o = host_attention.decode_attention(q.reshape(n, h, rep, d), keys, values,
                                                 bias, prefix, self.backend, softcap)  # fmt: skip
@@ -218,8 +218,15 @@ class _DensePlan:
         return out[0], out[1], prefix
 
 
+def _f32(x: np.ndarray) -> np.ndarray:
+    """Gathered keys or values as float32 (a float16 pool's widened: prompt chunks' kernels
+    compute in float32)."""
+    return x if x.dtype == np.float32 else x.astype(np.float32)
+
+
 def view(a: mx.array) -> np.ndarray:
-    """A writable numpy view of an evaluated float32 MLX array's buffer."""
+    """A writable numpy view of an evaluated MLX array's buffer (the pool: float32 or float16;
+    written through it, numpy rounds float32 rows to float16 to nearest even, as MLX does)."""
     mx.eval(a)
     out = np.asarray(a)
     if not out.flags.writeable:  # pragma: no cover - MLX exported a read-only buffer

@@ -16,7 +16,9 @@ made: those steps gather. Behind a prefix every decode shares (cascade attention
 holds the keys after it, and the prefix's own keys are gathered once and kept while the same
 blocks are shared: complete blocks are never written again. Its memory is bounded
 (`budget_bytes`, at most BUDGET_BYTES) and so is its width (MAX_SLOTS): past either, steps
-gather as before.
+gather as before. Host steps whose paged decode kernel runs (engine/host/paged_attention.py:
+decode rows read the pool through their block tables) keep no copy; it serves MLX's path and
+CPUs without AVX-512.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from batchmlx.core.width import StepReport, WidthController, WidthPhase, WidthPo
 from batchmlx.engine.core import Ended, EngineCore, Live, Ran
 from batchmlx.engine.embed import Embedder
 from batchmlx.engine.grammar import Grammars
+from batchmlx.engine.host.step import pool_dtype as host_pool_dtype
 from batchmlx.engine.kv.budget import kv_block_budget, size_buffer_cache
 from batchmlx.engine.kv.decode import BUDGET_BYTES as DECODE_KV_BUDGET
 from batchmlx.engine.kv.decode import DecodeKV
@@ -92,7 +93,8 @@ class PagedRunner:
         self.sliding_window = sliding_window
         size_buffer_cache()
         num_layers, n_kv, head_dim = model_dims(model)
-        dtype = _kv_dtype(model)
+        # host steps in the int8 and bf16 formats keep a float16 pool (engine/host/step.py)
+        dtype = host_pool_dtype(model) or _kv_dtype(model)
         per_block = PagedKVStorage.bytes_per_block(
             num_layers, n_kv, head_dim, cfg.block_size, dtype
         )

@@ -11,7 +11,8 @@
  * is read once for all of them while in cache; each (row, block) step is the same arithmetic
  * in the same order as a row alone, so the cascade is a loop order, not another computation.
  *
- * Layouts (float32): the pool's rows are ((block * H + head) * bs + offset) * D; q and out
+ * Layouts: the pool (float32, or float16 where `half`: widened exactly by F16C's vcvtph2ps)
+ * has rows ((block * H + head) * bs + offset) of D; q and out (float32)
  * [rows, H * rep, D] (query head h * rep + r reads KV head h), q already scaled; tables
  * [rows, tw] int32 block ids; counts [rows] keys each row sees (positions 0 .. count-1);
  * window > 0: only the last `window` of them; softcap > 0: scores -> softcap * tanh(s /
@@ -83,7 +84,8 @@ static inline __m512 reduce16(const __m512 *a) {
 }
 
 typedef struct {
-    const float *kpool, *vpool;
+    const void *kpool, *vpool; /* float32, or float16 where half */
+    int half;
     int h, rep, d, bs;
     int window;
     float softcap;
@@ -91,12 +93,18 @@ typedef struct {
 
 /* One (row, KV head, block) step: keys lo..hi-1 of the block (offsets within it) merged into
  * the rep query heads' states. q [rep, D]; state: m [rep], l [rep], acc [rep, D]. */
+/* 16 elements of a pool from element i, as float32 (float16: F16C's exact widening) */
+static inline __m512 load16(const void *p, size_t i, const int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
 static inline __attribute__((always_inline)) void attend_block_d(
     const Shape *sh, const float *q, int block, int head, int lo, int hi, float *m, float *l,
-    float *acc, const int d) {
+    float *acc, const int d, const int half) {
     const int bs = sh->bs, rep = sh->rep, nv = d / 16;
     const size_t run = ((size_t)block * sh->h + head) * (size_t)bs * d;
-    const float *kb = sh->kpool + run, *vb = sh->vpool + run;
+    const void *kb = sh->kpool, *vb = sh->vpool; /* element offsets from run */
     float s[MAX_REP][16];
     for (int k0 = lo; k0 < hi; k0 += 16) {
         const int n = hi - k0 < 16 ? hi - k0 : 16;
@@ -108,10 +116,10 @@ static inline __attribute__((always_inline)) void attend_block_d(
             __m512 a[16];
             for (int j = 0; j < 16; j++) {
                 if (j >= n) { a[j] = _mm512_setzero_ps(); continue; }
-                const float *kr = kb + (size_t)(k0 + j) * d;
-                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kr));
+                const size_t kr = run + (size_t)(k0 + j) * d;
+                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qr), load16(kb, kr, half));
                 for (int c = 1; c < nv; c++)
-                    x = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_loadu_ps(kr + 16 * c), x);
+                    x = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), load16(kb, kr + 16 * c, half), x);
                 a[j] = x;
             }
             _mm512_storeu_ps(s[r], reduce16(a));
@@ -139,7 +147,7 @@ static inline __attribute__((always_inline)) void attend_block_d(
                 __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), va);
                 for (int j = 0; j < n; j++)
                     o = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]),
-                                        _mm512_loadu_ps(vb + (size_t)(k0 + j) * d + 16 * c), o);
+                                        load16(vb, run + (size_t)(k0 + j) * d + 16 * c, half), o);
                 _mm512_storeu_ps(ar + 16 * c, o);
             }
         }
@@ -150,10 +158,18 @@ static inline __attribute__((always_inline)) void attend_block_d(
  * the same operations in the same order, so the same bits) */
 static void attend_block(const Shape *sh, const float *q, int block, int head, int lo, int hi,
                          float *m, float *l, float *acc) {
+    if (sh->half) {
+        switch (sh->d) {
+        case 64: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, 64, 1); break;
+        case 128: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, 128, 1); break;
+        default: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, sh->d, 1);
+        }
+        return;
+    }
     switch (sh->d) {
-    case 64: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, 64); break;
-    case 128: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, 128); break;
-    default: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, sh->d);
+    case 64: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, 64, 0); break;
+    case 128: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, 128, 0); break;
+    default: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, sh->d, 0);
     }
 }
 
@@ -170,9 +186,9 @@ static inline void block_span(const Shape *sh, int b, int count, int *lo, int *h
 /* Asks for block `next`'s keys and values, every head (a row's blocks lie anywhere in the
  * pool: the hardware prefetcher sees one run at a time). */
 static void prefetch_block(const Shape *sh, int next) {
-    const size_t bytes = (size_t)sh->bs * sh->d * sizeof(float) * sh->h;
-    const char *k = (const char *)(sh->kpool + (size_t)next * sh->h * sh->bs * sh->d);
-    const char *v = (const char *)(sh->vpool + (size_t)next * sh->h * sh->bs * sh->d);
+    const size_t size = sh->half ? 2 : 4, bytes = (size_t)sh->bs * sh->d * size * sh->h;
+    const char *k = (const char *)sh->kpool + (size_t)next * bytes;
+    const char *v = (const char *)sh->vpool + (size_t)next * bytes;
     for (size_t o = 0; o < bytes; o += 64) {
         _mm_prefetch(k + o, _MM_HINT_T0);
         _mm_prefetch(v + o, _MM_HINT_T0);
@@ -199,11 +215,11 @@ static void row_block(const Shape *sh, const float *q, const int32_t *tables, in
 /* Rows r0..r1-1. shared: the first `shared` blocks of every row's table are the same blocks
  * (a shared prefix): walked block-major over the rows. Returns 0, or -1 for a shape it does
  * not take (D not a multiple of 16 or past MAX_D, rep past MAX_REP) or no memory. */
-int attn_decode(const float *q, const float *kpool, const float *vpool, const int32_t *tables,
-                int tw, const int32_t *counts, int r0, int r1, int h, int rep, int d, int bs,
-                int shared, int window, float softcap, float *out) {
+int attn_decode(const float *q, const void *kpool, const void *vpool, int half,
+                const int32_t *tables, int tw, const int32_t *counts, int r0, int r1, int h,
+                int rep, int d, int bs, int shared, int window, float softcap, float *out) {
     if (d % 16 || d > MAX_D || rep > MAX_REP || rep < 1 || r1 <= r0) return r1 <= r0 ? 0 : -1;
-    const Shape sh = {kpool, vpool, h, rep, d, bs, window, softcap};
+    const Shape sh = {kpool, vpool, half != 0, h, rep, d, bs, window, softcap};
     const int hq = h * rep;
     const size_t per_row = (size_t)hq * (d + 2);
     float *state = malloc((size_t)(r1 - r0) * per_row * sizeof(float));

@@ -116,3 +116,23 @@ def test_a_float16_pool_is_read_as_its_exact_float32_values():
     np.testing.assert_allclose(half, want, rtol=2e-5, atol=2e-6)
     with pytest.raises(ValueError, match="float16 pool"):
         pa.decode(q, k16, vp, rows, h, BS)
+
+
+@pytest.mark.parametrize("d", [64, 24])
+def test_scatter_rounds_as_numpy_and_gather_widens_exactly(d):
+    """The pool's writes round float32 to float16 as numpy (and MLX) do, to nearest even,
+    infinities, subnormals and overflow included; gathers widen exactly."""
+    rng = np.random.default_rng(6)
+    src = rng.standard_normal((40, d)).astype(np.float32) * np.float32(100)
+    src[0, :8] = [1e-8, -3e-6, 65519.0, 65520.0, 1e6, -np.inf, 2.0**-24, 0.0]
+    src[1] = src[1].astype(np.float16).astype(np.float32) + np.float32(2.0**-12)  # ties
+    rows = rng.permutation(64)[:40].astype(np.int32)
+    for dtype in (np.float16, np.float32):
+        pool = np.zeros((64, d), dtype)
+        pa.scatter(pool, rows, src)
+        want = np.zeros((64, d), dtype)
+        with np.errstate(over="ignore"):  # 1e6 overflows float16 to inf: both say so
+            want[rows] = src
+        assert np.array_equal(pool.view(np.uint8), want.view(np.uint8))
+        runs = rng.integers(0, 64, (3, 5))
+        assert np.array_equal(pa.gather(pool, runs), pool[runs].astype(np.float32))

@@ -48,6 +48,10 @@ def library() -> ctypes.CDLL | None:
     lib.attn_decode.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I,
                                 ctypes.c_float, _P]  # fmt: skip
     lib.attn_decode.restype = _I
+    lib.attn_scatter.argtypes = [_P, _I, _I, _P, _P, _I]
+    lib.attn_scatter.restype = None
+    lib.attn_gather.argtypes = [_P, _I, _P, _I, _I, _P]
+    lib.attn_gather.restype = None
     return lib
 
 
@@ -129,3 +133,35 @@ def decode(
     if any(codes):
         raise ValueError(f"attn_decode does not take D={d}, rep={hq // h}")
     return out
+
+
+def scatter(pool: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
+    """pool[rows] = src (float32 rows of D) into a float32 or float16 pool [N, D], rounded to
+    float16 to nearest even (F16C) where it is one: numpy's and MLX's rounding, without
+    numpy's scalar conversion loop."""
+    lib = library()
+    if lib is None or pool.dtype not in POOL_DTYPES or not pool.flags.c_contiguous:
+        pool[rows] = src
+        return
+    src = np.ascontiguousarray(src, dtype=np.float32)
+    rows = np.ascontiguousarray(rows, dtype=np.int32)
+    if rows.size and (int(rows.max()) >= pool.shape[0] or int(rows.min()) < 0):
+        raise IndexError("a row outside the pool")
+    lib.attn_scatter(src.ctypes.data, rows.shape[0], pool.shape[1], rows.ctypes.data,
+                     pool.ctypes.data, int(pool.dtype == np.float16))  # fmt: skip
+
+
+def gather(runs_of: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    """runs_of[runs] as float32 (runs_of: the pool as [N, run] float32 or float16; runs: any
+    shape of int indices): a float16 pool's rows widened as they are copied."""
+    lib = library()
+    if runs_of.dtype == np.float32 or lib is None or not runs_of.flags.c_contiguous:
+        out = runs_of[runs]
+        return out if out.dtype == np.float32 else out.astype(np.float32)
+    flat = np.ascontiguousarray(runs, dtype=np.int32).reshape(-1)
+    if flat.size and (int(flat.max()) >= runs_of.shape[0] or int(flat.min()) < 0):
+        raise IndexError("a run outside the pool")
+    out = np.empty((flat.shape[0], runs_of.shape[1]), np.float32)
+    lib.attn_gather(runs_of.ctypes.data, 1, flat.ctypes.data, flat.shape[0], runs_of.shape[1],
+                    out.ctypes.data)  # fmt: skip
+    return out.reshape(*runs.shape, runs_of.shape[1])

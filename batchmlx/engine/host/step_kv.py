@@ -44,8 +44,8 @@ class StepKV:
         s = self.storage
         t, h, d = k.shape
         kpool, vpool = view(s.keys[layer]), view(s.values[layer])
-        kpool[self.write_rows] = k.reshape(t * h, d)
-        vpool[self.write_rows] = v.reshape(t * h, d)
+        paged_attention.scatter(kpool, self.write_rows, k.reshape(t * h, d))
+        paged_attention.scatter(vpool, self.write_rows, v.reshape(t * h, d))
         kr, vr = kpool.reshape(-1, self.run), vpool.reshape(-1, self.run)
         out = np.empty(q.shape, np.float32)
         for p in self.segments:
@@ -138,12 +138,13 @@ class _SegmentPlan:
             o = o.reshape(-1, hq, d)
             return o if dp.row_slots is None else o[dp.row_slots]
         b = seg.batch
-        keys = _f32(kr[self.gather]).reshape(b, h, -1, d)
-        values = _f32(vr[self.gather]).reshape(b, h, -1, d)
+        gather = paged_attention.gather  # float32 (a float16 pool's rows widened)
+        keys = gather(kr, self.gather).reshape(b, h, -1, d)
+        values = gather(vr, self.gather).reshape(b, h, -1, d)
         prefix = None
         if self.prefix_runs is not None:
-            prefix = (_f32(kr[self.prefix_runs]).reshape(h, -1, d),
-                      _f32(vr[self.prefix_runs]).reshape(h, -1, d))  # fmt: skip
+            prefix = (gather(kr, self.prefix_runs).reshape(h, -1, d),
+                      gather(vr, self.prefix_runs).reshape(h, -1, d))  # fmt: skip
         if seg.kind is SegmentKind.ROWS:
             o = host_attention.decode_attention(q.reshape(n, h, rep, d), keys, values,
                                                 bias, prefix, self.backend, softcap)  # fmt: skip
@@ -216,12 +217,6 @@ class _DensePlan:
             pk, pv = kv.prefix[layer]
             prefix = (view(pk), view(pv))
         return out[0], out[1], prefix
-
-
-def _f32(x: np.ndarray) -> np.ndarray:
-    """Gathered keys or values as float32 (a float16 pool's widened: prompt chunks' kernels
-    compute in float32)."""
-    return x if x.dtype == np.float32 else x.astype(np.float32)
 
 
 def view(a: mx.array) -> np.ndarray:

@@ -253,3 +253,44 @@ int attn_decode(const float *q, const void *kpool, const void *vpool, int half,
     free(state);
     return 0;
 }
+
+/* pool row rows[i] = src[i] (n rows of d floats; where half, rounded to float16 to nearest
+ * even by F16C, as numpy and MLX round) */
+void attn_scatter(const float *src, int n, int d, const int32_t *rows, void *pool, int half) {
+    for (int i = 0; i < n; i++) {
+        const float *s = src + (size_t)i * d;
+        if (!half) {
+            float *o = (float *)pool + (size_t)rows[i] * d;
+            for (int j = 0; j < d; j++) o[j] = s[j];
+            continue;
+        }
+        uint16_t *o = (uint16_t *)pool + (size_t)rows[i] * d;
+        int j = 0;
+        for (; j + 16 <= d; j += 16)
+            _mm256_storeu_si256((__m256i *)(o + j),
+                                _mm512_cvtps_ph(_mm512_loadu_ps(s + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        if (j < d) { /* a last part of under 16 (AVX-512F has no masked 16-bit store) */
+            uint16_t t[16];
+            const __mmask16 m = (__mmask16)((1u << (d - j)) - 1);
+            _mm256_storeu_si256((__m256i *)t, _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, s + j),
+                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            for (int i2 = 0; j + i2 < d; i2++) o[j + i2] = t[i2];
+        }
+    }
+}
+
+/* out[i] = pool run runs[i] (n runs of `len` elements each), widened to float32 */
+void attn_gather(const void *pool, int half, const int32_t *runs, int n, int len, float *out) {
+    for (int i = 0; i < n; i++) {
+        float *o = out + (size_t)i * len;
+        const size_t at = (size_t)runs[i] * len;
+        int j = 0;
+        if (half) {
+            for (; j + 16 <= len; j += 16) _mm512_storeu_ps(o + j, load16(pool, at + j, 1));
+            for (; j < len; j++)
+                o[j] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(((const uint16_t *)pool)[at + j])));
+        } else {
+            for (; j < len; j++) o[j] = ((const float *)pool)[at + j];
+        }
+    }
+}

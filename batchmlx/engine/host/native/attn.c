@@ -101,11 +101,14 @@ static inline __m512 load16(const void *p, size_t i, const int half) {
 
 static inline __attribute__((always_inline)) void attend_block_d(
     const Shape *sh, const float *q, int block, int head, int lo, int hi, float *m, float *l,
-    float *acc, const int d, const int half) {
-    const int bs = sh->bs, rep = sh->rep, nv = d / 16;
+    float *acc, const int d, const int half, const int rep) {
+    const int bs = sh->bs, nv = d / 16;
+    /* columns of acc kept in registers at once for every query head: P.V reads each V
+     * vector once for all of them */
+    const int cb = rep <= 3 ? 4 : rep <= 6 ? 2 : 1;
     const size_t run = ((size_t)block * sh->h + head) * (size_t)bs * d;
     const void *kb = sh->kpool, *vb = sh->vpool; /* element offsets from run */
-    float s[MAX_REP][16];
+    float s[MAX_REP][16], alpha[MAX_REP];
     for (int k0 = lo; k0 < hi; k0 += 16) {
         const int n = hi - k0 < 16 ? hi - k0 : 16;
         const __mmask16 valid = (__mmask16)((1u << n) - 1);
@@ -124,53 +127,68 @@ static inline __attribute__((always_inline)) void attend_block_d(
             }
             _mm512_storeu_ps(s[r], reduce16(a));
         }
+        /* per query head: the block's max, the running state's rescale, exp and sum */
         for (int r = 0; r < rep; r++) {
             __m512 sc = _mm512_maskz_loadu_ps(valid, s[r]);
             if (sh->softcap > 0.0f) sc = softcap16(sc, sh->softcap);
-            const __m512 ninf = _mm512_set1_ps(-INFINITY);
-            sc = _mm512_mask_blend_ps(valid, ninf, sc);
+            sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sc);
             const float top = _mm512_reduce_max_ps(sc);
             const float mnew = top > m[r] ? top : m[r];
-            float alpha = 0.0f;
-            if (m[r] != -INFINITY) {
-                __m512 a = exp16(_mm512_set1_ps(m[r] - mnew));
-                alpha = _mm512_cvtss_f32(a);
-            }
+            alpha[r] = m[r] == -INFINITY ? 0.0f
+                                         : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mnew)));
             __m512 p = exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mnew)));
             p = _mm512_maskz_mov_ps(valid, p);
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(p);
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(p);
             m[r] = mnew;
             _mm512_storeu_ps(s[r], p);
-            float *ar = acc + (size_t)r * d;
-            const __m512 va = _mm512_set1_ps(alpha);
-            for (int c = 0; c < nv; c++) {
-                __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), va);
-                for (int j = 0; j < n; j++)
-                    o = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]),
-                                        load16(vb, run + (size_t)(k0 + j) * d + 16 * c, half), o);
-                _mm512_storeu_ps(ar + 16 * c, o);
+        }
+        /* P.V: each output element acc * alpha, then + p_j v_j for j in key order (the same
+         * operations in the same order whatever the loop nest) */
+        for (int c0 = 0; c0 < nv; c0 += cb) {
+            const int w = nv - c0 < cb ? nv - c0 : cb;
+            __m512 o[MAX_REP][4];
+            for (int r = 0; r < rep; r++)
+                for (int c = 0; c < w; c++)
+                    o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)r * d + 16 * (c0 + c)),
+                                            _mm512_set1_ps(alpha[r]));
+            for (int j = 0; j < n; j++) {
+                const size_t vr = run + (size_t)(k0 + j) * d + 16 * c0;
+                for (int c = 0; c < w; c++) {
+                    const __m512 v = load16(vb, vr + 16 * c, half);
+                    for (int r = 0; r < rep; r++)
+                        o[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), v, o[r][c]);
+                }
             }
+            for (int r = 0; r < rep; r++)
+                for (int c = 0; c < w; c++)
+                    _mm512_storeu_ps(acc + (size_t)r * d + 16 * (c0 + c), o[r][c]);
         }
     }
 }
 
-/* attend_block_d compiled for the common head sizes with D a constant (its loops unrolled;
- * the same operations in the same order, so the same bits) */
+/* attend_block_d compiled for the common head sizes and query groups as constants (loops
+ * unrolled, accumulators in registers; the same operations in the same order, so the same
+ * bits as the generic one) */
+#define FOR_REP(D, HALF)                                                                     \
+    switch (sh->rep) {                                                                       \
+    case 1: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, D, HALF, 1); return;       \
+    case 2: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, D, HALF, 2); return;       \
+    case 3: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, D, HALF, 3); return;       \
+    case 4: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, D, HALF, 4); return;       \
+    default: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, D, HALF, sh->rep); return; \
+    }
+
 static void attend_block(const Shape *sh, const float *q, int block, int head, int lo, int hi,
                          float *m, float *l, float *acc) {
     if (sh->half) {
-        switch (sh->d) {
-        case 64: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, 64, 1); break;
-        case 128: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, 128, 1); break;
-        default: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, sh->d, 1);
-        }
+        if (sh->d == 64) FOR_REP(64, 1)
+        if (sh->d == 128) FOR_REP(128, 1)
+        attend_block_d(sh, q, block, head, lo, hi, m, l, acc, sh->d, 1, sh->rep);
         return;
     }
-    switch (sh->d) {
-    case 64: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, 64, 0); break;
-    case 128: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, 128, 0); break;
-    default: attend_block_d(sh, q, block, head, lo, hi, m, l, acc, sh->d, 0);
-    }
+    if (sh->d == 64) FOR_REP(64, 0)
+    if (sh->d == 128) FOR_REP(128, 0)
+    attend_block_d(sh, q, block, head, lo, hi, m, l, acc, sh->d, 0, sh->rep);
 }
 
 /* Keys [lo, hi) of block number b (positions b*bs ..) that the row sees: (lo, hi) offsets,

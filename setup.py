@@ -5,11 +5,8 @@ package as `batchmlx.migrations` and the example batch files of jobs/examples/ a
 from setuptools import find_packages, setup
 
 setup(
-    packages=[
-        *find_packages(include=["batchmlx", "batchmlx.*"]),
-        "batchmlx.migrations",
-        "batchmlx.examples",
-    ],  # fmt: skip
+    packages=[*find_packages(include=["batchmlx", "batchmlx.*"]), "batchmlx.migrations",
+              "batchmlx.examples"],  # fmt: skip
     package_dir={"batchmlx.migrations": "migrations", "batchmlx.examples": "jobs/examples"},
     package_data={
         "batchmlx.migrations": ["script.py.mako", "versions/*.py"],

@@ -22,7 +22,7 @@ from functools import cache
 
 import numpy as np
 
-from batchmlx.engine.host.native_lib import NativeLibrary, register
+from batchmlx.engine.host.native_lib import NativeLibrary, pointer, register
 
 CPU_FLAGS = ("avx512f",)
 LIB = register(NativeLibrary("attn", CPU_FLAGS, ("-mavx512f",), "paged decode-attention kernel"))
@@ -122,10 +122,10 @@ def decode(
     out = np.empty((r, hq, d), np.float32)
     tables = rows.tables
     half = int(kpool.dtype == np.float16)
-    args = (q.ctypes.data, kpool.ctypes.data, vpool.ctypes.data, half, tables.ctypes.data,
-            tables.shape[1], rows.counts.ctypes.data)  # fmt: skip
+    args = (pointer(q), pointer(kpool), pointer(vpool), half, pointer(tables),
+            tables.shape[1], pointer(rows.counts))  # fmt: skip
     tail = (h, hq // h, d, block_size, rows.shared, window or 0, float(softcap or 0.0),
-            out.ctypes.data)  # fmt: skip
+            pointer(out))  # fmt: skip
     parts = ranges or rows.splits(hq, threads if pool is not None else 1)
     jobs = [pool.submit(lib.attn_decode, *args, a, b, *tail) for a, b in parts[1:]] if pool else []
     codes = [lib.attn_decode(*args, *parts[0], *tail)] if parts else []
@@ -147,8 +147,8 @@ def scatter(pool: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
     rows = np.ascontiguousarray(rows, dtype=np.int32)
     if rows.size and (int(rows.max()) >= pool.shape[0] or int(rows.min()) < 0):
         raise IndexError("a row outside the pool")
-    lib.attn_scatter(src.ctypes.data, rows.shape[0], pool.shape[1], rows.ctypes.data,
-                     pool.ctypes.data, int(pool.dtype == np.float16))  # fmt: skip
+    lib.attn_scatter(pointer(src), rows.shape[0], pool.shape[1], pointer(rows),
+                     pointer(pool), int(pool.dtype == np.float16))  # fmt: skip
 
 
 def gather(runs_of: np.ndarray, runs: np.ndarray) -> np.ndarray:
@@ -162,6 +162,6 @@ def gather(runs_of: np.ndarray, runs: np.ndarray) -> np.ndarray:
     if flat.size and (int(flat.max()) >= runs_of.shape[0] or int(flat.min()) < 0):
         raise IndexError("a run outside the pool")
     out = np.empty((flat.shape[0], runs_of.shape[1]), np.float32)
-    lib.attn_gather(runs_of.ctypes.data, 1, flat.ctypes.data, flat.shape[0], runs_of.shape[1],
-                    out.ctypes.data)  # fmt: skip
+    lib.attn_gather(pointer(runs_of), 1, pointer(flat), flat.shape[0], runs_of.shape[1],
+                    pointer(out))  # fmt: skip
     return out.reshape(*runs.shape, runs_of.shape[1])

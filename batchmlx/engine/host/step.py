@@ -21,8 +21,9 @@ The arithmetic is the MLX path's: float32 activations, GEMM inputs rounded to bf
 quantized per token for int8, or as they are for float32) exactly as host_linear does,
 float32 norms, RoPE and softmax, keys and values stored as the pool holds them (float16 in
 the int8 and bf16 formats: `pool_dtype`, which the MLX path reads too); only the order of
-float32 sums differs (logits within ~1e-5 of the MLX path's, greedy tokens equal: tests/engine/test_host_step.py; each family against
-mlx-lm's own forward: tests/engine/test_host_families.py).
+float32 sums differs (logits within ~1e-5 of the MLX path's, greedy tokens equal:
+tests/engine/test_host_step.py; each family against mlx-lm's own forward:
+tests/engine/test_host_families.py).
 BATCHMLX_HOST_STEPS=0 turns it off (HostSettings.host_steps, of the HostBackend the model's host
 layers were built with: engine/host/backend.py).
 """

@@ -26,6 +26,7 @@ class Settings:
     kv_grow_blocks: int = 64  # sections 1, 2, 5
     memory_grow_blocks: int = 8  # sections 3 and 4: allocated KV tracks the blocks in use
     peer_models: tuple[str, ...] = ()  # section 12's models (benchmarks/peers/section.py); () all
+    peer_without: tuple[str, ...] = ()  # section 12's peers left out (their rows: not measured)
 
 
 QUICK = Settings(

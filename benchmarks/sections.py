@@ -364,9 +364,9 @@ def targets(b: Bench) -> list[tuple[str, str, bool]]:
 def peer_results(b: Bench) -> dict[tuple[str, str], list]:
     from benchmarks.peers import section
 
-    models = b.s.peer_models
-    return b._once(("peers", b.quick, models), section.run_all, b.quick,
-                   Path("/tmp/batchmlx-peers.json"), frozenset(), models)  # fmt: skip
+    models, without = b.s.peer_models, frozenset(b.s.peer_without)
+    return b._once(("peers", b.quick, models, without), section.run_all, b.quick,
+                   Path("/tmp/batchmlx-peers.json"), without, models)  # fmt: skip
 
 
 def section_peers(b: Bench) -> list[str]:

@@ -83,7 +83,7 @@ def check_port_free(host: str, port: int, option: str) -> None:
 
 # the weights these --dtype values give on MLX's CPU backend have their GEMMs off MLX (oneDNN,
 # or numpy's own BLAS: engine/host/linear.py), so its BLAS matters little to them
-HOST_DTYPES = ("auto", "bfloat16", "int8")
+HOST_DTYPES = ("auto", "bfloat16", "int8", "q4")
 
 
 def warn_if_slow_blas(dtype: str = "float32", host: HostSettings | None = None) -> None:

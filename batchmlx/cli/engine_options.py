@@ -19,7 +19,8 @@ PANEL = "Engine options"  # their own section of each command's --help
 DTYPE_HELP = (
     "Weights: auto (on the CPU int8 in groups of 32, as llama.cpp's Q8_0, where it has AVX-512 "
     "VNNI, else bf16 GEMMs with float32 sums, float32 without AVX-512; as stored on "
-    "Metal/CUDA), int8, bfloat16, float32, stored. README, 'Precision per --dtype'"
+    "Metal/CUDA), int8, q4 (a 4-bit GGUF's layers kept in their bits, the rest int8), "
+    "bfloat16, float32, stored. README, 'Precision per --dtype'"
 )
 
 

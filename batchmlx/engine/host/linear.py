@@ -19,6 +19,8 @@ or int8, their GEMMs computed on the host by oneDNN (onednn.py), activations flo
   (`head_format`). Where that kernel cannot run (a CPU without AVX-512 VNNI, a shape not a
   multiple of 16), oneDNN's s8 GEMM with one scale per output channel and per token instead,
   which moves logits by up to ~15-20% of the largest (outlier channels).
+- **q4** (`--dtype q4`): a 4-bit GGUF's layers (Q4_0, Q4_1, Q4_K) keep the file's values, 4
+  bits in memory and in the GEMM (q4.py: int8 activations as int8's); the other layers int8's.
 
 Layers that read the same input (q, k and v; gate and up) share one GEMM over their
 concatenated weights: the first call computes all of them and the others take their slice
@@ -39,10 +41,11 @@ import mlx.nn as nn
 import numpy as np
 
 from batchmlx.engine.host import experts as host_experts
-from batchmlx.engine.host import numpy_blas, q8, quantized
+from batchmlx.engine.host import numpy_blas, q4, q8
 from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.elementwise import swiglu_halves
 from batchmlx.engine.host.onednn import DataType, OneDNN, Packed
+from batchmlx.engine.host.stored import Dequantized, float_weight, four_bit, joined_bias
 
 
 class HostFormat(enum.Enum):
@@ -51,12 +54,13 @@ class HostFormat(enum.Enum):
     BF16 = "bfloat16"
     INT8 = "int8"
     F32 = "float32"
+    Q4 = "q4"  # a 4-bit GGUF's layers as they are; the rest as INT8
 
     @property
     def data_type(self) -> DataType:
         """oneDNN's type for the weights (and the GEMM's input)."""
         return {HostFormat.BF16: DataType.BF16, HostFormat.INT8: DataType.S8,
-                HostFormat.F32: DataType.F32}[self]  # fmt: skip
+                HostFormat.F32: DataType.F32, HostFormat.Q4: DataType.S8}[self]  # fmt: skip
 
     @property
     def scaled(self) -> bool:
@@ -70,6 +74,8 @@ def runs_here(fmt: HostFormat, backend: HostBackend | None = None) -> bool:
     if fmt is HostFormat.F32:
         return True
     backend = backend or current()
+    if fmt is HostFormat.Q4:  # its other layers are int8's
+        return q4.available() and runs_here(HostFormat.INT8, backend)
     if fmt is HostFormat.INT8 and q8.available() and backend.onednn_available():
         return True
     return backend.onednn_available() and backend.onednn().supports(
@@ -163,6 +169,9 @@ class SharedGemm:
                  biases: list[mx.array | None] | None = None, *,
                  keep_plain: bool = False, cache: PackedCache | None = None,
                  key: str = "", backend: HostBackend | None = None) -> None:  # fmt: skip
+        # q4 where every member is a 4-bit layer it keeps as it is; int8 otherwise
+        if fmt is HostFormat.Q4:
+            fmt = HostFormat.Q4 if four_bit(weights) else HostFormat.INT8
         self.fmt = fmt
         # oneDNN and the engine's live thread count (backend.py); the host steps take it too
         self.backend = backend or current()
@@ -173,6 +182,7 @@ class SharedGemm:
             at += w.shape[0]
         self._local = _Local()
         self._q8: q8.Q8Weights | None = None  # int8 through our grouped kernel (q8.py)
+        self._q4: q4.Q4Weights | None = None  # 4-bit through our grouped kernel (q4.py)
         hit = cache.take(key) if cache is not None else None
         if hit is None or not self._adopt(hit, at, weights[0].shape[1], keep_plain):
             self._pack(weights, biases or [None] * len(weights), keep_plain)
@@ -186,20 +196,19 @@ class SharedGemm:
     def _pack(self, lazy: list[mx.array | Dequantized], biases: list[mx.array | None],
               keep_plain: bool) -> None:  # fmt: skip
         fmt = self.fmt
+        self._q8 = None
+        if fmt is HostFormat.Q4:
+            self._pack_q4(lazy, biases)
+            return
+        self.bias = joined_bias(lazy, biases)
         weights = [w.array() if isinstance(w, Dequantized) else w for w in lazy]
         full = weights[0] if len(weights) == 1 else mx.concatenate(weights, axis=0)
-        self._q8 = None
         if self._grouped(*full.shape):
             grouped = q8.Q8Weights.pack(np.asarray(full.astype(mx.float32)))
             self.packed = mx.array(grouped.buffer)  # MLX owns the bytes from here on
             self._q8 = replace(grouped, buffer=np.asarray(self.packed))
             self._w = Packed(None, self._q8.buffer, *full.shape, fmt.data_type, False)
         plain = HostWeights.of(full, fmt) if self._q8 is None or keep_plain else None
-        self.bias = None
-        if any(b is not None for b in biases):
-            self.bias = np.concatenate([
-                np.zeros(w.shape[0], np.float32) if b is None else np.asarray(b.astype(mx.float32))
-                for w, b in zip(weights, biases, strict=True)])  # fmt: skip
         if self._q8 is not None:
             pass  # packed above; `plain` (an embedding's rows) only for lookups
         elif fmt is HostFormat.F32 and not self._onednn_f32():
@@ -216,6 +225,15 @@ class SharedGemm:
         self.scales = None if plain is None else plain.scales
         self._s = None if self.scales is None or self._q8 is not None else np.asarray(self.scales)
         self.plain = plain if keep_plain else None
+
+    def _pack_q4(self, lazy: list[mx.array | Dequantized], biases: list[mx.array | None]) -> None:
+        """The 4-bit layers' own values, scales and biases in q4's layout (never dequantized)."""
+        grouped = q4.Q4Weights.from_affine([w.parts() for w in lazy if isinstance(w, Dequantized)])
+        self.packed = mx.array(grouped.buffer)  # MLX owns the bytes from here on
+        self._q4 = replace(grouped, buffer=np.asarray(self.packed))
+        self._w = Packed(None, self._q4.buffer, grouped.n, grouped.k, DataType.S8, False)
+        self.bias = joined_bias(lazy, biases)
+        self.scales, self._s, self.plain = None, None, None
 
     def _grouped(self, n: int, k: int) -> bool:
         """int8 through the grouped kernel (q8.py): where it runs here and takes this shape."""
@@ -235,17 +253,21 @@ class SharedGemm:
         fmt = self.fmt
         if fmt is HostFormat.F32:  # nothing packed to adopt: its rows are rebuilt from source
             return False
-        grouped = self._grouped(n, k)
+        grouped = self._grouped(n, k) or fmt is HostFormat.Q4
         needs_scales = fmt.scaled and (keep_plain or not grouped)  # grouped: inside `packed`
         if (keep_plain and "plain" not in hit) or (needs_scales and "scales" not in hit):
             return False
         packed = hit["packed"]  # the mapped file's bytes, used where they lie
         buffer = np.asarray(packed)
-        self._q8 = q8.Q8Weights.adopt(buffer, n, k) if grouped else None
+        if fmt is HostFormat.Q4:
+            self._q4 = q4.Q4Weights.adopt(buffer, n, k)
+        else:
+            self._q8 = q8.Q8Weights.adopt(buffer, n, k) if grouped else None
+        kernel = self._q4 or self._q8
         if grouped:
-            if self._q8 is None:
+            if kernel is None:
                 return False
-            w: Packed | None = Packed(None, self._q8.buffer, n, k, fmt.data_type, False)
+            w: Packed | None = Packed(None, kernel.buffer, n, k, fmt.data_type, False)
         else:
             w = self.backend.onednn().adopt(buffer, n, k, fmt.data_type, scaled=fmt.scaled)
         if w is None:
@@ -297,6 +319,9 @@ class SharedGemm:
         elif self.fmt is HostFormat.F32:
             with numpy_blas.threads(self.backend.threads.or_cpus()):
                 np.matmul(np.ascontiguousarray(x, dtype=np.float32), self._w.buffer.T, out=out)
+        elif self._q4 is not None:
+            b = self.backend
+            q4.matmul(as_rows(x), self._q4, out, threads=b.threads.or_cpus(), pool=b.gemm_pool)
         elif self._q8 is not None:
             b = self.backend
             q8.matmul(as_rows(x), self._q8, out, threads=b.threads.or_cpus(), pool=b.gemm_pool)
@@ -456,41 +481,6 @@ _EXPERTS = "switch_mlp"
 _CONVERTED = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
 
 
-@dataclass(frozen=True, eq=False)
-class Dequantized:
-    """An affine-quantized layer's weight with float32 scales (a converted GGUF's), dequantized
-    in numpy (host/quantized.py: ~10x mx.dequantize on the CPU) when its layer is packed, never
-    where the packed layer comes from the weights cache."""
-
-    module: nn.Module
-    expert: int | None = None  # of a QuantizedSwitchLinear: this expert's [N, K]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        rows, words = self.module.weight.shape[-2:]
-        return rows, words * 32 // self.module.bits
-
-    def array(self) -> mx.array:
-        m = self.module
-        out = mx.zeros(self.shape, mx.float32)  # written in place: one float32 copy, MLX's
-        mx.eval(out)
-        parts = [m.weight, m.scales, m.biases]
-        if self.expert is not None:
-            parts = [a[self.expert] for a in parts]
-        quantized.dequantize(*map(np.asarray, parts), m.bits, m.group_size, out=np.asarray(out))
-        return out
-
-
-def _float_weight(module: nn.Module) -> mx.array | Dequantized:
-    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        if getattr(module, "mode", "affine") == "affine" and module.scales.dtype == mx.float32:
-            return Dequantized(module)
-        return mx.dequantize(module.weight, module.scales, module.get("biases"),
-                             group_size=module.group_size, bits=module.bits,
-                             mode=getattr(module, "mode", "affine"))  # fmt: skip
-    return module.weight
-
-
 def _linears(module: nn.Module) -> dict[str, nn.Module]:
     return {name: child for name, child in module.children().items()
             if isinstance(child, (nn.Linear, nn.QuantizedLinear))}  # fmt: skip
@@ -502,7 +492,7 @@ def head_format(fmt: HostFormat, backend: HostBackend) -> HostFormat:
     it moves the next-token distribution by a KL divergence of 0.00076 (benchmarks/
     RESULTS-int8.md), a fifth of llama.cpp's whole Q8_0 model; a float head with G=32 layers
     scored 0.9604 / 0.0031 there, past Q8_0's 0.9561 / 0.0039."""
-    if fmt is not HostFormat.INT8:
+    if fmt not in (HostFormat.INT8, HostFormat.Q4):
         return fmt
     return HostFormat.BF16 if runs_here(HostFormat.BF16, backend) else HostFormat.F32
 
@@ -516,8 +506,8 @@ def _host_layers(module: nn.Module, fmt: HostFormat, cache: PackedCache | None,
     for names in SHARED_INPUT_GROUPS:
         if all(n in linears for n in names):
             members = [linears[n] for n in names]
-            if len({_float_weight(m).shape[1] for m in members}) == 1:
-                gemm = SharedGemm([_float_weight(m) for m in members], fmt,
+            if len({float_weight(m).shape[1] for m in members}) == 1:
+                gemm = SharedGemm([float_weight(m) for m in members], fmt,
                                   [m.get("bias") for m in members], cache=cache,
                                   key=f"{where}.{'+'.join(names)}", backend=backend)  # fmt: skip
                 for i, n in enumerate(names):
@@ -530,7 +520,7 @@ def _host_layers(module: nn.Module, fmt: HostFormat, cache: PackedCache | None,
             own = head_format(fmt, backend) if n == "lm_head" else fmt
             # (not kept in the packed cache: a float32 layer is always rebuilt from source)
             router = n == ROUTER and _EXPERTS in out
-            gemm = SharedGemm([_float_weight(m)], HostFormat.F32 if router else own,
+            gemm = SharedGemm([float_weight(m)], HostFormat.F32 if router else own,
                               [m.get("bias")], cache=None if router else cache,
                               key=f"{where}.{n}", backend=backend)  # fmt: skip
             out[n] = HostLinear(gemm, 0, owner=True)
@@ -555,7 +545,7 @@ def to_host_format(model: nn.Module, fmt: HostFormat, cache: PackedCache | None 
         layers = _host_layers(parent, fmt, cache, where, backend)
         for name, child in parent.children().items():
             if isinstance(child, (nn.Embedding, nn.QuantizedEmbedding)):
-                layers[name] = HostEmbedding(_float_weight(child), head_format(fmt, backend),
+                layers[name] = HostEmbedding(float_weight(child), head_format(fmt, backend),
                                              cache=cache, key=f"{where}.{name}",
                                              backend=backend)  # fmt: skip
         for name, layer in layers.items():

@@ -35,7 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.host import q8
+from batchmlx.engine.host import q4, q8
 from batchmlx.engine.host.linear import HostFormat, PackedCache
 from batchmlx.engine.host.onednn import OneDNN
 from batchmlx.engine.models import first_run as notes
@@ -55,8 +55,10 @@ def cache_path(cache_dir: Path, source: Path, fmt: HostFormat) -> Path:
 def signature(source: Path, fmt: HostFormat, lib: OneDNN) -> str:
     """What the cached bytes were made from and for, by `lib` (see the module docstring)."""
     parts = [f"v{HOST_CACHE_VERSION}", fmt.value, lib.fingerprint()]
-    if fmt is HostFormat.INT8 and q8.available():  # its layers packed by our own kernel's code
+    if fmt in (HostFormat.INT8, HostFormat.Q4) and q8.available():  # packed by our own code
         parts.append(f"q8-{q8.GROUP}-{q8.source_sha()}")
+    if fmt is HostFormat.Q4 and q4.available():
+        parts.append(f"q4-{q4.GROUP}-{q4.source_sha()}")
     for f in sorted(source.glob("*.safetensors")) + [source / "config.json"]:
         if f.is_file():
             st = f.stat()

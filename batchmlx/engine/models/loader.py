@@ -74,14 +74,16 @@ def load_model(
     weights as stored (quantized stays quantized); "stored" keeps them as stored anywhere;
     "float32"/"float16" dequantize every layer to that dtype; "bfloat16" is the host bf16
     format on the CPU (MLX's own bf16 elsewhere); "int8" gives int8 weights computed by oneDNN
-    (CPU only). A GGUF file is converted once (engine/models/gguf), its quantized matrices
-    kept in their bits as MLX's affine format: every load reads that folder. `backend`: the
+    (CPU only); "q4" keeps a 4-bit GGUF's layers in their own bits (engine/host/q4.py), the
+    others int8 (CPU only). A GGUF file is converted once (engine/models/gguf), its quantized
+    matrices kept in their bits as MLX's affine format: every load reads that folder. `backend`: the
     CPU backend the host formats compute with (oneDNN, threads, the weights cache's switch;
     default: the process's, engine/host/backend.py)."""
     backend = backend or current()
-    if dtype not in ("auto", "stored", "int8") and dtype not in _DTYPES:
+    if dtype not in ("auto", "stored", "int8", "q4") and dtype not in _DTYPES:
         raise ValueError(
-            f"dtype must be 'auto', 'stored', 'int8' or one of {sorted(_DTYPES)}, got {dtype!r}"
+            f"dtype must be 'auto', 'stored', 'int8', 'q4' or one of {sorted(_DTYPES)}, "
+            f"got {dtype!r}"
         )
     # before the load: without oneDNN, say what to install at once
     host = host_format(dtype, backend=backend)
@@ -207,21 +209,25 @@ def host_format(
     bf16. "float32" means float32 weights through oneDNN's brgemm kernels where it has them
     (AVX-512), else MLX's float32.
     Where oneDNN cannot load they fall back, with a warning, to float32 and to MLX's bf16.
-    "int8" needs oneDNN and its int8 matmul (OneDNNUnavailable says what is missing)."""
-    from batchmlx.engine.host import onednn, q8
+    "int8" needs oneDNN and its int8 matmul (OneDNNUnavailable says what is missing); "q4"
+    int8's and the grouped 4-bit kernel (AVX-512 VNNI)."""
+    from batchmlx.engine.host import onednn, q4, q8
 
     backend = backend or current()
     if on_cpu is None:
         on_cpu = mx.default_device().type == mx.DeviceType.cpu
-    if dtype == "int8":
+    if dtype in ("int8", "q4"):
         if not on_cpu:
             raise onednn.OneDNNUnavailable(
-                "--dtype int8 runs on MLX's CPU backend only; on a GPU use --dtype auto"
+                f"--dtype {dtype} runs on MLX's CPU backend only; on a GPU use --dtype auto"
             )
         if not backend.onednn().supports(onednn.DataType.S8, scaled=True):
             raise onednn.OneDNNUnavailable("this CPU's oneDNN has no int8 matmul: use --dtype "
                                            "auto")  # fmt: skip
-        return HostFormat.INT8
+        if dtype == "q4" and not (q4.available() and q8.available()):
+            raise onednn.OneDNNUnavailable("--dtype q4 needs AVX-512 VNNI (see the log): use "
+                                           "--dtype auto")  # fmt: skip
+        return HostFormat.Q4 if dtype == "q4" else HostFormat.INT8
     if not on_cpu or dtype not in ("auto", "bfloat16", "float32"):
         return None
     try:

@@ -1,0 +1,200 @@
+"""The grouped 4-bit kernel (engine/host/q4.py, native/q4.c) and the `q4` host format: the
+product of its operands against float64, a row's result the same whatever the batch, its place,
+the thread split or the path (VNNI, AMX); a 4-bit GGUF's layers kept in the file's own values;
+host steps of a tiny random 4-bit llama against the MLX path."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from batchmlx.core.models import resolve_model
+from batchmlx.engine.host import q4, q8, quantized
+from batchmlx.engine.host.backend import current
+from batchmlx.engine.host.linear import HostFormat, HostLinear, runs_here, to_host_format
+from batchmlx.engine.models.loader import load_model
+from tests.engine.helpers import random_llama
+from tests.engine.test_engine_tiny import engine, staggered
+from tests.engine.test_gguf_types import CONFIG, stored_as
+from tests.engine.test_host_step import Compare, churn
+from tests.gguf_files import CASES, hf_weights, random_model, write_gguf
+
+needs_kernel = pytest.mark.skipif(not runs_here(HostFormat.Q4), reason="no AVX-512 VNNI here")
+AMX = [False, True] if q4.available() and q4.amx() else [False]
+
+
+def _affine(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random 4-bit values, scales and biases (a Q4_1-like layer)."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    s = rng.uniform(0.001, 0.02, (n, k // 32)).astype(np.float32)
+    b = (-8 * s + rng.normal(0, 0.01, s.shape)).astype(np.float32)
+    return q, s, b
+
+
+def _run(x: np.ndarray, w: q4.Q4Weights, threads: int = 1, pool=None, amx=None) -> np.ndarray:
+    out = np.full((x.shape[0], w.n), np.nan, np.float32)
+    q4.matmul(x, w, out, threads=threads, pool=pool, use_amx=amx)
+    return out
+
+
+def _rows(m: int, k: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", AMX, ids=lambda a: "amx" if a else "vnni")
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 16, 32), (7, 80, 96), (13, 144, 576), (21, 64, 1536)]
+)
+def test_the_product_against_float64(m: int, n: int, k: int, amx: bool) -> None:
+    q, s, b = _affine(n, k, 1)
+    w = q4.Q4Weights.pack(q, s, b)
+    x = _rows(m, k, 2)
+    got = _run(x, w, amx=amx)
+    # the definition in float64: activations quantized as q8's, weights s * q + b exactly
+    xq, xs = q8.quantize_groups(x)
+    w64 = (q.reshape(n, -1, 32) * s[:, :, None].astype(np.float64) + b[:, :, None]).reshape(n, k)
+    x64 = (xq.reshape(m, -1, 32) * xs[:, :, None].astype(np.float64)).reshape(m, k)
+    exact = x64 @ w64.T
+    # float32 epilogue, one group at a time: within a few float32 roundings of the largest
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-6 * np.abs(exact).max())
+    # and int8 activations' own error against the float product: Q8_0-like, ~0.5%
+    ref = x.astype(np.float64) @ w64.T
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 0.02
+
+
+@needs_kernel
+def test_activations_quantized_as_q8_with_their_sums() -> None:
+    x = _rows(21, 160, 4)
+    x[2, 64:128] = 0.0  # an all-zero group: scale 1
+    xq, xs, xsum = q4.quantize(x)
+    q, s = q8.quantize_groups(x)
+    assert np.array_equal(xq, q) and np.array_equal(xs, s)
+    assert np.array_equal(xsum, q.reshape(21, 5, 32).sum(axis=2))
+    # AMX's tiles: [16 rows][32] per (row tile, group), scales and sums [16] per one
+    tq, ts, tsum = q4.quantize(x, tiles=True)
+    assert np.array_equal(tq.reshape(2, 5, 16, 32).transpose(0, 2, 1, 3).reshape(32, 160)[:21], q)
+    for part, want in ((ts, s), (tsum, xsum)):
+        assert np.array_equal(part.reshape(2, 5, 16).transpose(0, 2, 1).reshape(32, 5)[:21], want)
+
+
+@needs_kernel
+def test_a_row_is_the_same_alone_in_any_batch_at_any_place_split_and_path() -> None:
+    k, n = 576, 960
+    w = q4.Q4Weights.pack(*_affine(n, k, 5))
+    rows = _rows(70, k, 6)
+    alone = np.stack([_run(rows[i : i + 1], w, amx=False)[0] for i in range(len(rows))])
+    with ThreadPoolExecutor(3) as pool:
+        # VNNI's row blocks of 6 and their tails; AMX's tiles of 16 and their tails
+        for m in (2, 5, 6, 7, 13, 16, 17, 33, 64, 70):
+            for threads in (1, 2, 4):
+                for amx in AMX:
+                    got = _run(rows[:m], w, threads, lambda: pool, amx)
+                    assert np.array_equal(got, alone[:m]), (m, threads, amx)
+        shuffled = np.random.default_rng(7).permutation(70)
+        assert np.array_equal(_run(rows[shuffled], w, 2, lambda: pool), alone[shuffled])
+    wide = np.zeros((70, k + 32), np.float32)  # rows read through a wider array
+    wide[:, 16 : 16 + k] = rows
+    assert np.array_equal(_run(wide[:, 16 : 16 + k], w), alone)
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", AMX, ids=lambda a: "amx" if a else "vnni")
+def test_a_row_holding_nan_shows_it_and_leaves_the_others_alone(amx: bool) -> None:
+    w = q4.Q4Weights.pack(*_affine(32, 128, 8))
+    x = _rows(5, 128, 9)
+    clean = _run(x, w, amx=amx)
+    x[2, 70] = np.nan
+    got = _run(x, w, amx=amx)
+    assert np.isnan(got[2]).all()
+    assert np.array_equal(np.delete(got, 2, axis=0), np.delete(clean, 2, axis=0))
+
+
+@needs_kernel
+def test_mlx_affine_layers_packed_keep_their_values_and_adopt_back() -> None:
+    parts = [_affine(48, 96, 10), _affine(16, 96, 11)]  # two layers fused along N
+    mlx_parts = [(quantized.pack(q, 4), s, b) for q, s, b in parts]
+    w = q4.Q4Weights.from_affine(mlx_parts)
+    q, s, b = w.values()
+    assert np.array_equal(q, np.concatenate([p[0] for p in parts]))
+    assert np.array_equal(s, np.concatenate([p[1] for p in parts]))
+    assert np.array_equal(b, np.concatenate([p[2] for p in parts]))
+    again = q4.Q4Weights.adopt(w.buffer.copy(), 64, 96)
+    assert again is not None and q4.Q4Weights.adopt(w.buffer[:-4], 64, 96) is None
+    x = _rows(3, 96, 12)
+    assert np.array_equal(_run(x, w), _run(x, again))
+
+
+def tiny_4bit() -> nn.Module:
+    """The tiny random llama with its linear layers 4-bit affine, groups of 32, float32 scales
+    (as a converted 4-bit GGUF holds them); the tied embedding 8-bit."""
+    model = random_llama()
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    nn.quantize(model, group_size=32, bits=8)
+    mx.eval(model.parameters())
+    return model
+
+
+@needs_kernel
+@pytest.mark.skipif(not current().onednn_available(), reason="oneDNN (onednn-cpu-gomp)")
+def test_host_steps_of_a_4bit_model_match_the_mlx_path() -> None:
+    model = to_host_format(tiny_4bit(), HostFormat.Q4)
+    layers = model.model.layers[0]
+    for layer in (layers.self_attn.q_proj, layers.self_attn.o_proj, layers.mlp.down_proj):
+        assert isinstance(layer, HostLinear) and layer._gemm.fmt is HostFormat.Q4
+    e = engine(model, max_batch_size=8, max_prefill_tokens=24, block_size=8)
+    cmp = Compare(e)
+    work = churn()
+    outs = staggered(e, work)
+    assert len(cmp.diffs) == cmp.host.steps == e.runner.stats.steps >= 20
+    # the same GEMMs on both paths; their inputs differ in the last float32 bits (norms, RoPE
+    # in another order), which can flip an activation's 8-bit rounding (test_host_step's int8)
+    assert max(cmp.diffs) < 0.2, max(cmp.diffs)
+    assert cmp.rows_equal >= 0.95 * cmp.rows, (cmp.rows_equal, cmp.rows)
+    # and greedy text: a host-step engine's against one that never runs host steps
+    ref = engine(model, max_batch_size=8, max_prefill_tokens=24, block_size=8)
+    ref.runner.forward_pass.host = None
+    same = sum(o.token_ids == staggered(ref, work)[rid].token_ids for rid, o in outs.items())
+    assert same >= 0.8 * len(outs), (same, len(outs))
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_a_4bit_gguf_keeps_the_files_values(type_name: str, tmp_path: Path) -> None:
+    case = replace(CASES["llama"], config=CONFIG)
+    weights = hf_weights(random_model(CONFIG))
+    path = write_gguf(tmp_path / f"m.{type_name}.gguf", case, weights,
+                      quantize=stored_as(type_name, np.random.default_rng(0)))  # fmt: skip
+    spec = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    loaded = load_model(spec, cache_dir=tmp_path / "cache", dtype="q4")
+    reader = gguf.GGUFReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    want = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(
+        CONFIG["hidden_size"], -1
+    )
+    gemm = loaded.model.model.layers[0].mlp.down_proj._gemm
+    assert gemm.fmt is HostFormat.Q4 and gemm._q4 is not None
+    q, s, b = gemm._q4.values()
+    # s * q + b, one product and one sum in float32: gguf-py's values bit for bit
+    got = (q.reshape(q.shape[0], -1, 32) * s[:, :, None] + b[:, :, None]).reshape(q.shape)
+    np.testing.assert_array_equal(got, want)
+    ids = mx.array([[1, 2, 3, 4]])
+    logits = np.array(loaded.model(ids)[0, -1])
+    # a second start reads the packed layers back from the host weights cache: the same bytes
+    again = load_model(spec, cache_dir=tmp_path / "cache", dtype="q4")
+    cached = again.model.model.layers[0].mlp.down_proj._gemm
+    assert isinstance(cached.packed, np.ndarray)  # the mapped file's, not packed anew
+    assert np.array_equal(cached._q4.buffer, gemm._q4.buffer)
+    assert np.array_equal(np.array(again.model(ids)[0, -1]), logits)
+    stored = load_model(spec, cache_dir=tmp_path / "cache", dtype="float32")
+    ref = np.array(stored.model(ids)[0, -1])
+    # int8 activations on the file's own weights: close to float32 on the same weights
+    assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()

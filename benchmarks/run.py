@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(map(str, ALL_SECTIONS)), help="e.g. 1,3,5")
     p.add_argument("--model", default="default", help="model alias, GGUF file or MLX folder")
     p.add_argument("--dtype", default="auto",
-                   choices=["auto", "float32", "float16", "bfloat16", "int8"])  # fmt: skip
+                   choices=["auto", "float32", "float16", "bfloat16", "int8", "q4"])  # fmt: skip
     p.add_argument("--baseline", help="section 6: also run batchmlx from this git revision")
     p.add_argument(
         "--peer-models",

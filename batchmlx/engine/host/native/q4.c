@@ -218,7 +218,7 @@ static inline __attribute__((always_inline)) void amx_epilogue(
 AMX static inline __attribute__((always_inline)) void amx_block(
     const int MA, const int NB, const int R, int K, int N, const int8_t* xq, const float* xs,
     const float* xsum, const int8_t* bt, const float* ws, const float* wb, float* y, int m0,
-    int n) {
+    int n, const uint8_t* next) {
     int ng = K / G;
     int32_t buf[2][4][16][16] __attribute__((aligned(64)));
     float yb[32][32] __attribute__((aligned(64)));
@@ -227,6 +227,11 @@ AMX static inline __attribute__((always_inline)) void amx_block(
     const int8_t* a0 = xq + (size_t)m0 / 16 * ng * 512;
     for (int g = 0; g < ng; g++) {
         int32_t(*out)[16][16] = buf[g & 1];
+        if (next)  // the next panel's nibbles on their way while these tiles compute
+            for (int t = 0; t < 2; t++)
+                for (int l = 0; l < 4; l++)
+                    _mm_prefetch((const char*)next + (size_t)t * (K / 8) * 64 + g * 256 + l * 64,
+                                 _MM_HINT_T0);
         _tile_zero(0);
         if (NB == 2) _tile_zero(1);
         if (MA == 2) _tile_zero(2);
@@ -260,7 +265,8 @@ AMX static inline __attribute__((always_inline)) void amx_block(
                                  _mm512_load_ps(&yb[16 * a + r][16 * b]));
 }
 
-#define AMX_BLOCK(MA, NB, R) amx_block(MA, NB, R, K, N, xq, xs, xsum, bt, ws, wb, y, m, n)
+#define AMX_BLOCK(MA, NB, R) \
+    amx_block(MA, NB, R, K, N, xq, xs, xsum, bt, ws, wb, y, m, n, m == 0 ? next : 0)
 
 // q4_gemm's product through AMX tiles, bit for bit the same, from activations in tiles
 // (q4_quantize's amx = 1): columns [n0, n1), 32 at a time (16 at the end), each 32's panel
@@ -274,6 +280,8 @@ AMX void q4_gemm_amx(int M, int N, int K, const int8_t* xq, const float* xs, con
     for (int n = n0; n < n1;) {
         int nb = n1 - n >= 32 ? 2 : 1;
         unpack_panel(K, wp, n, nb, bt);
+        // (two tiles from n + 32: at most 16 columns past n1, read ahead only)
+        const uint8_t* next = n + 32 < n1 ? wp + (size_t)(n / 16 + 2) * (K / 8) * 64 : 0;
         int m = 0;
         if (full) {
             amx_config(16);

@@ -167,6 +167,14 @@ def test_host_steps_of_a_4bit_model_match_the_mlx_path() -> None:
 
 
 @needs_kernel
+def test_layers_not_4bit_are_int8s() -> None:
+    """A float model asked for q4: every linear layer int8's (nothing 4-bit to keep)."""
+    model = to_host_format(random_llama(), HostFormat.Q4)
+    gemms = {m._gemm for _, m in model.named_modules() if isinstance(m, HostLinear)}
+    assert gemms and all(g.fmt is HostFormat.INT8 and g._q4 is None for g in gemms)
+
+
+@needs_kernel
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
 def test_a_4bit_gguf_keeps_the_files_values(type_name: str, tmp_path: Path) -> None:
     case = replace(CASES["llama"], config=CONFIG)

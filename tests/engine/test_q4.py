@@ -19,7 +19,7 @@ from batchmlx.core.models import resolve_model
 from batchmlx.engine.host import q4, q8, quantized
 from batchmlx.engine.host.backend import current
 from batchmlx.engine.host.linear import HostFormat, HostLinear, runs_here, to_host_format
-from batchmlx.engine.models.loader import load_model
+from batchmlx.engine.models.loader import load_model, packed_bytes
 from tests.engine.helpers import random_llama
 from tests.engine.test_engine_tiny import engine, staggered
 from tests.engine.test_gguf_types import CONFIG, stored_as
@@ -166,6 +166,15 @@ def test_host_steps_of_a_4bit_model_match_the_mlx_path() -> None:
     assert same >= 0.8 * len(outs), (same, len(outs))
 
 
+def test_the_memory_check_counts_kept_4bit_layers_at_six_bits() -> None:
+    model = tiny_4bit()  # linear layers 4-bit, the embedding 8-bit
+    linear = sum(
+        m.weight.size * 8 for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)
+    )
+    int8 = packed_bytes(model, HostFormat.INT8)
+    assert packed_bytes(model, HostFormat.Q4) == int8 - int(linear * 0.5)  # 1.25 -> 0.75 bytes
+
+
 @needs_kernel
 def test_layers_not_4bit_are_int8s() -> None:
     """A float model asked for q4: every linear layer int8's (nothing 4-bit to keep)."""
@@ -206,3 +215,34 @@ def test_a_4bit_gguf_keeps_the_files_values(type_name: str, tmp_path: Path) -> N
     ref = np.array(stored.model(ids)[0, -1])
     # int8 activations on the file's own weights: close to float32 on the same weights
     assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()
+
+
+@needs_kernel
+def test_4bit_experts_keep_their_bits() -> None:
+    """An mlx-lm 4-bit qwen3_moe (QuantizedSwitchLinear experts, float32 scales): in q4 each
+    expert's GEMMs hold its own 4-bit values, and the host step's logits are the quantized
+    model's within int8 activations' error."""
+    import copy
+
+    from batchmlx.engine.host.linear import HostExperts
+    from tests.engine.test_host_families import (
+        PACKED_TOLERANCE,
+        SPECS,
+        build,
+        host_logits,
+        prompts,
+        reference,
+    )
+
+    ref = build(next(s for s in SPECS if s.name == "qwen3_moe"), host=False)
+    nn.quantize(ref, group_size=32, bits=4)
+    host = to_host_format(copy.deepcopy(ref), HostFormat.Q4)
+    experts = host.model.layers[0].mlp.switch_mlp
+    assert isinstance(experts, HostExperts)
+    assert all(g._gemm._q4 is not None for g in [*experts.gate_up, *experts.down])
+    ps = prompts()
+    refs = [reference(ref, p, 4) for p in ps]
+    for step, logits in enumerate(host_logits(host, ps, [toks for _, toks in refs])):
+        want = np.stack([r[0][step] for r in refs])
+        diff = float(np.abs(logits - want).max() / np.abs(want).max())
+        assert diff < PACKED_TOLERANCE[HostFormat.INT8], (step, diff)

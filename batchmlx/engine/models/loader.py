@@ -32,7 +32,13 @@ log = logging.getLogger("batchmlx.engine")
 HOST_MEMORY_SHARE = 0.75
 # bytes a weight takes packed in each host format (int8: a float32 scale and an int32 offset
 # per group of 32 besides the byte: engine/host/q8.py's Q8Weights)
-_PACKED_BYTES = {HostFormat.F32: 4.0, HostFormat.BF16: 2.0, HostFormat.INT8: 1.25}
+_PACKED_BYTES = {
+    HostFormat.F32: 4.0,
+    HostFormat.BF16: 2.0,
+    HostFormat.INT8: 1.25,
+    HostFormat.Q4: 1.25,  # int8's, but for the 4-bit layers it keeps:
+}
+_Q4_KEPT_BYTES = 0.75  # a 4-bit value and a float32 scale and bias per 32 (host/q4.py)
 
 
 class ModelTooLarge(ValueError):
@@ -138,6 +144,8 @@ def _computed_by(fmt: HostFormat) -> str:
 
     if fmt is HostFormat.INT8 and q8.available():
         return f"{fmt.value} (grouped int8 kernel)"
+    if fmt is HostFormat.Q4:
+        return f"{fmt.value} (grouped 4-bit kernel; other layers int8)"
     return f"{fmt.value} (oneDNN)"
 
 
@@ -146,16 +154,19 @@ def packed_bytes(model: nn.Module, fmt: HostFormat) -> int:
     unpacked count) at the format's width. Counted from shapes: nothing is evaluated."""
     from mlx.utils import tree_flatten
 
-    values = 0
+    values = kept = 0  # kept: the values q4 keeps in their 4 bits
     for _, module in model.named_modules():
         weight = module.get("weight") if isinstance(module, nn.Module) else None
         if not isinstance(weight, mx.array) or weight.ndim < 2:
             continue
         bits = getattr(module, "bits", None) if "scales" in module else None
-        values += weight.size * 32 // bits if bits else weight.size
+        n = weight.size * 32 // bits if bits else weight.size
+        values += n
+        if fmt is HostFormat.Q4 and bits == 4 and getattr(module, "group_size", 0) == 32:
+            kept += n
     if values == 0:  # not a module tree of layers (a test double): count every array
         values = sum(a.size for _, a in tree_flatten(model.parameters()))
-    return int(values * _PACKED_BYTES[fmt])
+    return int((values - kept) * _PACKED_BYTES[fmt] + kept * _Q4_KEPT_BYTES)
 
 
 def _fits(model: nn.Module, fmt: HostFormat, name: str, *, asked: str) -> bool:

@@ -406,16 +406,18 @@ _BATCHMLX_CLI = (
 
 
 def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = None,
-                 **_: Any) -> PeerRun:  # fmt: skip
+                 quant: str | None = None, **_: Any) -> PeerRun:  # fmt: skip
     """batchmlx as a user runs it on the very requests the peers get: `submit --wait` then
     `results -o`, a fresh process each (the defaults, or `--dtype`); ready = the line that
-    says how the weights were loaded."""
+    says how the weights were loaded. `quant`: the peers' GGUF of that type as the model (for
+    `--dtype q4` on a 4-bit file), not the MLX folder."""
     from benchmarks.whole_process import REPO, _env, read_output
 
     reqs = requests_of(wl, _tokenizer(model))
     work = Path(tempfile.mkdtemp(prefix="bmx-peers-"))
+    source = path_for(model, quant or "mlx")
     (work / "requests.jsonl").write_text(
-        _batch_lines(reqs, wl, {}, model=str(path_for(model, "mlx"))))  # fmt: skip
+        _batch_lines(reqs, wl, {}, model=str(source)))  # fmt: skip
     env = _env(home=str(work / "home"), pythonpath=str(REPO))
     cli = [sys.executable, "-c", _BATCHMLX_CLI]
     more = ["--dtype", dtype] if dtype else []
@@ -435,9 +437,10 @@ def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = No
     texts, tokens = read_output(work / "out.jsonl")
     precision = loaded.split(": weights as ", 1)[1].split(" on ", 1)[0]
     label = "batchmlx" + (f" --dtype {dtype}" if dtype else " (defaults)")
+    extra = {"usage": batch.get("usage")} | ({"gguf": str(source)} if quant else {})
     return PeerRun(label, "batchmlx", model, precision, wall, ready,
                    tokens / max(submit_s - ready, 1e-9), tokens, w.peak / 2**20, texts,
-                   {"usage": batch.get("usage")})  # fmt: skip
+                   extra)  # fmt: skip
 
 
 def run_batchmlx_same(wl: Workload, model: str = "default") -> ProcessRun:
@@ -472,7 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, help="default: the workload's (128 / 32)")
     p.add_argument("--quick", action="store_true", help="whole_process.py's quick workloads")
     p.add_argument("--model", default="default", help="default | 360m | 1.7b | 8b")
-    p.add_argument("--quant", help="GGUF type for llama/openvino (default: Q4_1 / Q8_0)")
+    p.add_argument(
+        "--quant",
+        help="GGUF type for llama/openvino (default: Q4_1 / Q8_0); for "
+        "batchmlx, that GGUF instead of the MLX folder",
+    )
     p.add_argument("--vllm-dtype", default="float32")
     p.add_argument("--ov-prop", action="append", default=[], metavar="KEY=VALUE",
                    help="an OpenVINO CPU plugin property (repeatable)")  # fmt: skip
@@ -491,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
             kw["dtype"] = args.vllm_dtype
         elif peer == "batchmlx":
             kw["dtype"] = args.dtype
+            if args.quant:
+                kw["quant"] = args.quant
         elif peer == "vllm-mlx":
             pass  # float32, its engine's defaults: nothing to choose
         else:

@@ -63,7 +63,9 @@ def cases(quick: bool = False) -> list[Case]:
            Case("360m", chats, (BMX, BMX_BF16, *shapes)),
            Case("1.7b", chats, (BMX, BMX_BF16, *shapes))]  # fmt: skip
     families = (*_quants("llama", FAMILY_QUANTS), *_quants("openvino", FAMILY_QUANTS))
-    out += [Case(m, chats, (BMX, *families)) for m in ("qwen3-1.7b", "gemma3-1b")]
+    # batchmlx on the Q4_K_M file in its own bits (--dtype q4) beside its default on the folder
+    q4 = System("batchmlx", {"dtype": "q4", "quant": "Q4_K_M"})
+    out += [Case(m, chats, (BMX, q4, *families)) for m in ("qwen3-1.7b", "gemma3-1b")]
     if not quick:
         out.append(Case("8b", CHATS_8B, (BMX, System("llama", {"quant": "Q4_0"}))))
     return out

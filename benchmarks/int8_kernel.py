@@ -103,7 +103,7 @@ def measure(model: str, rows: tuple[int, ...], threads: tuple[int, ...], trials:
                 y = np.empty((m, n), np.float32)
 
                 def int8(x=x, qw=qw, y=y, t=t, amx=None):
-                    q8.matmul(x, qw, y, threads=t, pool=be.gemm_pool, use_amx=amx)
+                    q8.matmul(x, qw, y, threads=t, use_amx=amx)
 
                 def bf16(x=x, bf=bf, y=y):
                     dnn.matmul(dnn.to_bf16(x), bf, y)

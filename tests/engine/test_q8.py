@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -37,10 +36,16 @@ def _rand(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 
 
-def _run(x: np.ndarray, w: q8.Q8Weights, threads: int = 1, pool=None, amx=None) -> np.ndarray:
+def _run(x: np.ndarray, w: q8.Q8Weights, threads: int = 1, amx=None) -> np.ndarray:
     out = np.full((x.shape[0], w.n), np.nan, np.float32)
-    q8.matmul(x, w, out, threads=threads, pool=pool, use_amx=amx)
+    q8.matmul(x, w, out, threads=threads, use_amx=amx)
     return out
+
+
+@pytest.fixture
+def split_all(monkeypatch):
+    """Every GEMM split over its threads, however small (q8.c's pool, not one thread)."""
+    monkeypatch.setattr(q8, "SPLIT_MACS", 0)
 
 
 @needs_kernel
@@ -80,20 +85,19 @@ def test_activations_quantized_in_the_kernel_as_in_numpy() -> None:
 
 
 @needs_kernel
-def test_a_row_is_the_same_alone_in_any_batch_at_any_place_and_split() -> None:
+def test_a_row_is_the_same_alone_in_any_batch_at_any_place_and_split(split_all) -> None:
     k, n = 576, 960
     w = q8.Q8Weights.pack(_rand((n, k), 5, 0.05))
     rows = _rand((70, k), 6)
     alone = np.stack([_run(rows[i : i + 1], w)[0] for i in range(len(rows))])
-    with ThreadPoolExecutor(3) as pool:
-        # VNNI's row blocks of 6 and their tails; from AMX_ROWS AMX's tiles of 16 where it runs
-        for m in (2, 5, 6, 7, 13, 16, 17, 33, 64, 70):
-            for threads in (1, 2, 4):
-                got = _run(rows[:m], w, threads, lambda: pool)
-                assert np.array_equal(got, alone[:m]), (m, threads)
-        shuffled = np.random.default_rng(7).permutation(70)
-        got = _run(rows[shuffled], w, 2, lambda: pool)
-        assert np.array_equal(got, alone[shuffled])
+    # VNNI's row blocks of 6 and their tails; from AMX_ROWS AMX's tiles of 16 where it runs
+    for m in (2, 5, 6, 7, 13, 16, 17, 33, 64, 70):
+        for threads in (1, 2, 4):
+            got = _run(rows[:m], w, threads)
+            assert np.array_equal(got, alone[:m]), (m, threads)
+    shuffled = np.random.default_rng(7).permutation(70)
+    got = _run(rows[shuffled], w, 2)
+    assert np.array_equal(got, alone[shuffled])
     # rows read through a wider array (the host step's slabs)
     wide = np.zeros((70, k + 32), np.float32)
     wide[:, 16 : 16 + k] = rows
@@ -128,7 +132,7 @@ def test_the_library_self_test_finds_amx_and_vnni_alike() -> None:
 
 @needs_amx
 @pytest.mark.parametrize(("n", "k"), [(16, 32), (80, 96), (960, 576), (48, 2048)])
-def test_amx_and_vnni_give_the_same_bits(n: int, k: int, monkeypatch) -> None:
+def test_amx_and_vnni_give_the_same_bits(n: int, k: int, monkeypatch, split_all) -> None:
     # the same integer sums and the same float epilogue: a request's answer does not depend on
     # the CPU it runs on (AMX or not) nor on which path its batch width takes
     assert q8.library().q8_amx_init() == 0
@@ -136,12 +140,11 @@ def test_amx_and_vnni_give_the_same_bits(n: int, k: int, monkeypatch) -> None:
     w = q8.Q8Weights.pack(_rand((n, k), 12, 0.05))
     rows = _rand((70, k), 13)
     rows[9, k // 2] = np.inf  # a row with a non-finite input: NaN on both paths, alike
-    with ThreadPoolExecutor(1) as pool:
-        for m in (1, 3, 15, 16, 17, 31, 32, 33, 48, 70):  # full and short tiles, 2 x 2 blocks
-            vnni = _run(rows[:m], w, amx=False)
-            for threads in (1, 2):
-                amx = _run(rows[:m], w, threads, lambda: pool, amx=True)
-                assert np.array_equal(amx.view(np.uint32), vnni.view(np.uint32)), (m, threads)
+    for m in (1, 3, 15, 16, 17, 31, 32, 33, 48, 70):  # full and short tiles, 2 x 2 blocks
+        vnni = _run(rows[:m], w, amx=False)
+        for threads in (1, 2):
+            amx = _run(rows[:m], w, threads, amx=True)
+            assert np.array_equal(amx.view(np.uint32), vnni.view(np.uint32)), (m, threads)
     assert np.isnan(vnni[9]).all()
 
 
@@ -162,3 +165,38 @@ def test_the_amx_verdict_is_probed_once_and_kept(tmp_path, monkeypatch) -> None:
             _run(x, w, amx=True)
     finally:
         q8.amx.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", [False, pytest.param(True, marks=needs_amx)])
+def test_the_pool_gives_one_threads_bits_for_any_shape_and_rows(amx: bool, split_all) -> None:
+    # random shapes and 1..300 rows, each product repeated: q8.c's pool workers take columns
+    # in chunks from a shared counter, which changes who computes a column, never its bits
+    rng = np.random.default_rng(16)
+    helped = q8.pool_workers()[1]
+    for case in range(12):
+        n = 16 * int(rng.integers(1, 100))
+        k = (32 if amx else 16) * int(rng.integers(1, 50))
+        m = int(rng.integers(1, 301)) if case else 1
+        w = q8.Q8Weights.pack(_rand((n, k), 100 + case, 0.05))
+        x = _rand((m, k), 200 + case)
+        one = _run(x, w, 1, amx=amx)
+        for threads in (2, 3, 2, 4):
+            got = _run(x, w, threads, amx=amx)
+            assert np.array_equal(got.view(np.uint32), one.view(np.uint32)), (n, k, m, threads)
+    workers, now = q8.pool_workers()
+    assert workers >= 3 and now > helped  # the pool's threads took part
+
+
+@needs_kernel
+def test_the_pool_serves_calls_from_several_threads_at_once(split_all) -> None:
+    # one caller at a time uses the pool, the others compute alone: the same bits either way
+    from concurrent.futures import ThreadPoolExecutor
+
+    w = q8.Q8Weights.pack(_rand((1024, 576), 17, 0.05))
+    xs = [_rand((m, 576), 300 + m) for m in (1, 5, 17, 64)]
+    want = [_run(x, w) for x in xs]
+    with ThreadPoolExecutor(4) as callers:
+        for _ in range(20):
+            got = list(callers.map(lambda x: _run(x, w, 2), xs))
+            assert all(np.array_equal(g, e) for g, e in zip(got, want, strict=True))

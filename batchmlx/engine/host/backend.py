@@ -83,7 +83,7 @@ class HostBackend:
             return self._pool
 
     def gemm_pool(self) -> ThreadPoolExecutor:
-        """Threads our own GEMMs (q8.py) split columns over beside the calling thread: one
+        """Threads our own GEMMs (q4.py; q8.c has its own) split columns over beside the caller: one
         fewer than the CPUs this process may use, counted when the pool starts."""
         with self._lock:
             if self._gemm_pool is None:

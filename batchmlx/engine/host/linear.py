@@ -324,7 +324,7 @@ class SharedGemm:
             q4.matmul(as_rows(x), self._q4, out, threads=b.threads.or_cpus(), pool=b.gemm_pool)
         elif self._q8 is not None:
             b = self.backend
-            q8.matmul(as_rows(x), self._q8, out, threads=b.threads.or_cpus(), pool=b.gemm_pool)
+            q8.matmul(as_rows(x), self._q8, out, threads=b.threads.or_cpus())
         else:
             lib = self.backend.onednn()
             q, t = quantize_rows(as_rows(x), lib)

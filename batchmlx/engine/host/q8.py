@@ -33,8 +33,6 @@ import platform
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
@@ -52,17 +50,20 @@ GROUP = 32
 TILE = 16  # output columns per vector: N must be a multiple
 # what the library is compiled for; the CPU must have each (/proc/cpuinfo's names)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-LIB = register(NativeLibrary("q8", CPU_FLAGS, ("-mavx512f", "-mavx512bw", "-mavx512vl",
-                                              "-mavx512vnni"), "grouped int8 kernel"))  # fmt: skip
+# its pool's threads (glibc < 2.34 keeps them in libpthread)
+TARGET_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-pthread")
+LIB = register(NativeLibrary("q8", CPU_FLAGS, TARGET_FLAGS, "grouped int8 kernel"))
 SOURCE = LIB.source
 LIBRARY = LIB.path
 # what its AMX path needs besides (and Linux's leave, and a CPU that does not trap it: `amx`)
 AMX_FLAGS = ("amx_tile", "amx_int8")
 # from this many rows a GEMM goes through AMX where it runs (same bits as VNNI; faster from here)
 AMX_ROWS = 4
-# a GEMM of at least this many multiply-adds is split over threads by columns (a split costs
-# ~30-50 us of dispatch, a decode-width projection takes ~50-250 us on one thread)
-SPLIT_MACS = 4 << 20
+# a GEMM of at least this many multiply-adds is split over threads by columns (q8.c's pool:
+# ~4 us to wake a sleeping worker, ~1 us to hand a spinning one its part; through a Python
+# thread pool the hand-off was 30-50 us and this was 4 << 20, so no one-row decode GEMM split).
+# 1 << 19: one row of the 135M's qkv, gate-up and down (~12-55 us on one thread), not its o
+SPLIT_MACS = 1 << 19
 CHUNKS = 4  # column chunks per thread when split
 
 _P = ctypes.c_void_p
@@ -85,8 +86,10 @@ def library() -> ctypes.CDLL | None:
         gemm.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I]
         gemm.restype = None
     lib.q8_amx_init.restype = _I
-    lib.q8_gemm_shared.argtypes = [*lib.q8_gemm.argtypes[:10], _I, _P, _I]
-    lib.q8_gemm_shared.restype = None
+    lib.q8_matmul.argtypes = [_I, _I, _I, _I, _P, ctypes.c_int64, *[_P] * 6, _I, _I, _I]
+    lib.q8_matmul.restype = None
+    lib.q8_pool_workers.restype = _I
+    lib.q8_pool_helped.restype = ctypes.c_int64
     return lib
 
 
@@ -271,10 +274,9 @@ def _scratch(rows: int, k: int) -> tuple[tuple[int, int], tuple[np.ndarray, np.n
 
 
 def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
-           pool: Callable[[], ThreadPoolExecutor] | None = None,
            use_amx: bool | None = None) -> None:  # fmt: skip
     """out[M, N] = x[M, K] . w^T, x float32 rows (any row stride, unit column stride), out
-    float32 C-contiguous. Split by columns over `threads` (this thread and `pool()`'s) when it
+    float32 C-contiguous. Split by columns over `threads` (this thread and q8.c's pool) when it
     is large enough, through AMX from AMX_ROWS rows where it runs (`use_amx` forces either
     way): a row's result is the same however it is split and whichever path computes it."""
     lib = library()
@@ -289,21 +291,18 @@ def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
         x = np.ascontiguousarray(x, dtype=np.float32)
     # AMX reads its activations and their scales as tiles of 16 rows: the last one rounded up
     (xq, xs), _held = _scratch(-(-m // 16) * 16 if use_amx else m, k)
-    lib.q8_quantize(m, k, GROUP, pointer(x), x.strides[0] // 4, xq, xs, int(use_amx))
-    args = (m, w.n, k, GROUP, xq, xs, *w.addresses, pointer(out))
-    gemm = lib.q8_gemm_amx if use_amx else lib.q8_gemm
-    if threads <= 1 or pool is None or m * w.n * k < SPLIT_MACS:
-        gemm(*args, 0, w.n)
-        return
-    # columns in chunks of a few per thread from a shared counter (q8_gemm_shared): a pool
-    # thread that starts late finds them taken, and one not started at all is cancelled
+    if m * w.n * k < SPLIT_MACS:
+        threads = 1
+    # columns in chunks of a few per thread from a shared counter (q8.c's q8_matmul): a
+    # thread that starts late finds them taken
     step = 2 * TILE if use_amx else TILE  # AMX takes columns 32 at a time
-    chunk = max(step, w.n // (CHUNKS * threads) // step * step)
-    counter = ctypes.c_int(0)
-    shared = (*args, chunk, ctypes.addressof(counter), int(use_amx))
-    executor = pool()
-    futures = [executor.submit(lib.q8_gemm_shared, *shared) for _ in range(threads - 1)]
-    lib.q8_gemm_shared(*shared)
-    for f in futures:
-        if not f.cancel():
-            f.result()
+    chunk = max(step, w.n // (CHUNKS * max(1, threads)) // step * step)
+    lib.q8_matmul(m, w.n, k, GROUP, pointer(x), x.strides[0] // 4, xq, xs, *w.addresses,
+                  pointer(out), int(use_amx), max(1, threads), chunk)  # fmt: skip
+
+
+def pool_workers() -> tuple[int, int]:
+    """Threads q8.c's pool has started (at the first split GEMM), and the columns they have
+    computed since."""
+    lib = library()
+    return (0, 0) if lib is None else (lib.q8_pool_workers(), lib.q8_pool_helped())

@@ -200,3 +200,33 @@ def test_the_pool_serves_calls_from_several_threads_at_once(split_all) -> None:
         for _ in range(20):
             got = list(callers.map(lambda x: _run(x, w, 2), xs))
             assert all(np.array_equal(g, e) for g, e in zip(got, want, strict=True))
+
+
+_FORKED = """
+import os, warnings, numpy as np
+from batchmlx.engine.host import q8
+warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: what is tested
+q8.SPLIT_MACS = 0
+rng = np.random.default_rng(0)
+w = q8.Q8Weights.pack((rng.standard_normal((960, 576)) * 0.05).astype(np.float32))
+x = rng.standard_normal((64, 576)).astype(np.float32)
+y, again = np.empty((64, 960), np.float32), np.empty((64, 960), np.float32)
+q8.matmul(x, w, y, threads=2)
+pid = os.fork()
+if pid == 0:
+    helped = q8.pool_workers()[1]
+    same = True
+    for _ in range(200):
+        q8.matmul(x, w, again, threads=2)
+        same = same and np.array_equal(y, again)
+    os._exit(0 if same and q8.pool_workers()[1] > helped else 1)
+os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@needs_kernel
+def test_a_forked_child_starts_a_pool_of_its_own() -> None:
+    # the parent's workers do not exist in a child: it starts its own, which take part (run
+    # in a child of ours: pytest's process has threads)
+    done = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()

@@ -10,108 +10,35 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 
 from batchmlx.core.blocks import BlockPool
 from batchmlx.core.decode_turns import DecodeTurns, is_urgent
-from batchmlx.core.engine_api import ENGINE_DEFAULTS
 from batchmlx.core.kv_manager import KVCacheManager, blocks_for
 from batchmlx.core.online_window import OnlineWindow
 from batchmlx.core.prefill_pace import PrefillPace
 from batchmlx.core.priority import engine_aging
 from batchmlx.core.request import BATCH_PRIORITY, CacheOutcome, GenerationRequest
+from batchmlx.core.schedule import (
+    ScheduledSeq,
+    SchedulerConfig,
+    SchedulerStats,
+    SchedulerStep,
+    StepKind,
+    chunk_length,
+    step_kind,
+)
 from batchmlx.core.sequence import Sequence, SequenceStatus
 from batchmlx.core.waiting import WaitingQueue
 
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_batch_size: int = ENGINE_DEFAULTS.max_batch_size  # running sequences at most
-    block_size: int = ENGINE_DEFAULTS.block_size
-    num_blocks: int = 1024  # pool size incl. the reserved block 0
-    # token budget of one step, decode tokens included when steps are mixed (a longer prompt is
-    # chunked)
-    max_prefill_tokens: int = ENGINE_DEFAULTS.max_prefill_tokens
-    enable_prefix_cache: bool = ENGINE_DEFAULTS.use_paged_cache
-    prefix_grouping: bool = ENGINE_DEFAULTS.prefix_grouping  # shared prefix blocks computed once
-    # one step feeds the running decodes and prompt chunks together (else a step is all one kind)
-    mixed_steps: bool = ENGINE_DEFAULTS.mixed_steps
-    # batch prompt tokens of a step while online work runs or waits (EngineSettings says why)
-    batch_prefill_beside_online: int = ENGINE_DEFAULTS.batch_prefill_beside_online
-    # online requests may arrive at any step: the bound above holds at every step
-    serves_online: bool = ENGINE_DEFAULTS.serves_online
-    # batch decodes of a step while online work runs (EngineSettings says why)
-    batch_decodes_beside_online: int = ENGINE_DEFAULTS.batch_decodes_beside_online
-    # both bounds hold this long after online work ended (core/online_window.py)
-    online_linger_s: float = ENGINE_DEFAULTS.online_linger_s
-    # beside online work, batch prompt tokens keep a step within this many decode steps' time
-    online_step_ratio: float = ENGINE_DEFAULTS.online_step_ratio
-    # waiting batch work rises a priority level per this many seconds waited (0: strict)
-    priority_aging_s: float = ENGINE_DEFAULTS.priority_aging_s
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.block_size < 1 or self.max_prefill_tokens < 1:
-            raise ValueError("max_batch_size, block_size and max_prefill_tokens must be positive")
-        if self.batch_decodes_beside_online < 1:
-            raise ValueError("batch_decodes_beside_online must be positive (batch work starves)")
-        if self.num_blocks < 2:
-            raise ValueError("num_blocks must be at least 2 (block 0 is reserved)")
-
-
-class StepKind(enum.Enum):
-    PREFILL = "prefill"  # prompt chunks, new admissions, recomputation after preemption
-    DECODE = "decode"  # one freshly sampled token per running sequence
-    MIXED = "mixed"  # both: the running decodes and prompt chunks in one step
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # = seq.num_computed_tokens before the step: position of the first new token
-    num_new_tokens: int  # tokens fed this step (prompt chunk, or 1 for decode)
-    samples: bool  # this step produces a new token for it (last prompt chunk, or decode)
-    decode: bool = False  # its one token was sampled last step (else prompt or recompute work)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens fed this step, at positions start..start+num_new_tokens-1."""
-        return self.seq.token_ids[self.start : self.start + self.num_new_tokens]
-
-
-@dataclass(slots=True)
-class SchedulerStep:
-    kind: StepKind
-    seqs: list[ScheduledSeq]
-    preempted: list[Sequence]  # lost their blocks this step; will be recomputed later
-    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler: LENGTH, the
-    # pool cannot hold them even alone. The runner reports them like any finished sequence.
-    paused: int = 0  # running batch decodes left out beside online work (core/decode_turns.py)
-    beside_online: bool = False  # taken beside online work: its time is measured (prefill_pace)
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    steps: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    mixed_steps: int = 0
-    prefill_tokens_computed: int = 0  # prompt and recomputation tokens fed, in any step
-    prefill_tokens_reused: int = 0  # tokens taken from the prefix cache at every (re)admission
-    decode_tokens: int = 0  # sampled tokens fed back, in any step
-    preemptions: int = 0
-    urgent_preemptions: int = 0  # of which to make room for more urgent (online) work
-    paused_decodes: int = 0  # batch decodes left out of a step beside online work (they wait)
-    deferred: int = 0  # admissions put off by prefix grouping (a group counts once per step)
-    peak_blocks_in_use: int = 0
-    peak_running: int = 0
-    hits: int = 0  # first admissions by cache outcome
-    misses: int = 0
-    prefix_hits: int = 0
+# the step's types live in core/schedule.py; importers keep naming them from here
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerStats", "SchedulerStep",
+           "StepKind"]  # fmt: skip
 
 
 class _Admission(enum.Enum):
     DEFERRED = "deferred"  # its next block is being computed by another sequence: next step
     BLOCKED = "blocked"  # the pool cannot hold it now: stop admitting
+    LATER = "later"  # no aligned chunk of it fits the step's budget left: stop admitting
 
 
 class Scheduler:
@@ -201,7 +128,7 @@ class Scheduler:
                 seqs = self._schedule_decode(preempted, finished)
         if not (seqs or preempted or finished):
             return None
-        kind = _kind(seqs)
+        kind = step_kind(seqs)
         self._count_step(kind, seqs)
         return SchedulerStep(kind, seqs, preempted, finished, self.stats.paused_decodes - paused,
                              self._beside_online)  # fmt: skip
@@ -271,8 +198,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if not seq.is_prefilling:
-                if seq.num_uncomputed_tokens != 1:
-                    raise RuntimeError(f"{seq.seq_id} is not decoding: prefill should have run")
+                self._check_decoding(seq)
                 if turns.takes(seq) and self._reserve(seq, 1, preempted, finished):
                     out.append(self._scheduled(seq, 1, decode=True))
                 continue
@@ -340,7 +266,11 @@ class Scheduler:
     ) -> int:
         """Schedule the next chunk (at most `budget` tokens) of a running sequence's prompt;
         the tokens scheduled (0 when the pool cannot hold any)."""
-        n = min(seq.prefill_end - seq.num_computed_tokens, budget)
+        start = seq.num_computed_tokens
+        n = chunk_length(start, seq.prefill_end - start, budget, self.config.chunk_align,
+                         _no_prompt_yet(out))  # fmt: skip
+        if n == 0:
+            return 0
         n = self._reserve(seq, n, preempted, finished)
         if n:
             out.append(self._scheduled(seq, n))
@@ -415,7 +345,10 @@ class Scheduler:
                 room = budget if _urgent(seq) else min(budget, batch)
                 if room <= 0 or len(self.running) >= limit:
                     break
-                result = self._admit(seq, room, pending)
+                result = self._admit(seq, room, pending, _no_prompt_yet(out))
+                if result is _Admission.LATER:
+                    blocked = True
+                    break
                 if result is _Admission.DEFERRED:
                     self.stats.deferred += 1
                     continue
@@ -444,8 +377,12 @@ class Scheduler:
             return False
         return self.kv.hashes(first, 1)[0] in pending and self.kv.lookup(first, 0) is None
 
-    def _admit(self, seq: Sequence, budget: int, pending: set[int]) -> ScheduledSeq | _Admission:
-        """Admit seq with a first chunk of at most `budget` tokens, reusing cached blocks."""
+    def _admit(
+        self, seq: Sequence, budget: int, pending: set[int], first: bool
+    ) -> ScheduledSeq | _Admission:
+        """Admit seq with a first chunk of at most `budget` tokens, reusing cached blocks
+        (first: no prompt chunk is in the step yet, see `chunk_length`). A preempted sequence
+        whose hits reach past its prompt, with replay_decodes, starts with a decode row."""
         bs = self.config.block_size
         max_hit = self.kv.max_cached_blocks(seq, bs)
         hits = self.kv.cached_prefix(seq)
@@ -457,7 +394,13 @@ class Scheduler:
         ):
             return _Admission.DEFERRED
         start = len(hits) * bs
-        n = min(seq.num_tokens - start, budget)
+        # prompt work ends at its prompt when its generated tokens are replayed as decodes
+        end = max(start, seq.num_prompt_tokens) if self.config.replay_decodes else seq.num_tokens
+        n = 1
+        if start < end:
+            n = chunk_length(start, end - start, budget, self.config.chunk_align, first)
+            if n == 0:
+                return _Admission.LATER
         available = self.kv.free_after(hits)
         if blocks_for(n, bs) > available:
             if self.running:
@@ -468,14 +411,14 @@ class Scheduler:
         taken = self.kv.admit(seq, hits, n)
         assert taken  # checked against the free blocks above
         seq.num_computed_tokens = start
-        seq.prefill_end = seq.num_tokens
+        seq.prefill_end = end
         seq.status = SequenceStatus.RUNNING
         self.stats.prefill_tokens_reused += start
         if seq.cache_outcome is None:
             self._record_outcome(seq, start, max_hit)
         if self.config.prefix_grouping:
             pending.update(self._inflight_hashes(seq))
-        return self._scheduled(seq, n)
+        return self._scheduled(seq, n, decode=start >= end)
 
     def _record_outcome(self, seq: Sequence, cached: int, max_hit: int) -> None:
         seq.num_cached_tokens = cached
@@ -499,12 +442,18 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if seq.num_uncomputed_tokens != 1:
-                raise RuntimeError(f"{seq.seq_id} is not decoding: prefill should have run")
+            self._check_decoding(seq)
             if turns.takes(seq) and self._reserve(seq, 1, preempted, finished):
                 out.append(self._scheduled(seq, 1, decode=True))
         self.stats.paused_decodes += turns.paused
         return out
+
+    def _check_decoding(self, seq: Sequence) -> None:
+        """A running sequence past its prompt work has one token to feed: the one sampled last
+        step, or with replay_decodes any number (generated before a preemption)."""
+        n = seq.num_uncomputed_tokens
+        if n != 1 and not (self.config.replay_decodes and n > 1):
+            raise RuntimeError(f"{seq.seq_id} is not decoding: prefill should have run")
 
     # -- growth and eviction ---------------------------------------------------------------
 
@@ -580,17 +529,16 @@ class Scheduler:
         for s in seqs:
             if s.decode:
                 stats.decode_tokens += s.num_new_tokens
+                stats.replayed_tokens += not s.samples
             else:
                 stats.prefill_tokens_computed += s.num_new_tokens
         stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, self.pool.num_used)
         stats.peak_running = max(stats.peak_running, len(self.running))
 
 
-def _kind(seqs: list[ScheduledSeq]) -> StepKind:
-    decodes = sum(s.decode for s in seqs)
-    if decodes == len(seqs):  # a step of decodes only (or of nothing but scheduler finishes)
-        return StepKind.DECODE
-    return StepKind.PREFILL if decodes == 0 else StepKind.MIXED
-
-
 _urgent = is_urgent
+
+
+def _no_prompt_yet(out: list[ScheduledSeq]) -> bool:
+    """No prompt (or recompute) chunk is among the step's sequences so far."""
+    return all(s.decode for s in out)

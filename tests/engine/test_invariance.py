@@ -2,9 +2,10 @@
 and inside a batch. Kernel by kernel (every GEMM path: row i of A @ W at M = 1..70 is the row
 computed alone, at one and two threads; decode attention beside longer sequences), then through
 the real engine on a random-weight model of the default model's shapes at each host format
-(alone in simple mode, joining running batches of several widths, behind a prefix-cache hit),
-and on the real default model at the default dtype. docs/engine.md, "Batch invariance", says
-what is guaranteed and what is not (a shared prefix's cascade, prompt chunks cut differently)."""
+(alone in simple mode, joining running batches of several widths, behind a prefix-cache hit,
+cut by the step's budget elsewhere, preempted and resumed), and on the real default model at
+the default dtype. docs/engine.md, "Batch invariance", says what is guaranteed and what is not
+(a shared prefix's cascade)."""
 
 from __future__ import annotations
 
@@ -212,6 +213,67 @@ def test_the_same_bits_with_and_without_a_prefix_cache_hit(model, cached, rest):
     assert _bits(hit) == _bits(whole)
 
 
+@pytest.mark.parametrize("before", [37, 90])
+def test_the_same_bits_when_the_step_budget_cuts_the_prompt_elsewhere(model, before):
+    """A 230-token prompt under a 160-token step budget: alone it is cut at 128; arriving
+    behind a `before`-token prompt in the same step, where the budget left and the decodes
+    beside it say (at 64 and 192). The cuts end on the attention's 64-query
+    tiles (SchedulerConfig.chunk_align), so each row attends in the tile it would alone; cut
+    where the budget ran out, the tile ending at the cut saw fewer keys (1 of 3 requests'
+    log-probs differed so at float32 in `benchmarks.invariance --quick`)."""
+    fmt, m = model
+    cfg = {**CFG, "max_prefill_tokens": 160}
+    rng = np.random.default_rng(before)
+    target = rng.integers(1, 49152, size=230).tolist()
+    first = GenerationRequest("o", rng.integers(1, 49152, size=before).tolist(),
+                              SamplingParams(max_tokens=6, temperature=0.0))  # fmt: skip
+    solo = engine(m, simple=True, **cfg)
+    solo_ends = _chunk_ends(solo, "x")
+    (alone,) = solo.generate([GenerationRequest("x", target, PARAMS)])
+    eng = engine(m, **cfg)
+    ends = _chunk_ends(eng, "x")
+    got = eng.generate([first, GenerationRequest("x", target, PARAMS)])[1]
+    assert solo_ends == [128, 230] and ends != solo_ends
+    assert all(e % 64 == 0 for e in ends[:-1]), ends
+    assert _bits(got) == _bits(alone)
+
+
+def _chunk_ends(eng, rid: str) -> list[int]:
+    """The positions where request `rid`'s prompt chunks end, filled in as `eng` runs."""
+    ends: list[int] = []
+    sched = eng.runner.scheduler
+    schedule = sched.schedule
+
+    def recording():
+        step = schedule()
+        ends.extend(s.start + s.num_new_tokens for s in (step.seqs if step else [])
+                    if s.seq.seq_id == rid and not s.decode)  # fmt: skip
+        return step
+
+    sched.schedule = recording
+    return ends
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_the_same_bits_after_a_preemption(model, prefix_cache):
+    """Eight requests in a pool of 24 blocks of 8 (room for three or four at once): several
+    are preempted mid-decode and resume. Each gives simple mode's bits: its prompt recomputed
+    in prompt chunks, its generated tokens fed back one a step as decode rows (or taken from
+    the prefix cache as whole blocks), as they were first computed
+    (SchedulerConfig.replay_decodes); recomputed in one prompt chunk instead, 6 of 8 requests'
+    log-probs were bit-equal on this model at bf16 (docs/engine.md)."""
+    fmt, m = model
+    cfg = {**CFG, "use_paged_cache": prefix_cache}
+    reqs = [GenerationRequest(f"r{i}", p, PARAMS) for i, p in enumerate(_prompts(8, 5))]
+    alone = engine(m, simple=True, **cfg).generate(reqs)
+    small = {**cfg, "memory_aware": False, "cache_max_blocks": 24, "adaptive_width": False}
+    eng = engine(m, **small)
+    got = eng.generate(reqs)
+    stats = eng.runner.scheduler.stats
+    assert stats.preemptions >= 2 and stats.replayed_tokens > 0
+    assert [_bits(o) for o in got] == [_bits(o) for o in alone]
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_real_model_chats_give_the_same_bits_alone_and_in_running_batches(default_model):
@@ -309,3 +371,17 @@ def test_a_mixture_of_experts_gives_the_same_bits_alone_and_in_running_batches(f
     (got,) = [o for o in eng.generate(batch) if o.request_id == "x"]
     assert _bits(got) == _bits(alone)
     assert eng.runner.forward_pass.host is not None  # the host step ran it
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_invariance_check_finds_no_difference_on_a_random_model(fmt):
+    """`python -m benchmarks.invariance --quick`: 24 mixed requests (shared prefixes, prompts
+    the 256-token step budget cuts) alone, all at once, and at width 16 in a pool that
+    preempts; every run gives simple mode's tokens and log-probs."""
+    from benchmarks import invariance
+
+    make, reqs = invariance.quick_model(fmt.value, 24)
+    simple, batch, narrow = invariance.measure(make, reqs, narrow=True, cascade=True)
+    assert simple.prefix_hits > 0 and narrow.preemptions > 0
+    for run in (batch, narrow):
+        assert (run.tokens_differ, run.logprobs_differ) == (0, 0), run.differ

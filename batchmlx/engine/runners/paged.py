@@ -130,6 +130,9 @@ class PagedRunner:
             if self.mixed_steps and cfg.dense_decode and not self._attends_from_pool()
             else None
         )
+        # host steps, made batch-invariant: a prompt cut by the step's budget ends where the
+        # host's attention tiles end, and a preempted sequence resumes as it ran (core/schedule.py)
+        exact = self.mixed_steps and self.forward_pass.host is not None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_batch_size=cfg.running_bound,
@@ -145,6 +148,8 @@ class PagedRunner:
                 online_linger_s=cfg.online_linger_s,
                 online_step_ratio=cfg.online_step_ratio,
                 priority_aging_s=cfg.priority_aging_s,
+                chunk_align=_tile_queries() if exact else 1,
+                replay_decodes=exact,
             ),
             self.pool,
             clock=clock,
@@ -358,6 +363,13 @@ def paged_engine(
     )
     runner.attach(core)
     return core
+
+
+def _tile_queries() -> int:
+    """The host attention's query tile (imported only where host steps run)."""
+    from batchmlx.engine.host.attention import TILE_QUERIES
+
+    return TILE_QUERIES
 
 
 def _kv_dtype(model: Any) -> mx.Dtype:

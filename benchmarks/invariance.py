@@ -69,6 +69,7 @@ class Run:
     tokens_differ: int = 0
     logprobs_differ: int = 0
     preemptions: int = 0
+    replayed_tokens: int = 0  # generated tokens fed back as decode rows after preemptions
     prefix_hits: int = 0  # requests that took prompt tokens from the prefix cache
     seconds: float = 0.0
     differ: list[Differs] = field(default_factory=list)
@@ -156,6 +157,7 @@ def measure(make: Any, reqs: list[GenerationRequest], narrow: bool, cascade: boo
     out[0].prefix_hits = sum(o.cached_tokens > 0 for o in alone)
     wide = make(EngineSettings(cascade_attention=cascade))
     out.append(compare("batch", alone, *_run(wide, reqs)))
+    out[-1].replayed_tokens = wide.runner.scheduler.stats.replayed_tokens
     if narrow:
         narrow_cfg = EngineSettings(
             max_batch_size=NARROW_WIDTH,
@@ -165,6 +167,7 @@ def measure(make: Any, reqs: list[GenerationRequest], narrow: bool, cascade: boo
         )
         e = make(narrow_cfg)
         out.append(compare(f"width {NARROW_WIDTH}, small KV pool", alone, *_run(e, reqs)))
+        out[-1].replayed_tokens = e.runner.scheduler.stats.replayed_tokens
     return out
 
 
@@ -261,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for r in runs:
         print(f"{r.name}: {r.requests} requests, {r.prefix_hits} with a prefix hit, "
-              f"{r.preemptions} preemptions, {r.seconds:.1f} s: tokens differ in "
+              f"{r.preemptions} preemptions ({r.replayed_tokens} tokens replayed), "
+              f"{r.seconds:.1f} s: tokens differ in "
               f"{r.tokens_differ}, log-probs in {r.logprobs_differ}")  # fmt: skip
         for d in r.differ:
             print(f"  {d.request_id}: first token at {d.first_token}, first log-prob at "

@@ -19,10 +19,16 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, *, enable_prefix_cache: bool) -> None:
+    def __init__(self, pool: BlockPool, *, enable_prefix_cache: bool, tile: int = 0) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_cache = enable_prefix_cache
+        # Batch invariance (SchedulerConfig.chunk_align): a prompt's rows in its last, partial
+        # tile of `tile` positions attend over keys up to the prompt's end, so their KV (and
+        # that of the tokens generated after them, decode rows) is not what another prompt
+        # computes for the same tokens. Those blocks are hashed with the prompt's length
+        # chained in: only the same prompt (a resume, an identical request) hits them. 0: off.
+        self.tile = tile
 
     # -- hashing ----------------------------------------------------------------------------
 
@@ -33,11 +39,20 @@ class KVCacheManager:
         bs = self.block_size
         hashes = seq.block_hashes
         spans = seq.request.media_spans
+        salted = self._first_salted(seq)
         while len(hashes) < n:
             i = len(hashes)
             h = self.pool.hash_fn(hashes[-1] if hashes else None, seq.block_tokens(i, bs))
+            if i == salted:  # token ids are >= 0: no block of tokens hashes to this
+                h = self.pool.hash_fn(h, (-1, seq.num_prompt_tokens))
             hashes.append(media_block_hash(h, spans, i, bs) if spans else h)
         return hashes
+
+    def _first_salted(self, seq: Sequence) -> int:
+        """The first block reaching past the prompt's last whole tile (see `tile`), or -1."""
+        if not self.tile:
+            return -1
+        return seq.num_prompt_tokens // self.tile * self.tile // self.block_size
 
     def lookup(self, seq: Sequence, index: int) -> Block | None:
         """The cached block holding seq's block `index` (a full block), or None."""

@@ -54,7 +54,8 @@ class Scheduler:
             raise ValueError("pool.block_size differs from config.block_size")
         self.config = config
         self.pool = pool  # counters (blocks in use, cached, free) for stats and dashboards
-        self.kv = KVCacheManager(pool, enable_prefix_cache=config.enable_prefix_cache)
+        tile = config.chunk_align if config.chunk_align > 1 else 0  # see KVCacheManager.tile
+        self.kv = KVCacheManager(pool, enable_prefix_cache=config.enable_prefix_cache, tile=tile)
         self.stats = SchedulerStats()
         self.running: list[Sequence] = []  # admission order; preemption takes from the tail
         aging = engine_aging(config.priority_aging_s) if config.priority_aging_s else None

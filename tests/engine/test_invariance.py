@@ -176,11 +176,13 @@ def test_the_same_bits_when_prompts_arrive_together(model, width):
 
 
 def test_the_same_bits_behind_a_prefix_cache_hit_alone_and_in_a_batch(model):
-    """A sibling sharing the target's first 5 blocks runs first: the target's prompt hits them
-    in simple mode and in a running batch alike (fewer than MIN_CASCADE_BLOCKS: no cascade)."""
+    """A sibling sharing the target's first 70 tokens runs first: the target's prompt hits its
+    first whole tile (8 blocks: the rest of a prompt's last tile is hashed with its length,
+    core/kv_manager.py) in simple mode and in a running batch alike (no neighbour shares it:
+    no cascade)."""
     fmt, m = model
     rng = np.random.default_rng(7)
-    shared = rng.integers(1, 49152, size=40).tolist()
+    shared = rng.integers(1, 49152, size=70).tolist()
     sibling = GenerationRequest(
         "s", shared + [5, 6, 7], SamplingParams(max_tokens=1, temperature=0.0)
     )
@@ -188,29 +190,37 @@ def test_the_same_bits_behind_a_prefix_cache_hit_alone_and_in_a_batch(model):
     alone = engine(m, simple=True, **CFG).generate(
         [sibling, GenerationRequest("x", target, PARAMS)]
     )[1]
-    assert alone.cached_tokens == 40
+    assert alone.cached_tokens == 64
     got = _joined(m, GenerationRequest("x", target, PARAMS), 8, before=[sibling])
-    assert got.cached_tokens == 40
+    assert got.cached_tokens == 64
     assert _bits(got) == _bits(alone)
 
 
-@pytest.mark.parametrize("cached, rest", [(32, 1), (32, 2), (16, 17), (72, 90)])
-def test_the_same_bits_with_and_without_a_prefix_cache_hit(model, cached, rest):
-    """A request's prompt computed whole (a fresh engine), and with its first `cached` tokens
-    taken from the prefix cache, left there by a sibling sharing them, only the rest computed
-    (`rest` = 1: one prompt token, laid out as a chunk, not beside the decodes; 17 after 16
-    and 90 after 72: tiles end at the same positions either way). 9 of 16 short chats' texts
-    differed so in int8 and 4 in bf16 behind the chat template's cached system prompt, before
-    the tiles were aligned and padded (attention.py)."""
+@pytest.mark.parametrize("shared, extra, rest, hit",
+                         [(32, 1, 1, 32), (32, 2, 1, 0), (72, 1, 90, 64), (72, 60, 90, 72),
+                          (130, 1, 1, 128), (150, 10, 60, 128)])  # fmt: skip
+def test_the_same_bits_with_and_without_a_prefix_cache_hit(model, shared, extra, rest, hit):
+    """A request's prompt (`shared` + `rest` tokens) computed whole (a fresh engine), and
+    with its first `hit` tokens taken from the prefix cache, left there by a sibling (`shared`
+    + `extra` tokens), only the rest computed. A hit ends where the sibling's last whole
+    64-token tile and the request's own do, at most: the rows of a prompt's last, partial
+    tile attend over keys up to its end, so their KV depends on its length (150 + 10 behind
+    150: the tile from 128 summed 160 keys where the request's own sums 192); those blocks
+    are hashed with the prompt's length (core/kv_manager.py): hit by a prompt as long (32 + 1
+    behind 32 + 1), not by another (32 + 1 behind 32 + 2). `rest` = 1: one prompt token,
+    laid out as a chunk, not beside the decodes; 90 after a hit of 72: a hit ending mid-tile.
+    9 of 16 short chats' texts differed in int8 and 4 in bf16 behind the chat template's
+    cached system prompt, before the tiles were aligned and padded (attention.py)."""
     fmt, m = model
-    rng = np.random.default_rng(cached + rest)
-    shared = rng.integers(1, 49152, size=cached).tolist()
-    target = shared + rng.integers(1, 49152, size=rest).tolist()
-    sibling = GenerationRequest("s", shared + [5], SamplingParams(max_tokens=1, temperature=0.0))
+    rng = np.random.default_rng(shared + extra + rest)
+    common = rng.integers(1, 49152, size=shared).tolist()
+    target = common + rng.integers(1, 49152, size=rest).tolist()
+    sibling = GenerationRequest("s", common + rng.integers(1, 49152, size=extra).tolist(),
+                                SamplingParams(max_tokens=1, temperature=0.0))  # fmt: skip
     (whole,) = engine(m, **CFG).generate([GenerationRequest("x", target, PARAMS)])
-    hit = engine(m, **CFG).generate([sibling, GenerationRequest("x", target, PARAMS)])[1]
-    assert (whole.cached_tokens, hit.cached_tokens) == (0, cached)
-    assert _bits(hit) == _bits(whole)
+    got = engine(m, **CFG).generate([sibling, GenerationRequest("x", target, PARAMS)])[1]
+    assert (whole.cached_tokens, got.cached_tokens) == (0, hit)
+    assert _bits(got) == _bits(whole)
 
 
 @pytest.mark.parametrize("before", [37, 90])

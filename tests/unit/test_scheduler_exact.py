@@ -97,3 +97,19 @@ def test_without_replay_a_recompute_feeds_generated_tokens_in_a_chunk():
                and s.start + s.num_new_tokens > len(prompts[s.seq.seq_id])]  # fmt: skip
     assert sched.stats.preemptions > 0 and chunked
     assert outputs == {rid: alone(p, 12) for rid, p in prompts.items()}
+
+
+def test_blocks_past_a_prompts_last_whole_tile_are_hit_only_by_a_prompt_as_long():
+    """With chunk_align 8 (block 4): a's 22-token prompt's whole tiles end at 16; its block
+    16-19 (in its last, partial tile) is hashed with its length. b, as long, hits it; c,
+    longer, whose own tile there would be whole, hits the first 16 tokens only."""
+    cfg = SchedulerConfig(block_size=4, num_blocks=64, chunk_align=8, replay_decodes=True)
+    sched = Scheduler(cfg)
+    base = list(range(1, 23))
+    sched.add(request("a", base, 2))
+    drive(sched)
+    b = sched.add(request("b", base[:21] + [99], 2))
+    c = sched.add(request("c", base + [7, 8], 2))
+    outputs, _ = drive(sched)
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (20, 16)
+    assert outputs == {"b": alone(base[:21] + [99], 2), "c": alone(base + [7, 8], 2)}

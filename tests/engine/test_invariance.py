@@ -342,12 +342,14 @@ def test_without_cascade_attention_the_same_bits_behind_a_shared_prompt(model):
 def test_the_cascade_gives_the_same_bits_behind_a_shared_prompt(model):
     """The same eight requests with cascade attention on: their decode rows read the shared
     prompt's blocks block-major, once for all of them, in the paged kernel
-    (engine/host/paged_attention.py), with each row's arithmetic that of the row alone."""
+    (engine/host/paged_attention.py), with each row's arithmetic that of the row alone. The
+    prompt is 128 tokens, two whole tiles: requests behind it hit all of it (a prompt's last,
+    partial tile is hashed with its length, core/kv_manager.py: behind 96 they hit 64)."""
     if paged_attention.library() is None:
         pytest.skip("the paged decode kernel does not run on this CPU")
     fmt, m = model
     rng = np.random.default_rng(11)
-    shared = rng.integers(1, 49152, size=96).tolist()
+    shared = rng.integers(1, 49152, size=128).tolist()
     reqs = [GenerationRequest(f"r{i}", shared + rng.integers(1, 49152, size=3 + 2 * i).tolist(),
                               PARAMS) for i in range(8)]  # fmt: skip
     alone = engine(m, simple=True, **CFG).generate(reqs)
@@ -358,7 +360,7 @@ def test_the_cascade_gives_the_same_bits_behind_a_shared_prompt(model):
         mp.setattr(paged_attention, "decode", lambda q, k, v, r, *a, **kw: (
             rows.append(r.shared), real(q, k, v, r, *a, **kw))[1])  # fmt: skip
         got = e.generate(reqs)
-    assert max(rows) >= 12  # the prompt's 12 blocks of 8, read once a step for all rows
+    assert max(rows) >= 16  # the prompt's 16 blocks of 8, read once a step for all rows
     assert [o.cached_tokens for o in got] == [o.cached_tokens for o in alone]
     assert [_bits(o) for o in got] == [_bits(o) for o in alone]
 

@@ -110,6 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="section 12: only these models, e.g. default,qwen3-1.7b (default: all)",
     )
+    p.add_argument("--peer-without", default="",
+                   help="section 12: leave these peers out, e.g. vllm (default: none)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         dtype=args.dtype,
         peer_models=tuple(m for m in args.peer_models.split(",") if m),
+        peer_without=tuple(m for m in args.peer_without.split(",") if m),
     )
     if args.max_tokens:
         s = replace(s, max_tokens=args.max_tokens)

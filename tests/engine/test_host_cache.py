@@ -154,6 +154,7 @@ def test_the_signature_follows_the_source_files_and_the_format(tiny_model_dir):
 def test_load_model_writes_the_cache_once_then_reads_it(tiny_model_dir, tmp_path, monkeypatch):
     spec = resolve_model(str(tiny_model_dir), cache_dir=tmp_path)
     first = load_model(spec, cache_dir=tmp_path, dtype=PACKED.value)
+    assert host_cache.wait_written(60)
     files = list((tmp_path / "host").glob(f"*.{PACKED.value}.safetensors"))
     assert len(files) == 1
     stamp = files[0].stat().st_mtime_ns
@@ -168,6 +169,46 @@ def test_load_model_writes_the_cache_once_then_reads_it(tiny_model_dir, tmp_path
     off = HostBackend(HostSettings(weights_cache=False))  # BATCHMLX_HOST_CACHE=0
     load_model(spec, cache_dir=tmp_path, dtype=PACKED.value, backend=off)
     assert calls  # off: packed at the start, as without a cache
+
+
+def test_the_start_does_not_wait_for_the_cache_file(tiny_model_dir, tmp_path, monkeypatch):
+    """load_model returns while the packed weights are still being written; the file appears
+    whole (renamed from a temporary name) once the writer ends."""
+    import threading
+
+    release = threading.Event()
+    real_write = host_cache._write
+
+    def slow_write(*args, **kw):
+        assert release.wait(60)
+        real_write(*args, **kw)
+
+    monkeypatch.setattr(host_cache, "_write", slow_write)
+    spec = resolve_model(str(tiny_model_dir), cache_dir=tmp_path)
+    load_model(spec, cache_dir=tmp_path, dtype=PACKED.value)  # returns: the writer waits
+    assert not list((tmp_path / "host").glob(f"*.{PACKED.value}.safetensors"))
+    assert not host_cache.wait_written(0.05)
+    release.set()
+    assert host_cache.wait_written(60)
+    assert len(list((tmp_path / "host").glob(f"*.{PACKED.value}.safetensors"))) == 1
+    assert not list((tmp_path / "host").glob(".*"))  # no temporary file left
+
+
+def test_a_process_that_ends_at_once_still_leaves_the_whole_file(tiny_model_dir, tmp_path):
+    """The writer is not a daemon: a process that loads a model and exits at once (a short
+    `submit --wait`) leaves a file the next start reads without packing."""
+    import subprocess
+    import sys
+
+    code = (f"from batchmlx.core.models import resolve_model\n"
+            f"from batchmlx.engine.models.loader import load_model\n"
+            f"spec = resolve_model({str(tiny_model_dir)!r}, cache_dir={str(tmp_path)!r})\n"
+            f"load_model(spec, cache_dir={str(tmp_path)!r}, dtype={PACKED.value!r})\n")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True)
+    files = list((tmp_path / "host").glob(f"*.{PACKED.value}.safetensors"))
+    assert len(files) == 1
+    views, meta = host_cache._map(files[0])  # whole: every entry within the file, signed
+    assert views and host_cache._SIGNATURE_KEY in meta
 
 
 def _flat(model):

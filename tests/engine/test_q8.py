@@ -67,7 +67,7 @@ def test_activations_quantized_in_the_kernel_as_in_numpy() -> None:
     x = _rand((m, k), 4)
     x[2, 64:128] = 0.0  # an all-zero group: scale 1
     lib = q8.library()
-    q, s = q8.quantize_groups(x)
+    q, s = q8.quantize_groups_numpy(x)
     # VNNI's: unsigned bytes, x + 128, row by row
     xq = np.empty(x.shape, np.uint8)
     xs = np.empty((m, q8.groups(k)), np.float32)
@@ -82,6 +82,21 @@ def test_activations_quantized_in_the_kernel_as_in_numpy() -> None:
     rows = xt.reshape(2, ng, 16, q8.GROUP).transpose(0, 2, 1, 3).reshape(32, k)[:m]
     assert np.array_equal(rows, q)
     assert np.array_equal(st.reshape(2, ng, 16).transpose(0, 2, 1).reshape(32, ng)[:m], s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [576, 160, 48])
+def test_weights_quantized_in_the_kernel_as_in_numpy(k: int) -> None:
+    """A first start packs every weight through quantize_groups (in C where it runs): the
+    same int8 and scales as numpy's, NaN, infinity and all-zero groups included."""
+    w = _rand((37, k), 9, 0.05)
+    w[1, :32] = 0.0
+    w[4, 7] = np.inf
+    w[6, 40] = np.nan
+    q, s = q8.quantize_groups(w)
+    ref_q, ref_s = q8.quantize_groups_numpy(w)
+    assert q.dtype == np.int8 and np.array_equal(q, ref_q)
+    assert np.array_equal(s, ref_s, equal_nan=True) and np.isnan(s[4, 0]) and s[1, 0] == 1
 
 
 @needs_kernel

@@ -58,4 +58,11 @@ def disk_use(path: Path) -> int:
     """Bytes of the files under `path` (a folder) or of `path` (a file); 0 if it is gone."""
     if path.is_file():
         return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    total = 0
+    for f in path.rglob("*"):
+        try:  # (a file another thread renames meanwhile: the weights cache's writer)
+            if f.is_file() and not f.is_symlink():
+                total += f.stat().st_size
+        except FileNotFoundError:
+            continue
+    return total

@@ -118,14 +118,12 @@ def load_model(
     path = Path(folder) if spec.kind != "hub" else _hub_path(tokenizer, folder)
     if host and not _fits(model, host, spec.name, asked=dtype):
         host = None  # "auto": MLX's kernels on the weights as stored
-    if host:
-        _to_host(model, host, path, Path(cache_dir), backend)
+    writing = bool(host) and _to_host(model, host, path, Path(cache_dir), backend)
     log.info("model %s: weights as %s on %s, from %s", spec.name,
              _computed_by(host) if host else source, mx.default_device(),
              Path(folder).name)  # fmt: skip
-    if notes.writes() != written:  # a first run: say what the cache holds now
-        notes.note("the model cache %s now holds %s", cache_dir,
-                   notes.size_text(notes.disk_use(Path(cache_dir))))  # fmt: skip
+    if notes.writes() != written and not writing:  # a first run: what the cache holds now
+        _say_cache_holds(Path(cache_dir))
     context = config.get("max_position_embeddings") or _FALLBACK_CONTEXT
     return LoadedModel(
         spec=spec,
@@ -187,24 +185,32 @@ def _fits(model: nn.Module, fmt: HostFormat, name: str, *, asked: str) -> bool:
     return False
 
 
+def _say_cache_holds(cache_dir: Path) -> None:
+    notes.note("the model cache %s now holds %s", cache_dir,
+               notes.size_text(notes.disk_use(cache_dir)))  # fmt: skip
+
+
 def _to_host(
     model: nn.Module, fmt: HostFormat, source: Path, cache_dir: Path, backend: HostBackend
-) -> None:
+) -> bool:
     """The model's layers in `fmt`, read from the host weights cache where it holds them
-    (host_cache.py), packed (and the cache written) where not."""
+    (host_cache.py), packed where not. True when the packed weights are being written to the
+    cache behind the start (a first start need not take a warm one plus the write); the
+    writer says what the cache holds once the file is in place."""
     from batchmlx.engine.host import weights_cache as host_cache
     from batchmlx.engine.host.linear import to_host_format
 
     # float32 is not packed: its rows load as fast from a float32 folder as from a cache
     if fmt is HostFormat.F32 or not backend.settings.weights_cache or not source.is_dir():
         to_host_format(model, fmt, backend=backend)
-        return
+        return False
     where = host_cache.cache_path(cache_dir, source, fmt)
     sig = host_cache.signature(source, fmt, backend.onednn())
     cache = host_cache.open_cache(where, sig)
     to_host_format(model, fmt, cache, backend)
-    if cache.packed:
-        host_cache.save_cache(where, cache, sig, fmt)
+    return bool(cache.packed) and host_cache.save_cache(
+        where, cache, sig, fmt, background=True, then=lambda: _say_cache_holds(cache_dir)
+    )
 
 
 def host_format(

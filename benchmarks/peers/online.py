@@ -107,6 +107,9 @@ class Row:
     chunks: int = 0
     failures: list[str] = field(default_factory=list)
     batch_note: str = ""
+    wall_s: float = 0.0  # the streams' first send to their last chunk
+    batch_s: float = 0.0  # underneath: the batch's creation to its completion, streams beside
+    batch_alone_s: float = 0.0  # underneath: the same batch alone on the same server
 
 
 @dataclass
@@ -221,7 +224,7 @@ class BmxBatch:
 
     def __init__(self, c: httpx.AsyncClient, server: Server, setup: Setup) -> None:
         self.c, self.server, self.setup = c, server, setup
-        self.id, self.t0 = "", 0.0
+        self.id, self.t0, self.seconds = "", 0.0, 0.0
 
     async def start(self) -> None:
         self.t0 = time.perf_counter()
@@ -237,7 +240,8 @@ class BmxBatch:
 
     async def finish(self) -> str:
         obj = await wait_batch(self.c, self.id, self.setup.timeout_s, self.server)
-        return f"{obj.get('status')} in {time.perf_counter() - self.t0:.1f} s"
+        self.seconds = time.perf_counter() - self.t0
+        return f"{obj.get('status')} in {self.seconds:.1f} s"
 
 
 class LlamaBatch:
@@ -248,7 +252,7 @@ class LlamaBatch:
         self.c, self.setup = c, setup
         self.gate = asyncio.Semaphore(in_flight)
         self.tasks: list[asyncio.Task] = []
-        self.t0 = 0.0
+        self.t0 = self.seconds = 0.0
 
     async def start(self) -> None:
         self.t0 = time.perf_counter()
@@ -272,7 +276,8 @@ class LlamaBatch:
         done = await asyncio.gather(*self.tasks, return_exceptions=True)
         bad = sum(1 for r in done if isinstance(r, Exception) or r.status_code != 200)
         state = "completed" if not bad else f"{bad} failed"
-        return f"{state} in {time.perf_counter() - self.t0:.1f} s"
+        self.seconds = time.perf_counter() - self.t0
+        return f"{state} in {self.seconds:.1f} s"
 
 
 def _llama_slots(setup: Setup) -> int:
@@ -292,23 +297,34 @@ async def measure(system: str, setup: Setup, underneath: bool, info: Info) -> li
             limits = httpx.Limits(max_connections=setup.batch + 16)
             async with httpx.AsyncClient(base_url=server.base, limits=limits,
                                          timeout=60) as c:  # fmt: skip
+
+                def batch() -> BmxBatch | LlamaBatch:
+                    return BmxBatch(c, server, setup) if system == "batchmlx" else LlamaBatch(
+                        c, setup, _batch_in_flight(setup))  # fmt: skip
+
+                alone_s = 0.0
+                if underneath:  # the batch's own throughput: the same batch with no streams
+                    solo = batch()
+                    await solo.start()
+                    log(f"{system}: the batch alone: {await solo.finish()}")
+                    alone_s = solo.seconds
                 for k, n in enumerate(setup.streams):
-                    row = Row(system, n, underneath)
+                    row = Row(system, n, underneath, batch_alone_s=alone_s)
                     bg = None
                     if underneath:
-                        bg = BmxBatch(c, server, setup) if system == "batchmlx" else LlamaBatch(
-                            c, setup, _batch_in_flight(setup))  # fmt: skip
+                        bg = batch()
                         await bg.start()
                         await asyncio.sleep(setup.settle_s)
                     t = time.perf_counter()
                     # distinct questions in every run: no answer comes from a cache
                     await streams(server.base, n, setup, row, 1000 * (k + 1))
-                    wall = time.perf_counter() - t
+                    wall = row.wall_s = time.perf_counter() - t
                     if bg is not None:
                         at_end = await bg.progress()
                         row.batch_note = f"{at_end} done when the streams ended; " + (
                             await bg.finish()
                         )
+                        row.batch_s = bg.seconds
                     log(f"{system} {n} streams{' + batch' * underneath}: {row.requests} "
                         f"requests in {wall:.1f} s, TTFT p50 {_ms(_pct(row.ttft, 50))}, ITL p50 "
                         f"{_ms(_pct(row.itl, 50))}; {row.batch_note} (load "
@@ -366,6 +382,44 @@ def target(rows: list[Row], peer: str, n: int = 8) -> tuple[str, bool] | None:
     return "; ".join(parts), ok
 
 
+def tail_targets(rows: list[Row], setup: Setup) -> list[str]:
+    """Issue 49's targets for batchmlx: with the batch underneath, TTFT p99 and ITL p99 within
+    2x the same streams alone; one stream alone, ITL p50 at or below llama-server's; the
+    batch's throughput lost to the streams no more than their share of the tokens made while
+    it ran (the streams' tokens in its window taken at their mean rate)."""
+    alone = {r.streams: r for r in rows if r.system == "batchmlx" and not r.underneath}
+    under = {r.streams: r for r in rows if r.system == "batchmlx" and r.underneath}
+    lines = []
+    for n in sorted(set(alone) & set(under)):
+        a, u = alone[n], under[n]
+        parts, ok = [], True
+        for name, attr in (("TTFT p99", "ttft"), ("ITL p99", "itl")):
+            x, y = _fig(u, attr, 99), _fig(a, attr, 99)
+            ok = ok and x == x and y == y and x <= 2 * y
+            parts.append(f"{name} {_ms(x)} under against {_ms(y)} alone ({_ratio(x, y)}x)")
+        lines.append(f"- {n} streams, p99 with the batch within 2x alone: {'; '.join(parts)}: "
+                     f"**{'met' if ok else 'not met'}**")  # fmt: skip
+    lone = [r for r in rows if r.streams == 1 and not r.underneath]
+    by = {r.system: r for r in lone}
+    if "batchmlx" in by and "llama" in by:
+        x, y = _fig(by["batchmlx"], "itl", 50), _fig(by["llama"], "itl", 50)
+        lines.append(f"- one stream alone, ITL p50 <= llama-server's: {_ms(x)} against "
+                     f"{_ms(y)}: **{'met' if x <= y else 'not met'}**")  # fmt: skip
+    batch_tokens = setup.batch * setup.batch_max_tokens
+    for n, u in sorted(under.items()):
+        if not (u.batch_s and u.batch_alone_s and u.wall_s):
+            continue
+        lost = max(0.0, 1 - u.batch_alone_s / u.batch_s)
+        window = max(0.0, min(u.wall_s, u.batch_s - setup.settle_s))
+        online = u.chunks * window / u.wall_s
+        share = online / (online + batch_tokens)
+        lines.append(f"- {n} streams, the batch's throughput lost <= the streams' share: "
+                     f"{u.batch_alone_s:.1f} s alone, {u.batch_s:.1f} s beside them: {lost:.0%} "
+                     f"lost against a {share:.0%} share ({online:.0f} of their tokens in its "
+                     f"window): **{'met' if lost <= share else 'not met'}**")  # fmt: skip
+    return lines
+
+
 def report(rows: list[Row], setup: Setup, info: Info, *, quick: bool, machine_start: str,
            wall_s: float, title: str = "Online serving beside llama-server",
            level: int = 1) -> str:  # fmt: skip
@@ -421,6 +475,12 @@ def report(rows: list[Row], setup: Setup, info: Info, *, quick: bool, machine_st
             if t:
                 lines.append(f"- {name}, against {NAMES[peer]}: {t[0]}: "
                              f"**{'met' if t[1] else 'not met'}**")  # fmt: skip
+    lines += [
+        "",
+        f"{h}# Targets: online work beside a batch (issue 49)",
+        "",
+        *tail_targets(rows, setup),
+    ]
     fails = info.failed + [f"{NAMES[r.system]} {r.streams}: {f}" for r in rows
                            for f in r.failures]  # fmt: skip
     if fails:

@@ -32,8 +32,40 @@ def test_a_library_built_from_another_source_is_refused(tmp_path, monkeypatch) -
     q8 = kernel_libraries()["q8"]
     if not native_lib.cpu_has(q8.cpu_flags) or not LINUX_X86:
         pytest.skip("no AVX-512 VNNI here")
+    for path in q8.sources():  # q8.c and the headers it includes
+        (tmp_path / path.name).write_bytes(path.read_bytes())
     changed = tmp_path / "q8.c"
     changed.write_text(q8.source.read_text() + "\n/* changed */\n")
     (tmp_path / q8.path.name).write_bytes(q8.path.read_bytes())
     monkeypatch.setattr(native_lib, "NATIVE", tmp_path)
     assert native_lib.NativeLibrary("q8", q8.cpu_flags, q8.target_flags, "test").load() is None
+
+
+def test_a_library_built_before_a_header_it_includes_changed_is_refused(tmp_path, monkeypatch):
+    from batchmlx.engine.host import native_lib
+
+    libraries = kernel_libraries()
+    # q8 and q4 share native/grouped.h and native/pool.h: both hashes cover them
+    for name in ("q8", "q4"):
+        assert [p.name for p in libraries[name].sources()] == [f"{name}.c", "grouped.h", "pool.h"]
+    assert [p.name for p in libraries["ops"].sources()] == ["ops.c"]
+    q8 = libraries["q8"]
+    if not native_lib.cpu_has(q8.cpu_flags) or not LINUX_X86:
+        pytest.skip("no AVX-512 VNNI here")
+    for path in q8.sources():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    (tmp_path / q8.path.name).write_bytes(q8.path.read_bytes())
+    # (load is cached by the library's fields: `what` tells this one from other tests')
+    copy = native_lib.NativeLibrary("q8", q8.cpu_flags, q8.target_flags, "test (same)")
+    shipped = q8.source_sha()
+    monkeypatch.setattr(native_lib, "NATIVE", tmp_path)
+    assert copy.source_sha() == shipped
+    assert copy.load() is not None  # the same sources: the shipped library is theirs
+    with (tmp_path / "pool.h").open("a") as header:
+        header.write("\n/* changed */\n")
+    changed = native_lib.NativeLibrary("q8", q8.cpu_flags, q8.target_flags, "test (changed)")
+    assert changed.source_sha() != shipped
+    assert changed.load() is None
+    (tmp_path / "grouped.h").unlink()  # a header missing: refused, not an error at start
+    missing = native_lib.NativeLibrary("q8", q8.cpu_flags, q8.target_flags, "test (missing)")
+    assert missing.load() is None

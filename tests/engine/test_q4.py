@@ -5,7 +5,8 @@ host steps of a tiny random 4-bit llama against the MLX path."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,9 +40,9 @@ def _affine(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return q, s, b
 
 
-def _run(x: np.ndarray, w: q4.Q4Weights, threads: int = 1, pool=None, amx=None) -> np.ndarray:
+def _run(x: np.ndarray, w: q4.Q4Weights, threads: int = 1, amx=None) -> np.ndarray:
     out = np.full((x.shape[0], w.n), np.nan, np.float32)
-    q4.matmul(x, w, out, threads=threads, pool=pool, use_amx=amx)
+    q4.matmul(x, w, out, threads=threads, use_amx=amx)
     return out
 
 
@@ -92,18 +93,98 @@ def test_a_row_is_the_same_alone_in_any_batch_at_any_place_split_and_path() -> N
     w = q4.Q4Weights.pack(*_affine(n, k, 5))
     rows = _rows(70, k, 6)
     alone = np.stack([_run(rows[i : i + 1], w, amx=False)[0] for i in range(len(rows))])
-    with ThreadPoolExecutor(3) as pool:
-        # VNNI's row blocks of 6 and their tails; AMX's tiles of 16 and their tails
-        for m in (2, 5, 6, 7, 13, 16, 17, 33, 64, 70):
-            for threads in (1, 2, 4):
-                for amx in AMX:
-                    got = _run(rows[:m], w, threads, lambda: pool, amx)
-                    assert np.array_equal(got, alone[:m]), (m, threads, amx)
-        shuffled = np.random.default_rng(7).permutation(70)
-        assert np.array_equal(_run(rows[shuffled], w, 2, lambda: pool), alone[shuffled])
+    # VNNI's row blocks of 6 and their tails; AMX's tiles of 16 and their tails
+    for m in (2, 5, 6, 7, 13, 16, 17, 33, 64, 70):
+        for threads in (1, 2, 4):
+            for amx in AMX:
+                got = _run(rows[:m], w, threads, amx)
+                assert np.array_equal(got, alone[:m]), (m, threads, amx)
+    shuffled = np.random.default_rng(7).permutation(70)
+    assert np.array_equal(_run(rows[shuffled], w, 2), alone[shuffled])
     wide = np.zeros((70, k + 32), np.float32)  # rows read through a wider array
     wide[:, 16 : 16 + k] = rows
     assert np.array_equal(_run(wide[:, 16 : 16 + k], w), alone)
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", AMX, ids=lambda a: "amx" if a else "vnni")
+def test_the_pool_gives_one_threads_bits_for_any_shape_and_rows(amx: bool, monkeypatch) -> None:
+    # every GEMM split, however small: q4.c's pool (native/pool.h) hands columns out in chunks
+    # from a shared counter, which changes who computes a column, never its bits
+    monkeypatch.setattr(q4, "SPLIT_MACS", 0)
+    rng = np.random.default_rng(16)
+    helped = q4.pool_workers()[1]
+    for case in range(10):
+        n, k = 16 * int(rng.integers(1, 80)), 32 * int(rng.integers(1, 40))
+        m = int(rng.integers(8 if amx else 1, 200)) if case else 1
+        w = q4.Q4Weights.pack(*_affine(n, k, 100 + case))
+        x = _rows(m, k, 200 + case)
+        one = _run(x, w, 1, amx)
+        for threads in (2, 3, 4):
+            got = _run(x, w, threads, amx)
+            assert np.array_equal(got.view(np.uint32), one.view(np.uint32)), (n, k, m, threads)
+    # the pool's threads took part: on a busy machine a worker may get no CPU before the
+    # caller has taken every column of a small GEMM, so a longer one (~1 ms), until it does
+    w = q4.Q4Weights.pack(*_affine(3072, 1536, 17))
+    x = _rows(64, 1536, 18)
+    one = _run(x, w, 1, amx)
+    for _ in range(200):
+        assert np.array_equal(_run(x, w, 2, amx), one)
+        if q4.pool_workers()[1] > helped:
+            break
+    workers, now = q4.pool_workers()
+    assert workers >= 3 and now > helped
+
+
+_ONE_ROW = """
+import numpy as np
+from batchmlx.engine.host import q4
+rng = np.random.default_rng(18)
+w = q4.Q4Weights.pack(rng.integers(0, 16, (3072, 576), dtype=np.uint8),
+                      *rng.uniform(0.001, 0.02, (2, 3072, 18)).astype(np.float32))
+x = rng.standard_normal((1, 576)).astype(np.float32)
+one, two = np.empty((1, 3072), np.float32), np.empty((1, 3072), np.float32)
+q4.matmul(x, w, one, threads=1)
+alone = q4.pool_workers()[0]
+q4.matmul(x, w, two, threads=2)
+print(alone, q4.pool_workers()[0], np.array_equal(one, two))
+"""
+
+
+@needs_kernel
+def test_a_one_row_decode_gemm_splits_over_the_pool() -> None:
+    # at the default threshold, one row of the 135M's gate-up (1 x 3,072 x 576), which the
+    # Python thread pool left to one thread, goes to the pool (whose worker then takes what
+    # columns the OS lets it: none on a busy machine, so its start is what tells; run in a
+    # child, where no earlier test has started it)
+    done = subprocess.run([sys.executable, "-c", _ONE_ROW], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.split() == [b"0", b"1", b"True"]
+
+
+@needs_kernel
+def test_q4_and_q8_pools_serve_calls_from_several_threads_at_once(monkeypatch) -> None:
+    # each library has a pool of its own; one caller at a time uses each, the others compute
+    # alone: the same bits either way
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(q4, "SPLIT_MACS", 0)
+    monkeypatch.setattr(q8, "SPLIT_MACS", 0)
+    w4 = q4.Q4Weights.pack(*_affine(1024, 576, 20))
+    w8 = q8.Q8Weights.pack(_rows(1024, 576, 21) * 0.05)
+
+    def both(x: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
+        out = np.empty((x.shape[0], 1024), np.float32)
+        q8.matmul(x, w8, out, threads=threads)
+        return _run(x, w4, threads), out
+
+    xs = [_rows(m, 576, 300 + m) for m in (1, 5, 17, 64)]
+    want = [both(x, 1) for x in xs]
+    with ThreadPoolExecutor(4) as callers:
+        for _ in range(10):
+            got = list(callers.map(lambda x: both(x, 2), xs))
+            for (g4, g8), (e4, e8) in zip(got, want, strict=True):
+                assert np.array_equal(g4, e4) and np.array_equal(g8, e8)
 
 
 @needs_kernel

@@ -43,7 +43,6 @@ class HostBackend:
         self._onednn: OneDNN | None = None
         self._attention_onednn: OneDNN | None | bool = False  # False: not looked for yet
         self._pool: ThreadPoolExecutor | None = None
-        self._gemm_pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def onednn(self) -> OneDNN:
@@ -81,15 +80,6 @@ class HostBackend:
                 )
                 self._pool = ThreadPoolExecutor(self.pool_threads, thread_name_prefix=THREAD_NAME)
             return self._pool
-
-    def gemm_pool(self) -> ThreadPoolExecutor:
-        """Threads our own GEMMs (q4.py; q8.c has its own) split columns over beside the caller: one
-        fewer than the CPUs this process may use, counted when the pool starts."""
-        with self._lock:
-            if self._gemm_pool is None:
-                size = max(1, self.threads.or_cpus() - 1)
-                self._gemm_pool = ThreadPoolExecutor(size, thread_name_prefix=f"{THREAD_NAME}-gemm")
-            return self._gemm_pool
 
 
 _current: HostBackend | None = None

@@ -321,7 +321,7 @@ class SharedGemm:
                 np.matmul(np.ascontiguousarray(x, dtype=np.float32), self._w.buffer.T, out=out)
         elif self._q4 is not None:
             b = self.backend
-            q4.matmul(as_rows(x), self._q4, out, threads=b.threads.or_cpus(), pool=b.gemm_pool)
+            q4.matmul(as_rows(x), self._q4, out, threads=b.threads.or_cpus())
         elif self._q8 is not None:
             b = self.backend
             q8.matmul(as_rows(x), self._q8, out, threads=b.threads.or_cpus())

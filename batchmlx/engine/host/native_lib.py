@@ -2,8 +2,9 @@
 
 A kernel `NAME` is native/NAME.c, compiled into native/libbatchmlx_NAME.so for x86-64 Linux
 (glibc 2.17+) so that a user needs no compiler. The library answers the SHA-1 of the source it
-was built from (`NAME_source_sha()`, set by -DNAME_SOURCE_SHA at build): a library older than
-its source is refused, and its tests fail. `python -m batchmlx.engine.host.native_lib --build
+was built from (`NAME_source_sha()`, set by -DNAME_SOURCE_SHA at build): the .c and the headers
+of native/ it includes (`#include "NAME.h"`, and theirs), so a library older than any of them is
+refused, and its tests fail. `python -m batchmlx.engine.host.native_lib --build
 [NAME ...]` remakes them with zig's C compiler (the `ziglang` wheel), else `cc`.
 """
 
@@ -13,6 +14,7 @@ import ctypes
 import hashlib
 import logging
 import platform
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ import numpy as np
 log = logging.getLogger("batchmlx.engine")
 
 NATIVE = Path(__file__).parent / "native"
+# a header of native/ a source includes: `#include "grouped.h"`
+INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"/]+)"', re.MULTILINE)
 # floats as written (no fused multiply-add contraction): the same bits from every build
 COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
 
@@ -46,8 +50,23 @@ class NativeLibrary:
     def path(self) -> Path:
         return NATIVE / f"libbatchmlx_{self.name}.so"
 
+    def sources(self) -> list[Path]:
+        """The .c, then the headers of native/ it includes (theirs too), each once."""
+        found = [self.source]
+        for path in found:  # grows as it goes: a header's own headers come after it
+            for name in INCLUDE.findall(path.read_bytes()):
+                header = NATIVE / name.decode()
+                if header not in found:
+                    found.append(header)
+        return found
+
     def source_sha(self) -> str:
-        return hashlib.sha1(self.source.read_bytes()).hexdigest()[:16]
+        """SHA-1 of the .c's bytes, then of each header's name and bytes (a source with no
+        header of ours: the .c's alone, as before headers were shared)."""
+        sha = hashlib.sha1(self.source.read_bytes())
+        for header in self.sources()[1:]:
+            sha.update(b"\0" + header.name.encode() + b"\0" + header.read_bytes())
+        return sha.hexdigest()[:16]
 
     def load(self) -> ctypes.CDLL | None:
         """The library, or None where it cannot run here (another OS or CPU, or a library
@@ -95,9 +114,14 @@ def _load(lib: NativeLibrary) -> ctypes.CDLL | None:
             answer = getattr(handle, f"{lib.name}_source_sha")
             answer.restype = ctypes.c_char_p
             built = answer().decode()
-            if built == lib.source_sha():
-                return handle
-            why = f"{lib.path.name} was built from another {lib.source.name} ({built}): rebuild it"
+            try:
+                shipped = lib.source_sha()
+            except OSError as exc:  # a header it includes missing
+                why = f"its source {exc.filename} is missing"
+            else:
+                if built == shipped:
+                    return handle
+                why = f"{lib.path.name} was built from other sources ({built}): rebuild it"
     log.info("%s unavailable: %s", lib.what, why)
     return None
 

@@ -1,5 +1,6 @@
 """The `q4` host format's GEMM: a 4-bit GGUF's weights kept in their own bits, 4 in memory and
-in the GEMM, against int8 activations, in a kernel of our own (native/q4.c: AVX-512 VNNI).
+in the GEMM, against int8 activations, in a kernel of our own (native/q4.c: AVX-512 VNNI, and
+AMX from AMX_ROWS rows where q8's probe finds it usable).
 
 Weights are affine in groups of 32 along K, w = s * q + b with q in 0..15 and a float32 scale
 and bias per (output channel, group): what the GGUF converter keeps of Q4_0 (b = -8s), Q4_1 and
@@ -8,29 +9,36 @@ quantized per (token, group of 32) to int8 as q8's is, and each group's two exac
 (the product with q, and the activations' own sum) are rescaled and summed in group order:
 batch-invariant by construction, as q8 (q4.c's header).
 
+A GEMM is one C call, as q8's: the activations quantized (native/grouped.h, q8's code), then the
+columns split in chunks over this thread and the library's own pthread pool (native/pool.h,
+q8's code; a pool per library) from SPLIT_MACS multiply-adds, one-row decode GEMMs included.
+Until 2026-12-07 the split went through a Python ThreadPoolExecutor (~30-50 us a hand-off) and
+nothing under 4M multiply-adds split (benchmarks/RESULTS-host-ops.md, "q4's GEMMs on the pool").
+
 The library ships prebuilt (native/libbatchmlx_q4.so) as q8's does (native_lib.py)."""
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache, cached_property
 
 import numpy as np
 
 from batchmlx.engine.host import q8, quantized
-from batchmlx.engine.host.native_lib import NativeLibrary, register
+from batchmlx.engine.host.native_lib import NativeLibrary, pointer, register
 
 GROUP = 32  # K per scale and bias: the GGUF types' (and the kernel's: fixed in q4.c)
 BITS = 4
 TILE = 16  # output columns per vector: N must be a multiple
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-LIB = register(NativeLibrary("q4", CPU_FLAGS, ("-mavx512f", "-mavx512bw", "-mavx512vl",
-                                              "-mavx512vnni"), "grouped 4-bit kernel"))  # fmt: skip
-# split over threads from this many multiply-adds, in chunks of columns (q8.py's figures)
-SPLIT_MACS = 4 << 20
+# -pthread: its pool's threads (native/pool.h, q8's too; glibc < 2.34 keeps them in libpthread)
+TARGET_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-pthread")
+LIB = register(NativeLibrary("q4", CPU_FLAGS, TARGET_FLAGS, "grouped 4-bit kernel"))
+# a GEMM of at least this many multiply-adds is split over threads by columns, in one C call
+# (q4_matmul over native/pool.h, as q8's); through a Python thread pool the hand-off was
+# ~30-50 us and this was 4 << 20, so no one-row decode GEMM split
+SPLIT_MACS = q8.SPLIT_MACS
 # from this many rows a GEMM goes through AMX where it runs (the same bits as VNNI): below it
 # the panel's unpacking costs more than AMX saves (one layer, 1 thread, AMX / VNNI time: 135M
 # 1.22 / 0.84 / 0.66 at 4 / 8 / 16 rows, 8B shape 1.48 / 1.00 / 0.66; 2-core Xeon, load 5)
@@ -56,8 +64,10 @@ def library() -> ctypes.CDLL | None:
     for gemm in (lib.q4_gemm, lib.q4_gemm_amx):
         gemm.argtypes = [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I]
         gemm.restype = None
-    lib.q4_gemm_shared.argtypes = [*lib.q4_gemm.argtypes[:10], _I, _P, _I]
-    lib.q4_gemm_shared.restype = None
+    lib.q4_matmul.argtypes = [_I, _I, _I, _P, ctypes.c_int64, *[_P] * 7, _I, _I, _I]
+    lib.q4_matmul.restype = None
+    lib.q4_pool_workers.restype = _I
+    lib.q4_pool_helped.restype = ctypes.c_int64
     return lib
 
 
@@ -173,11 +183,10 @@ def quantize(x: np.ndarray, tiles: bool = False) -> tuple[np.ndarray, np.ndarray
 
 
 def matmul(x: np.ndarray, w: Q4Weights, out: np.ndarray, *, threads: int = 1,
-           pool: Callable[[], ThreadPoolExecutor] | None = None,
            use_amx: bool | None = None) -> None:  # fmt: skip
     """out[M, N] = x[M, K] . w^T, x float32 rows (any row stride, unit column stride), out
-    float32 C-contiguous. Split by columns over `threads` (this thread and `pool()`'s) when
-    it is large enough, through AMX from AMX_ROWS rows where it runs (`use_amx` forces either
+    float32 C-contiguous. Split by columns over `threads` (this thread and q4.c's pool) when it
+    is large enough, through AMX from AMX_ROWS rows where it runs (`use_amx` forces either
     way): a row's result is the same however it is split and whichever path computes it."""
     lib = library()
     if lib is None:
@@ -189,20 +198,18 @@ def matmul(x: np.ndarray, w: Q4Weights, out: np.ndarray, *, threads: int = 1,
         use_amx = m >= AMX_ROWS and amx()
     elif use_amx and not amx():
         raise RuntimeError("the grouped 4-bit kernel's AMX path does not run here")
-    xq, xs, xsum = quantize(x, tiles=use_amx)
-    args = (m, w.n, w.k, xq.ctypes.data, xs.ctypes.data, xsum.ctypes.data, *w.addresses,
-            out.ctypes.data)  # fmt: skip
-    gemm = lib.q4_gemm_amx if use_amx else lib.q4_gemm
-    if threads <= 1 or pool is None or m * w.n * w.k < SPLIT_MACS:
-        gemm(*args, 0, w.n)
-        return
+    # AMX reads its activations, scales and sums as tiles of 16 rows: the last one rounded up
+    (xq, xs, xsum), _held = q8.scratch(-(-m // 16) * 16 if use_amx else m, w.k, sums=True)
+    if m * w.n * w.k < SPLIT_MACS:
+        threads = 1
     step = 2 * TILE if use_amx else TILE  # AMX takes columns 32 at a time
-    chunk = max(step, w.n // (CHUNKS * threads) // step * step)
-    counter = ctypes.c_int(0)
-    shared = (*args, chunk, ctypes.addressof(counter), int(use_amx))
-    executor = pool()
-    futures = [executor.submit(lib.q4_gemm_shared, *shared) for _ in range(threads - 1)]
-    lib.q4_gemm_shared(*shared)
-    for f in futures:
-        if not f.cancel():
-            f.result()
+    chunk = max(step, w.n // (CHUNKS * max(1, threads)) // step * step)
+    lib.q4_matmul(m, w.n, w.k, pointer(x), x.strides[0] // 4, xq, xs, xsum, *w.addresses,
+                  pointer(out), int(use_amx), max(1, threads), chunk)  # fmt: skip
+
+
+def pool_workers() -> tuple[int, int]:
+    """Threads q4.c's pool has started (at the first split GEMM), and the columns they have
+    computed since."""
+    lib = library()
+    return (0, 0) if lib is None else (lib.q4_pool_workers(), lib.q4_pool_helped())

@@ -18,10 +18,14 @@ thread of a 2-core Sapphire Rapids Xeon (benchmarks/RESULTS-int8.md, kernel sect
 0.81 / 0.50 / 0.75 / 1.34 / 4.2; VNNI alone 0.20 / 0.30 / 0.86 / 1.57 / 6.3, ahead of oneDNN's
 bf16 without AMX (avx512_core_bf16: 0.37 at 1 row, 18.0 at 256).
 
-The library ships prebuilt (native/libbatchmlx_q8.so, ~135 KB, for x86-64 Linux, glibc 2.17+)
+A GEMM is one C call (q8_matmul): activations quantized (native/grouped.h, shared with q4.c),
+then columns split from SPLIT_MACS multiply-adds over this thread and the library's pthread
+pool (native/pool.h, shared with q4.c: each library has a pool of its own).
+
+The library ships prebuilt (native/libbatchmlx_q8.so, ~150 KB, for x86-64 Linux, glibc 2.17+)
 so that a user needs no compiler (engine/host/native_lib.py: `python -m
-batchmlx.engine.host.native_lib --build q8` remakes it; a library older than its source is
-refused, and a test fails).
+batchmlx.engine.host.native_lib --build q8` remakes it; a library older than its .c or a header
+it includes is refused, and a test fails).
 """
 
 from __future__ import annotations
@@ -263,15 +267,19 @@ def quantize_groups_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(r, ng * GROUP)[:, :k].copy(), s
 
 
+Scratch = tuple[tuple[int, ...], tuple[np.ndarray, ...]]  # addresses, buffers
+
+
 class _Scratch(threading.local):
-    """A thread's quantized activations and their scales, kept between GEMMs with their
-    addresses: two buffers and their addresses a call were ~4 us of the ~20 us of Python
-    around each GEMM of a decode step (120 a step at 135M). Only this thread's call uses them,
-    from quantizing to the GEMM's end (its pool threads read them while it waits)."""
+    """A thread's quantized activations and their scales (and, for q4, their sums), kept
+    between GEMMs with their addresses: two buffers and their addresses a call were ~4 us of
+    the ~20 us of Python around each GEMM of a decode step (120 a step at 135M). Only this
+    thread's call uses them, from quantizing to the GEMM's end (its pool threads read them
+    while it waits)."""
 
     def __init__(self) -> None:
-        # K -> (rows it has room for, its addresses, the buffers)
-        self.by_k: dict[int, tuple[int, tuple[int, int], tuple[np.ndarray, np.ndarray]]] = {}
+        # (K, sums) -> (rows it has room for, (its addresses, the buffers))
+        self.by_k: dict[tuple[int, bool], tuple[int, Scratch]] = {}
 
 
 _SCRATCH = _Scratch()
@@ -279,16 +287,17 @@ _SCRATCH = _Scratch()
 SCRATCH_BYTES = 1 << 20
 
 
-def _scratch(rows: int, k: int) -> tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
-    """Room for `rows` quantized rows of K and their group scales: the two addresses, and the
-    buffers (the caller holds them until its GEMM ends)."""
-    held = _SCRATCH.by_k.get(k)
+def scratch(rows: int, k: int, sums: bool = False) -> Scratch:
+    """Room for `rows` quantized rows of K and their group scales (and sums: q4's): the
+    addresses (xq, xs[, xsum]), and the buffers (the caller holds them until its GEMM ends)."""
+    held = _SCRATCH.by_k.get((k, sums))
     if held is not None and held[0] >= rows:
-        return held[1], held[2]
-    bufs = (np.empty((rows, k), np.uint8), np.empty((rows, groups(k)), np.float32))
-    addresses = (bufs[0].ctypes.data, bufs[1].ctypes.data)
+        return held[1]
+    parts = 2 if sums else 1
+    bufs = (np.empty((rows, k), np.uint8), np.empty((parts, rows, groups(k)), np.float32))
+    addresses = (bufs[0].ctypes.data, *(bufs[1][i].ctypes.data for i in range(parts)))
     if rows * k <= SCRATCH_BYTES:
-        _SCRATCH.by_k[k] = (rows, addresses, bufs)
+        _SCRATCH.by_k[(k, sums)] = (rows, (addresses, bufs))
     return addresses, bufs
 
 
@@ -309,7 +318,7 @@ def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
     if x.dtype != np.float32 or x.strides[1] != 4:
         x = np.ascontiguousarray(x, dtype=np.float32)
     # AMX reads its activations and their scales as tiles of 16 rows: the last one rounded up
-    (xq, xs), _held = _scratch(-(-m // 16) * 16 if use_amx else m, k)
+    (xq, xs), _held = scratch(-(-m // 16) * 16 if use_amx else m, k)
     if m * w.n * k < SPLIT_MACS:
         threads = 1
     # columns in chunks of a few per thread from a shared counter (q8.c's q8_matmul): a

@@ -1,6 +1,7 @@
 // Grouped 4-bit weight x int8 activation GEMM for the `q4` host format (engine/host/q4.py):
 // a 4-bit GGUF's values (Q4_0, Q4_1, Q4_K's sub-blocks) kept as they are, 4 bits in memory
-// and in the GEMM, with AVX-512 VNNI.
+// and in the GEMM, with AVX-512 VNNI (and AMX tiles from 8 rows); one call a GEMM (q4_matmul),
+// its columns split over pool.h's threads. What it shares with q8.c is in grouped.h and pool.h.
 //
 //   w[n, k] = s[n, g] * q[n, k] + b[n, g],  q in 0..15, groups g of 32 along K
 //   y[m, n] = sum over g, in order, of xs[m, g] * (s[n, g] * dot_g + b[n, g] * sumx[m, g])
@@ -12,10 +13,10 @@
 // invariance by construction, as q8.c: the integer sums are exact, and each output element's
 // float epilogue is the same instructions per group, in group order, whatever M, the row block
 // a row falls in or the columns a thread takes.
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "grouped.h"
+#include "pool.h"
 
 #define G 32   // values per group (and per scale and bias)
 #define MR 6   // rows per block: 6 x 4 accumulators + 4 weight vectors + broadcast + mask
@@ -26,48 +27,12 @@
 
 const char* q4_source_sha(void) { return Q4_SOURCE_SHA; }
 
-// x[M, K] (row stride ldx, K a multiple of 32) -> xq[M, K] int8, xs[M, ng] = t per (row,
-// group), t = max|x| / 127 (1 for an all-zero group), q = round(x / t), and xsum[M, ng] the
-// sum of the group's q (as float: at most 32 x 127, exact). q8_quantize's arithmetic, so
-// the values are its own less its +128. For AMX (amx = 1) in q8_quantize's tile layout: xq
-// [M/16 (rounded up)][ng][16 rows][32], xs and xsum [M/16][ng][16]. A group holding NaN or infinity gets t = NaN and
-// zeros, so the product shows it, as a float GEMM's would.
+// x[M, K] (row stride ldx, K a multiple of 32) -> xq[M, K] int8, xs[M, ng] and xsum[M, ng],
+// the sum of each group's q: grouped.h's quantize_groups, q8_quantize's arithmetic (signed),
+// in q8's tile layout for AMX (amx = 1).
 void q4_quantize(int M, int K, const float* x, int64_t ldx, int8_t* xq, float* xs, float* xsum,
                  int amx) {
-    int ng = K / G;
-    for (int m = 0; m < M; m++) {
-        const float* row = x + (size_t)m * ldx;
-        for (int g = 0; g < ng; g++) {
-            const float* p = row + g * G;
-            __m512 mx = _mm512_setzero_ps(), bad = _mm512_setzero_ps();
-            for (int k = 0; k < G; k += 16) {
-                __m512 v = _mm512_loadu_ps(p + k);
-                mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-                bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));  // NaN if any
-            }
-            float amax = _mm512_reduce_max_ps(mx);
-            float nan = _mm512_reduce_add_ps(bad);
-            size_t tile = ((size_t)m / 16 * ng + g) * 16 + m % 16;  // AMX: row in its tile
-            int8_t* q = amx ? xq + tile * G : xq + (size_t)m * K + g * G;
-            size_t at = amx ? tile : (size_t)m * ng + g;
-            if (nan != nan) {
-                for (int k = 0; k < G; k++) q[k] = 0;
-                xs[at] = nan;
-                xsum[at] = 0.f;
-                continue;
-            }
-            __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-            __m512i total = _mm512_setzero_si512();
-            for (int k = 0; k < G; k += 16) {
-                __m512i i = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + k), inv),
-                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                total = _mm512_add_epi32(total, i);
-                _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(i));
-            }
-            xs[at] = amax > 0.f ? amax / 127.f : 1.f;
-            xsum[at] = (float)_mm512_reduce_add_epi32(total);
-        }
-    }
+    quantize_groups(M, K, G, x, ldx, (uint8_t*)xq, xs, xsum, amx, 0);
 }
 
 // One group's float epilogue for 16 outputs, the same instructions on both paths and for
@@ -154,30 +119,12 @@ void q4_gemm(int M, int N, int K, const int8_t* xq, const float* xs, const float
 }
 
 // ---- AMX (after q8.py's probe found it usable and Linux granted the tile state, which
-// q8_amx_init asks for the whole process): q8.c's tiles, C tiles 0-3 (at most 2 x 2 of 16 x
-// 16 sums), A tiles 4-5 (16 rows x one group of 32 activations, signed: q4_quantize's amx =
-// 1), B tiles 6-7 (8 rows of 4 k x 16 columns). The weights of 32 columns are unpacked once
-// for all K into a panel of bytes in q8.c's B layout ([2][K/4][16][4]), read by every row
-// tile; TDPBSSD sums the same integers as vpdpbusd (values 0..15 as signed bytes), and the
+// q8_amx_init asks for the whole process): q8.c's tiles (grouped.h), C tiles 0-3 (at most 2 x
+// 2 of 16 x 16 sums), A tiles 4-5 (16 rows x one group of 32 activations, signed:
+// q4_quantize's amx = 1), B tiles 6-7 (8 rows of 4 k x 16 columns). The weights of 32
+// columns are unpacked once for all K into a panel of bytes in q8.c's B layout
+// ([2][K/4][16][4]), read by every row tile; TDPBSSD sums the same integers as vpdpbusd (values 0..15 as signed bytes), and the
 // epilogue is the same, so both paths give the same bits.
-#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
-
-struct tilecfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-AMX static void amx_config(int rows) {
-    struct tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = t >= 4 && t < 6 ? G : 64;
-        cfg.rows[t] = t >= 6 ? G / 4 : rows;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 // columns [n, n + 16 nb) of every k into bt ([nb][K/4][16][4] bytes, values 0..15)
 static void unpack_panel(int K, const uint8_t* wp, int n, int nb, int8_t* bt) {
@@ -232,22 +179,7 @@ AMX static inline __attribute__((always_inline)) void amx_block(
                 for (int l = 0; l < 4; l++)
                     _mm_prefetch((const char*)next + (size_t)t * (K / 8) * 64 + g * 256 + l * 64,
                                  _MM_HINT_T0);
-        _tile_zero(0);
-        if (NB == 2) _tile_zero(1);
-        if (MA == 2) _tile_zero(2);
-        if (MA == 2 && NB == 2) _tile_zero(3);
-        _tile_loadd(4, a0 + g * 512, G);
-        if (MA == 2) _tile_loadd(5, a0 + (size_t)(ng + g) * 512, G);
-        _tile_loadd(6, b0 + (size_t)g * 512, 64);
-        if (NB == 2) _tile_loadd(7, b1 + (size_t)g * 512, 64);
-        _tile_dpbssd(0, 4, 6);
-        if (NB == 2) _tile_dpbssd(1, 4, 7);
-        if (MA == 2) _tile_dpbssd(2, 5, 6);
-        if (MA == 2 && NB == 2) _tile_dpbssd(3, 5, 7);
-        _tile_stored(0, out[0], 64);
-        if (NB == 2) _tile_stored(1, out[1], 64);
-        if (MA == 2) _tile_stored(2, out[2], 64);
-        if (MA == 2 && NB == 2) _tile_stored(3, out[3], 64);
+        amx_group(MA, NB, a0, b0, b1, g, ng, out);
         if (g == 1)
             amx_epilogue(MA, NB, R, 1, (const int32_t(*)[16][16])buf[0], xs, xsum, ws, wb, yb,
                          m0, n, 0, ng);
@@ -258,11 +190,7 @@ AMX static inline __attribute__((always_inline)) void amx_block(
     const int32_t(*last)[16][16] = (const int32_t(*)[16][16])buf[(ng - 1) & 1];
     if (ng == 1) amx_epilogue(MA, NB, R, 1, last, xs, xsum, ws, wb, yb, m0, n, 0, ng);
     else amx_epilogue(MA, NB, R, 0, last, xs, xsum, ws, wb, yb, m0, n, ng - 1, ng);
-    for (int a = 0; a < MA; a++)
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < NB; b++)
-                _mm512_storeu_ps(y + ((size_t)m0 + 16 * a + r) * N + n + 16 * b,
-                                 _mm512_load_ps(&yb[16 * a + r][16 * b]));
+    amx_store(MA, NB, R, yb, y, N, m0, n);
 }
 
 #define AMX_BLOCK(MA, NB, R) \
@@ -307,16 +235,37 @@ AMX void q4_gemm_amx(int M, int N, int K, const int8_t* xq, const float* xs, con
     free(bt);
 }
 
-// Columns taken `chunk` at a time from a counter the calling threads share (q8.c's
-// q8_gemm_shared): which columns a thread takes does not change their bits.
-void q4_gemm_shared(int M, int N, int K, const int8_t* xq, const float* xs, const float* xsum,
-                    const uint8_t* wp, const float* ws, const float* wb, float* y, int chunk,
-                    int* next, int amx) {
-    for (;;) {
-        int n0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
-        if (n0 >= N) return;
-        int n1 = n0 + chunk < N ? n0 + chunk : N;
-        if (amx) q4_gemm_amx(M, N, K, xq, xs, xsum, wp, ws, wb, y, n0, n1);
-        else q4_gemm(M, N, K, xq, xs, xsum, wp, ws, wb, y, n0, n1);
-    }
+// ---- q4_matmul: one call per GEMM, split over pool.h's workers
+struct q4_job {
+    int M, N, K, amx;
+    const int8_t* xq;
+    const float* xs;
+    const float* xsum;
+    const uint8_t* wp;
+    const float* ws;
+    const float* wb;
+    float* y;
+};
+
+static void q4_columns(const void* args, int n0, int n1) {
+    const struct q4_job* j = args;
+    if (j->amx)
+        q4_gemm_amx(j->M, j->N, j->K, j->xq, j->xs, j->xsum, j->wp, j->ws, j->wb, j->y, n0, n1);
+    else
+        q4_gemm(j->M, j->N, j->K, j->xq, j->xs, j->xsum, j->wp, j->ws, j->wb, j->y, n0, n1);
 }
+
+// y[M, N] = x[M, K] . w^T in one call, as q8_matmul: x quantized into xq / xs / xsum
+// (q4_quantize), then the columns split `chunk` at a time over this thread and up to threads
+// - 1 workers (1: this thread alone). Any split gives the same bits. N < 2^19.
+void q4_matmul(int M, int N, int K, const float* x, int64_t ldx, int8_t* xq, float* xs,
+               float* xsum, const uint8_t* wp, const float* ws, const float* wb, float* y,
+               int amx, int threads, int chunk) {
+    q4_quantize(M, K, x, ldx, xq, xs, xsum, amx);
+    struct q4_job j = {M, N, K, amx, xq, xs, xsum, wp, ws, wb, y};
+    pool_run(q4_columns, &j, N, chunk, threads);
+}
+
+// Workers started, and the columns they computed (for tests)
+int q4_pool_workers(void) { return pool_workers(); }
+int64_t q4_pool_helped(void) { return pool_helped(); }

@@ -12,15 +12,8 @@
 // same float epilogue, s = ws * xs, y = cvt(sum) * s for the first group, fma(cvt(sum), s, y)
 // after. Built without -march=native (q8.py builds it, and checks the CPU): the AMX code has
 // target attributes of its own, so the library loads and runs VNNI on a CPU without AMX.
-#include <immintrin.h>
-#include <linux/futex.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdint.h>
-#include <string.h>
-#include <time.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "grouped.h"
+#include "pool.h"
 
 #define MR 6  // rows per block: 6 x 4 accumulators + 4 weight vectors + 1 broadcast < 32 zmm
 
@@ -30,47 +23,11 @@
 
 const char* q8_source_sha(void) { return Q8_SOURCE_SHA; }
 
-// x[M, K] (row stride ldx) -> xq and xs[M, ng] = t per (row, group), t = max|x| / 127 (1 for
-// an all-zero group), q = round(x / t). For VNNI (amx = 0) xq[M, K] holds q + 128 (unsigned
-// bytes); for AMX (amx = 1, G = 32) it holds q signed, as A tiles: [M/16 (rounded up)][ng][16
-// rows][32], so that a tile is 512 bytes in a row whatever K (rows K bytes apart fall in one
-// cache set when K is a multiple of 4,096: 2,048 and 8,192 are), and xs as [M/16][ng][16] (a
-// tile's 16 scales of a group in one cache line, not 16). A group holding NaN or
-// infinity gets t = NaN and zeros, so the product shows it, as a float GEMM's would.
+// x[M, K] (row stride ldx) -> xq and xs[M, ng] (grouped.h's quantize_groups): for VNNI (amx =
+// 0) xq[M, K] holds q + 128 (unsigned bytes); for AMX (amx = 1, G = 32) q signed, as A tiles.
 void q8_quantize(int M, int K, int G, const float* x, int64_t ldx, uint8_t* xq, float* xs,
                  int amx) {
-    int ng = (K + G - 1) / G, offset = amx ? 0 : 128;
-    for (int m = 0; m < M; m++) {
-        const float* row = x + (size_t)m * ldx;
-        for (int g = 0; g < ng; g++) {
-            const float* p = row + g * G;
-            int len = K - g * G < G ? K - g * G : G;
-            __m512 mx = _mm512_setzero_ps(), bad = _mm512_setzero_ps();
-            for (int k = 0; k < len; k += 16) {
-                __m512 v = _mm512_loadu_ps(p + k);
-                mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-                bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));  // NaN if any
-            }
-            float amax = _mm512_reduce_max_ps(mx);
-            float nan = _mm512_reduce_add_ps(bad);
-            size_t tile = ((size_t)m / 16 * ng + g) * 16 + m % 16;  // AMX: row in its tile
-            uint8_t* q = amx ? xq + tile * G : xq + (size_t)m * K + g * G;
-            float* t = amx ? xs + tile : xs + (size_t)m * ng + g;
-            if (nan != nan) {
-                for (int k = 0; k < len; k++) q[k] = (uint8_t)offset;
-                *t = nan;
-                continue;
-            }
-            __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-            for (int k = 0; k < len; k += 16) {
-                __m512i i = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + k), inv),
-                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                i = _mm512_add_epi32(i, _mm512_set1_epi32(offset));  // in [offset +- 127]
-                _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(i));
-            }
-            *t = amax > 0.f ? amax / 127.f : 1.f;
-        }
-    }
+    quantize_groups(M, K, G, x, ldx, xq, xs, NULL, amx, amx ? 0 : 128);
 }
 
 // One group's float epilogue for 16 outputs: the same instructions on both paths.
@@ -144,9 +101,10 @@ void q8_gemm(int M, int N, int K, int G, const uint8_t* xq, const float* xs, con
     }
 }
 
-// ---- AMX: C tiles (the sums) of MA row tiles x NB column tiles (at most 2 x 2: tiles 0-3), A
-// tiles of activations (rows x one group of 32 bytes: 4-5), B tiles of weights (8 rows of 4 k x
-// 16 columns, q8_gemm's layout: 6-7). Activations signed here (q8_quantize's amx = 1) and
+// ---- AMX (grouped.h: the tiles' set-up and a group's products): C tiles (the sums) of MA row
+// tiles x NB column tiles (at most 2 x 2: tiles 0-3), A tiles of activations (rows x one group
+// of 32 bytes: 4-5), B tiles of weights (8 rows of 4 k x 16 columns, q8_gemm's layout: 6-7).
+// Activations signed here (q8_quantize's amx = 1) and
 // TDPBSSD, so the sums start at zero: the same integers as VNNI's. One group per product, its
 // C tiles stored to one of two buffers, and the epilogue of the group before runs from the
 // other meanwhile. Needs G = 32 and K a multiple of 32 (q8.py sends other shapes to VNNI).
@@ -154,25 +112,6 @@ void q8_gemm(int M, int N, int K, int G, const uint8_t* xq, const float* xs, con
 // alone ~480, the epilogue alone ~520, so they overlap only in part. Tried and slower: y in
 // registers with one 16 x 16 C tile and 4 groups in flight (~260), two groups per epilogue
 // pass (half the loads and stores of y: ~285).
-#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
-#define AG 32
-
-struct tilecfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-AMX static void amx_config(int rows) {
-    struct tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = t >= 4 && t < 6 ? AG : 64;
-        cfg.rows[t] = t >= 6 ? AG / 4 : rows;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 // one group's epilogue from the stored C tiles into yb[32][32] (the block's y); `first` is
 // g == 0, a constant in each call (a test per row cost ~10% here)
@@ -202,22 +141,7 @@ AMX static inline __attribute__((always_inline)) void amx_block(
     const int8_t* a0 = xq + (size_t)m0 / 16 * ng * 512;
     for (int g = 0; g < ng; g++) {
         int32_t(*out)[16][16] = buf[g & 1];
-        _tile_zero(0);
-        if (NB == 2) _tile_zero(1);
-        if (MA == 2) _tile_zero(2);
-        if (MA == 2 && NB == 2) _tile_zero(3);
-        _tile_loadd(4, a0 + g * 512, AG);
-        if (MA == 2) _tile_loadd(5, a0 + (size_t)(ng + g) * 512, AG);
-        _tile_loadd(6, b0 + (size_t)g * (AG / 4) * 64, 64);
-        if (NB == 2) _tile_loadd(7, b1 + (size_t)g * (AG / 4) * 64, 64);
-        _tile_dpbssd(0, 4, 6);
-        if (NB == 2) _tile_dpbssd(1, 4, 7);
-        if (MA == 2) _tile_dpbssd(2, 5, 6);
-        if (MA == 2 && NB == 2) _tile_dpbssd(3, 5, 7);
-        _tile_stored(0, out[0], 64);
-        if (NB == 2) _tile_stored(1, out[1], 64);
-        if (MA == 2) _tile_stored(2, out[2], 64);
-        if (MA == 2 && NB == 2) _tile_stored(3, out[3], 64);
+        amx_group(MA, NB, a0, b0, b1, g, ng, out);
         if (g == 1)
             amx_epilogue(MA, NB, R, 1, N, (const int32_t(*)[16][16])buf[0], xs, ws, yb, m0, n,
                          0, ng);
@@ -228,11 +152,7 @@ AMX static inline __attribute__((always_inline)) void amx_block(
     const int32_t(*last)[16][16] = (const int32_t(*)[16][16])buf[(ng - 1) & 1];
     if (ng == 1) amx_epilogue(MA, NB, R, 1, N, last, xs, ws, yb, m0, n, 0, ng);
     else amx_epilogue(MA, NB, R, 0, N, last, xs, ws, yb, m0, n, ng - 1, ng);
-    for (int a = 0; a < MA; a++)
-        for (int r = 0; r < R; r++)
-            for (int b = 0; b < NB; b++)
-                _mm512_storeu_ps(y + ((size_t)m0 + 16 * a + r) * N + n + 16 * b,
-                                 _mm512_load_ps(&yb[16 * a + r][16 * b]));
+    amx_store(MA, NB, R, yb, y, N, m0, n);
 }
 
 AMX static void amx_rows(int MA, int R, int N, int K, const int8_t* xq, const float* xs,
@@ -268,8 +188,8 @@ AMX void q8_gemm_amx(int M, int N, int K, int G, const int8_t* xq, const float* 
     _tile_release();
 }
 
-// Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): 0 when granted.
-int q8_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+// Asks Linux for the AMX tile state (grouped.h's amx_request): 0 when granted.
+int q8_amx_init(void) { return amx_request(); }
 
 // Whether AMX runs here and gives VNNI's bits, on a product with full and short tiles of both
 // kinds and 3 groups: 0 yes, 1 the bits differ, 2 no AMX permission. A CPU that advertises AMX
@@ -302,25 +222,9 @@ int q8_amx_selftest(void) {
     return memcmp(y0, y1, sizeof y0) ? 1 : 0;
 }
 
-// ---- The pool: a GEMM split over threads in one call (q8_matmul), without Python between.
-// Handing each split to a Python thread pool cost ~30-50 us a GEMM, so one-row decode GEMMs
-// (~10-60 us) ran on one thread. Workers live here instead: the caller publishes a job, wakes
-// them (a store they spin on briefly, then a futex), and takes columns itself; everyone takes
-// `chunk` columns at a time from one counter, and the caller returns when every column is
-// done, not when every worker has looked: a worker the OS holds back leaves its part to the
-// others, and later finds the counter moved on. The counter holds the job's generation, N and
-// the next column, so a late worker can only claim a column of the job it was woken for while
-// that job is unfinished (and its arguments still in place). A column's bits do not depend on
-// which thread computes it (one thread sums it, in group order).
-#define POOL_MAX 63          // workers at most (threads - 1)
-#define GEN_BITS 24          // counter: generation (24 bits) | N (20) | next column (20)
-#define COL_BITS 20
-#define COL_MASK ((1ull << COL_BITS) - 1)
-#define WAIT_PAUSES 256      // the caller spins this long for the workers' columns, then sleeps
-#define SPIN_ROUNDS 16       // a worker spins ~16 x 4 us for the next job, then sleeps
-
-struct job {
-    int M, N, K, G, chunk, amx;
+// ---- q8_matmul: one call per GEMM, split over pool.h's workers
+struct q8_job {
+    int M, N, K, G, amx;
     const uint8_t* xq;
     const float* xs;
     const int8_t* wp;
@@ -329,104 +233,13 @@ struct job {
     float* y;
 };
 
-static struct {
-    pthread_mutex_t lock;  // one caller at a time (others compute alone)
-    int workers;           // started
-    uint32_t wake;         // the generation the workers wait on (futex word)
-    int sleepers;          // workers in futex_wait
-    int active;            // workers this job may use (the caller's threads - 1)
-    uint64_t counter;      // generation | N | next column
-    int done;              // columns finished in this generation (futex word)
-    int waiting;           // the caller sleeps on `done`
-    int64_t helped;        // columns the workers computed, all jobs (for tests)
-    struct job job;
-} pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0, {0}};
-
-static void run_columns(const struct job* j, int n0, int n1) {
+static void q8_columns(const void* args, int n0, int n1) {
+    const struct q8_job* j = args;
     if (j->amx)
         q8_gemm_amx(j->M, j->N, j->K, j->G, (const int8_t*)j->xq, j->xs, j->wp, j->ws, j->wc,
                     j->y, n0, n1);
     else
         q8_gemm(j->M, j->N, j->K, j->G, j->xq, j->xs, j->wp, j->ws, j->wc, j->y, n0, n1);
-}
-
-// Claims chunks of generation `gen` until none is left (or the job is another's)
-static void take_columns(uint32_t gen, int helper) {
-    for (;;) {
-        uint64_t c = __atomic_load_n(&pool.counter, __ATOMIC_ACQUIRE);
-        int n = (int)(c >> COL_BITS & COL_MASK), next = (int)(c & COL_MASK);
-        if ((uint32_t)(c >> (2 * COL_BITS)) != gen || next >= n) return;
-        // the job is unfinished while `next` < N: its arguments are this generation's
-        struct job j = pool.job;
-        int n1 = next + j.chunk < n ? next + j.chunk : n;
-        if (!__atomic_compare_exchange_n(&pool.counter, &c, c - next + n1, 0, __ATOMIC_ACQ_REL,
-                                         __ATOMIC_ACQUIRE))
-            continue;
-        run_columns(&j, next, n1);
-        if (!helper) {
-            __atomic_fetch_add(&pool.done, n1 - next, __ATOMIC_RELEASE);
-            continue;
-        }
-        __atomic_fetch_add(&pool.helped, n1 - next, __ATOMIC_RELAXED);
-        // the last columns: wake the caller if it sleeps (see q8_matmul)
-        if (__atomic_add_fetch(&pool.done, n1 - next, __ATOMIC_SEQ_CST) == n &&
-            __atomic_load_n(&pool.waiting, __ATOMIC_SEQ_CST))
-            syscall(SYS_futex, &pool.done, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
-    }
-}
-
-static void* worker(void* arg) {
-    int index = (int)(intptr_t)arg;
-    q8_amx_init();  // AMX tile state is asked for per thread (harmless where there is none)
-    uint32_t seen = __atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE);
-    for (;;) {
-        uint32_t w = __atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE);
-        // spin SPIN_ROUNDS rounds of 64 pauses, yielding after each: woken onto the caller's
-        // CPU (the other one busy), a worker that only spun would hold it from the caller
-        for (int round = 0; w == seen; round++) {
-            for (int i = 0; i < 64 && w == seen; i++) {
-                _mm_pause();
-                w = __atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE);
-            }
-            if (w != seen) break;
-            sched_yield();
-            if (round >= SPIN_ROUNDS) {
-                // sleep: the caller's store to `wake` then its look at `sleepers`, and ours in
-                // the other order (both sequentially consistent), lose no wake-up
-                __atomic_fetch_add(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
-                syscall(SYS_futex, &pool.wake, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-                __atomic_fetch_sub(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
-                round = 0;
-            }
-            w = __atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE);
-        }
-        seen = w;
-        if (index < __atomic_load_n(&pool.active, __ATOMIC_ACQUIRE))
-            take_columns(w & ((1u << GEN_BITS) - 1), 1);
-    }
-    return NULL;
-}
-
-static void pool_forked(void) {  // a child has none of the parent's workers
-    pthread_mutex_init(&pool.lock, NULL);
-    pool.workers = pool.sleepers = 0;
-}
-
-// Starts workers until there are `want` (fewer where the OS refuses); under the lock
-static void pool_grow(int want) {
-    static int atfork;
-    if (!atfork) atfork = pthread_atfork(NULL, NULL, pool_forked) == 0;
-    while (pool.workers < want) {
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&attr, 256 << 10);  // amx_block's buffers: ~12 KB
-        int failed = pthread_create(&t, &attr, worker, (void*)(intptr_t)pool.workers);
-        pthread_attr_destroy(&attr);
-        if (failed) return;
-        pool.workers++;
-    }
 }
 
 // y[M, N] = x[M, K] . w^T in one call: x's activations quantized into xq / xs (q8_quantize),
@@ -437,48 +250,10 @@ void q8_matmul(int M, int N, int K, int G, const float* x, int64_t ldx, uint8_t*
                const int8_t* wp, const float* ws, const int32_t* wc, float* y, int amx,
                int threads, int chunk) {
     q8_quantize(M, K, G, x, ldx, xq, xs, amx);
-    int helpers = threads - 1 < POOL_MAX ? threads - 1 : POOL_MAX;
-    if (helpers < 1 || chunk >= N || N >= (1 << (COL_BITS - 1)) ||
-        pthread_mutex_trylock(&pool.lock)) {
-        struct job j = {M, N, K, G, N, amx, xq, xs, wp, ws, wc, y};
-        run_columns(&j, 0, N);
-        return;
-    }
-    pool_grow(helpers);
-    uint32_t gen = (__atomic_load_n(&pool.wake, __ATOMIC_RELAXED) + 1) & ((1u << GEN_BITS) - 1);
-    struct job j = {M, N, K, G, chunk, amx, xq, xs, wp, ws, wc, y};
-    // a late worker may read this meanwhile but claims nothing with it: the counter still
-    // holds the last job, finished
-    pool.job = j;
-    __atomic_store_n(&pool.done, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&pool.active, helpers, __ATOMIC_RELAXED);
-    __atomic_store_n(&pool.counter, (uint64_t)gen << (2 * COL_BITS) | (uint64_t)N << COL_BITS,
-                     __ATOMIC_RELEASE);
-    __atomic_store_n(&pool.wake, gen, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&pool.sleepers, __ATOMIC_SEQ_CST))
-        syscall(SYS_futex, &pool.wake, FUTEX_WAKE_PRIVATE, POOL_MAX, NULL, NULL, 0);
-    take_columns(gen, 0);
-    // the columns workers took: a chunk's time, unless the OS holds a worker back. Then sleep
-    // rather than spin: an idle CPU is where Linux puts the worker (spinning here, width-64
-    // steps at load 4-6 on 2 cores took 1.2-2x main's, whose Python pool blocked)
-    for (int i = 0;; i++) {
-        int d = __atomic_load_n(&pool.done, __ATOMIC_ACQUIRE);
-        if (d >= N) break;
-        if (i < WAIT_PAUSES) {
-            _mm_pause();
-            continue;
-        }
-        __atomic_store_n(&pool.waiting, 1, __ATOMIC_SEQ_CST);
-        d = __atomic_load_n(&pool.done, __ATOMIC_SEQ_CST);
-        if (d < N) {
-            struct timespec t = {0, 1000000};  // 1 ms: a bound, not needed to wake
-            syscall(SYS_futex, &pool.done, FUTEX_WAIT_PRIVATE, d, &t, NULL, 0);
-        }
-    }
-    __atomic_store_n(&pool.waiting, 0, __ATOMIC_RELAXED);
-    pthread_mutex_unlock(&pool.lock);
+    struct q8_job j = {M, N, K, G, amx, xq, xs, wp, ws, wc, y};
+    pool_run(q8_columns, &j, N, chunk, threads);
 }
 
 // Workers started, and the columns they computed (for tests)
-int q8_pool_workers(void) { return pool.workers; }
-int64_t q8_pool_helped(void) { return __atomic_load_n(&pool.helped, __ATOMIC_RELAXED); }
+int q8_pool_workers(void) { return pool_workers(); }
+int64_t q8_pool_helped(void) { return pool_helped(); }

@@ -254,7 +254,7 @@ class EngineLogits:
         if gemms:  # the layers' formats, and who computes them (our int8 kernel: grouped)
             who = {"float32": "numpy's BLAS"}
             kinds = sorted({f"{g.fmt.value} G={q8.GROUP} (ours)"
-                            if g._q8 is not None or g._q4 is not None
+                            if g._q8 is not None or g._q4 is not None or g._h8 is not None
                             else f"{g.fmt.value} ({who.get(g.fmt.value, 'oneDNN')})"
                             for g in gemms})  # fmt: skip
             return f"{' + '.join(kinds)}{', host steps' if self.host_steps else ''}"

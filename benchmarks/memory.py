@@ -139,7 +139,7 @@ def model_figures(model: Any) -> dict[str, int]:
         if isinstance(m, (HostLinear, HostEmbedding)):
             add("host GEMMs, packed", m._gemm.packed)
             add("host GEMMs, scales", m._gemm.scales)
-        if isinstance(m, HostEmbedding):
+        if isinstance(m, HostEmbedding):  # (W8: the very same table as the head's)
             add("embedding lookup rows", m.weight)
     for _, a in tree_flatten(model.parameters()):
         add("float (norms, other)", a)

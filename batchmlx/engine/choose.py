@@ -166,7 +166,9 @@ def _host_tolerance(model: Any) -> float | None:
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
     if not isinstance(emb, HostEmbedding):
         return None
-    return {HostFormat.BF16: 5e-2, HostFormat.INT8: 1e-1}.get(emb._gemm.fmt)
+    # (W8: an int8 or q4 model's embedding)
+    bounds = {HostFormat.BF16: 5e-2, HostFormat.INT8: 1e-1, HostFormat.W8: 1e-1}
+    return bounds.get(emb._gemm.fmt)
 
 
 def _experts(model: Any) -> int | None:

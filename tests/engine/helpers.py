@@ -42,9 +42,11 @@ def where_it_runs(fmt: HostFormat) -> pytest.MarkDecorator:
 def host_formats(*, packed_only: bool = False) -> list:
     """The host weight formats as pytest params, each skipped where this CPU lacks it.
     packed_only: without float32, whose weights oneDNN does not pack."""
-    # (q4 is int8 but for a 4-bit model's layers: tests/engine/test_q4.py runs it on one)
+    # (q4 is int8 but for a 4-bit model's layers: tests/engine/test_q4.py runs it on one;
+    # w8 is int8's and q4's head: tests/engine/test_head8.py)
     return [pytest.param(f, id=f.value, marks=where_it_runs(f)) for f in HostFormat
-            if not (packed_only and f is HostFormat.F32) and f is not HostFormat.Q4]  # fmt: skip
+            if not (packed_only and f is HostFormat.F32)
+            and f not in (HostFormat.Q4, HostFormat.W8)]  # fmt: skip
 
 
 def assert_greedy_texts_agree(got: list, want: list, *, margin: float = 0.1) -> None:

@@ -21,7 +21,7 @@ from batchmlx.engine.host import paged_attention
 from batchmlx.engine.host.backend import current
 from batchmlx.engine.host.linear import HostFormat, SharedGemm, to_host_format
 from batchmlx.engine.kv.paged import KEY_GROUP
-from tests.engine.helpers import host_formats, random_llama
+from tests.engine.helpers import host_formats, random_llama, where_it_runs
 from tests.engine.test_engine_tiny import engine, staggered
 
 pytestmark = pytest.mark.skipif(not current().onednn_available(), reason="oneDNN (onednn-cpu-gomp)")
@@ -52,9 +52,11 @@ def _invariant_formats() -> list:
 
 
 FORMATS = _invariant_formats()
+# and int8's and q4's head (engine/host/head8.py), a GEMM alone: its one path here, every width
+W8 = pytest.param(HostFormat.W8, id=HostFormat.W8.value, marks=where_it_runs(HostFormat.W8))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, W8])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_every_gemm_row_is_the_row_computed_alone(fmt, name):
     n, k = SHAPES[name]

@@ -15,9 +15,10 @@ or int8, their GEMMs computed on the host by oneDNN (onednn.py), activations flo
   one float32 scale per (output channel, group) (symmetric, w ~= q * s, |q| <= 127); a layer's
   input is quantized per (token, group) on the fly and each group's exact int32 product rescaled
   and summed in group order (q8.py, our own AVX-512 VNNI kernel): as Q8_0 computes, batch-
-  invariant by construction, 4x smaller than float32; the embedding and the LM head in bf16
-  (`head_format`). Where that kernel cannot run (a CPU without AVX-512 VNNI, a shape not a
-  multiple of 16), oneDNN's s8 GEMM with one scale per output channel and per token instead,
+  invariant by construction, 4x smaller than float32; the embedding and the LM head 8-bit
+  weights against bf16 inputs (`head_format`, head8.py; bf16 where that cannot run). Where
+  the grouped kernel cannot run (a CPU without AVX-512 VNNI, a shape not a multiple of 16),
+  oneDNN's s8 GEMM with one scale per output channel and per token instead,
   which moves logits by up to ~15-20% of the largest (outlier channels).
 - **q4** (`--dtype q4`): a 4-bit GGUF's layers (Q4_0, Q4_1, Q4_K) keep the file's values, 4
   bits in memory and in the GEMM (q4.py: int8 activations as int8's); the other layers int8's.
@@ -34,18 +35,25 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from batchmlx.engine.host import experts as host_experts
-from batchmlx.engine.host import numpy_blas, q4, q8
+from batchmlx.engine.host import head8, numpy_blas, q4, q8
 from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.elementwise import swiglu_halves
-from batchmlx.engine.host.onednn import DataType, OneDNN, Packed
-from batchmlx.engine.host.stored import Dequantized, float_weight, four_bit, joined_bias
+from batchmlx.engine.host.onednn import DataType, Packed, quantize_rows
+from batchmlx.engine.host.packed_cache import PackedCache
+from batchmlx.engine.host.stored import (
+    Dequantized,
+    eight_bit,
+    float_weight,
+    four_bit,
+    joined_bias,
+)
 
 
 class HostFormat(enum.Enum):
@@ -55,12 +63,16 @@ class HostFormat(enum.Enum):
     INT8 = "int8"
     F32 = "float32"
     Q4 = "q4"  # a 4-bit GGUF's layers as they are; the rest as INT8
+    # not a --dtype: the LM head and embedding of INT8 (`head_format`), 8-bit weights against
+    # bf16 activations (head8.py)
+    W8 = "w8"
 
     @property
     def data_type(self) -> DataType:
         """oneDNN's type for the weights (and the GEMM's input)."""
         return {HostFormat.BF16: DataType.BF16, HostFormat.INT8: DataType.S8,
-                HostFormat.F32: DataType.F32, HostFormat.Q4: DataType.S8}[self]  # fmt: skip
+                HostFormat.F32: DataType.F32, HostFormat.Q4: DataType.S8,
+                HostFormat.W8: DataType.S8}[self]  # fmt: skip
 
     @property
     def scaled(self) -> bool:
@@ -76,6 +88,8 @@ def runs_here(fmt: HostFormat, backend: HostBackend | None = None) -> bool:
     backend = backend or current()
     if fmt is HostFormat.Q4:  # its other layers are int8's
         return q4.available() and runs_here(HostFormat.INT8, backend)
+    if fmt is HostFormat.W8:
+        return head8.available()
     if fmt is HostFormat.INT8 and q8.available() and backend.onednn_available():
         return True
     return backend.onednn_available() and backend.onednn().supports(
@@ -85,25 +99,6 @@ def runs_here(fmt: HostFormat, backend: HostBackend | None = None) -> bool:
 
 # Sibling layers that read the same input, fused into one GEMM (llama, qwen, mistral, ...)
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def quantize_rows(x: np.ndarray, lib: OneDNN | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 per row: x ~= q * s, s = max|x_row| / 127 (1 for an all-zero row).
-    A row holding NaN or infinity keeps it in its scale (so the product shows it, as a float
-    GEMM's would) and quantizes to zeros: casting NaN to int8 is undefined (numpy warns).
-    lib: oneDNN rounds in one reorder, bit-equal to the numpy passes below (a 1,024 x 1,536
-    GEMM input: 0.63 ms against 1.53 in all, 2026-12-02)."""
-    amax = np.maximum(x.max(axis=1), -x.min(axis=1))
-    s = amax * np.float32(1.0 / 127.0)
-    s[s == 0] = 1.0
-    if lib is not None:
-        return lib.to_s8(x, np.float32(1.0) / s), s
-    with np.errstate(invalid="ignore"):  # infinity x 0 in a row whose scale is infinite
-        t = np.multiply(x, (np.float32(1.0) / s)[:, None])
-    np.rint(t, out=t)
-    if not np.isfinite(s).all():  # max() propagates NaN, so a finite scale means finite t
-        t[~np.isfinite(s)] = 0.0
-    return t.astype(np.int8), s
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,30 +122,6 @@ class HostWeights:
         return out
 
 
-PACKED_PARTS = ("packed", "scales", "bias", "plain")  # what a layer keeps in a PackedCache
-
-
-@dataclass(eq=False)
-class PackedCache:
-    """The host layers' arrays kept between starts (engine/host/weights_cache.py writes them
-    to disk): packing is most of a load (1.7B: 25 s, 8B: 169 s), reading back the packed
-    bytes is not. Arrays are keyed `<layer key>.<part>` (packed, scales, bias, plain); `found`
-    holds what a file had (the packed bytes as read-only numpy views of the mapped file, the
-    other parts as MLX arrays), `kept` what the model ended with, `packed` how many layers were
-    packed anew (0: nothing to write)."""
-
-    found: dict[str, mx.array | np.ndarray] = field(default_factory=dict)
-    kept: dict[str, mx.array | np.ndarray] = field(default_factory=dict)
-    packed: int = 0
-
-    def take(self, key: str) -> dict[str, mx.array | np.ndarray] | None:
-        parts = {p: self.found[f"{key}.{p}"] for p in PACKED_PARTS if f"{key}.{p}" in self.found}
-        return parts if "packed" in parts else None
-
-    def keep(self, key: str, parts: dict[str, mx.array | np.ndarray | None]) -> None:
-        self.kept.update({f"{key}.{k}": v for k, v in parts.items() if v is not None})
-
-
 class _Local(threading.local):
     x: mx.array | None = None  # the last input (held, so its identity cannot be reused)
     outs: list[mx.array] = []
@@ -172,6 +143,9 @@ class SharedGemm:
         # q4 where every member is a 4-bit layer it keeps as it is; int8 otherwise
         if fmt is HostFormat.Q4:
             fmt = HostFormat.Q4 if four_bit(weights) else HostFormat.INT8
+        if fmt is HostFormat.W8 and not head8.fits(sum(w.shape[0] for w in weights),
+                                                   weights[0].shape[1]):  # fmt: skip
+            fmt = HostFormat.BF16 if runs_here(HostFormat.BF16) else HostFormat.F32
         self.fmt = fmt
         # oneDNN and the engine's live thread count (backend.py); the host steps take it too
         self.backend = backend or current()
@@ -183,6 +157,7 @@ class SharedGemm:
         self._local = _Local()
         self._q8: q8.Q8Weights | None = None  # int8 through our grouped kernel (q8.py)
         self._q4: q4.Q4Weights | None = None  # 4-bit through our grouped kernel (q4.py)
+        self._h8: head8.Head8Weights | None = None  # a W8 head (head8.py)
         hit = cache.take(key) if cache is not None else None
         if hit is None or not self._adopt(hit, at, weights[0].shape[1], keep_plain):
             self._pack(weights, biases or [None] * len(weights), keep_plain)
@@ -199,6 +174,9 @@ class SharedGemm:
         self._q8 = None
         if fmt is HostFormat.Q4:
             self._pack_q4(lazy, biases)
+            return
+        if fmt is HostFormat.W8:
+            self._pack_w8(lazy, biases)
             return
         self.bias = joined_bias(lazy, biases)
         weights = [w.array() if isinstance(w, Dequantized) else w for w in lazy]
@@ -235,6 +213,16 @@ class SharedGemm:
         self.bias = joined_bias(lazy, biases)
         self.scales, self._s, self.plain = None, None, None
 
+    def _pack_w8(self, lazy: list[mx.array | Dequantized], biases: list[mx.array | None]) -> None:
+        """8-bit values and a scale per group of 32: a Q8_0 table's own, else rounded here."""
+        grouped = eight_bit(lazy)
+        # MLX owns the bytes from here on
+        self.packed, self.scales = mx.array(grouped.values), mx.array(grouped.scales)
+        self._h8 = replace(grouped, values=np.asarray(self.packed), scales=np.asarray(self.scales))
+        self._w = Packed(None, self._h8.values, grouped.n, grouped.k, DataType.S8, False)
+        self.bias = joined_bias(lazy, biases)
+        self._s, self.plain = None, None
+
     def _grouped(self, n: int, k: int) -> bool:
         """int8 through the grouped kernel (q8.py): where it runs here and takes this shape."""
         return self.fmt is HostFormat.INT8 and q8.available() and q8.fits(n, k)
@@ -253,6 +241,8 @@ class SharedGemm:
         fmt = self.fmt
         if fmt is HostFormat.F32:  # nothing packed to adopt: its rows are rebuilt from source
             return False
+        if fmt is HostFormat.W8:
+            return self._adopt_w8(hit, n, k)
         grouped = self._grouped(n, k) or fmt is HostFormat.Q4
         needs_scales = fmt.scaled and (keep_plain or not grouped)  # grouped: inside `packed`
         if (keep_plain and "plain" not in hit) or (needs_scales and "scales" not in hit):
@@ -279,6 +269,19 @@ class SharedGemm:
         self.plain = HostWeights(self.fmt, hit["plain"], self.scales) if keep_plain else None
         return True
 
+    def _adopt_w8(self, hit: dict[str, mx.array | np.ndarray], n: int, k: int) -> bool:
+        if "scales" not in hit:
+            return False
+        grouped = head8.Head8Weights.adopt(np.asarray(hit["packed"]), np.asarray(hit["scales"]),
+                                           n, k)  # fmt: skip
+        if grouped is None:
+            return False
+        self.packed, self.scales, self._h8 = hit["packed"], hit["scales"], grouped
+        self._w = Packed(None, grouped.values, n, k, DataType.S8, False)
+        self.bias = np.asarray(hit["bias"]) if "bias" in hit else None
+        self._s, self.plain = None, None
+        return True
+
     def output(self, x: mx.array, index: int) -> mx.array:
         if len(self.splits) == 1:
             return self._compute(x)
@@ -294,7 +297,7 @@ class SharedGemm:
 
     def _compute(self, x: mx.array) -> mx.array:
         out = mx.zeros((*x.shape[:-1], self._w.n), mx.float32)  # the buffer the result goes into
-        if self.fmt is HostFormat.BF16:
+        if self.fmt in (HostFormat.BF16, HostFormat.W8):
             src = x.astype(mx.bfloat16).view(mx.uint16)  # rounded in MLX, in this evaluation
         else:
             src = x
@@ -319,6 +322,10 @@ class SharedGemm:
         elif self.fmt is HostFormat.F32:
             with numpy_blas.threads(self.backend.threads.or_cpus()):
                 np.matmul(np.ascontiguousarray(x, dtype=np.float32), self._w.buffer.T, out=out)
+        elif self._h8 is not None:
+            b = self.backend
+            x = x.reshape(-1, self._w.k) if x.dtype == np.uint16 else as_rows(x)
+            head8.matmul(x, self._h8, out, threads=b.threads.or_cpus(), pool=b.gemm_pool)
         elif self._q4 is not None:
             b = self.backend
             q4.matmul(as_rows(x), self._q4, out, threads=b.threads.or_cpus())
@@ -374,6 +381,11 @@ class HostEmbedding(nn.Module):
         super().__init__()
         self._gemm = SharedGemm([weight], fmt, keep_plain=True, cache=cache, key=key,
                                 backend=backend)  # fmt: skip
+        self._h8 = self._gemm._h8  # W8: the lookups read the head's own table (head8.rows)
+        if self._h8 is not None:
+            self.weight = self._gemm.packed  # [V, D] int8 values, in the kernel's layout
+            self.scales = self._gemm.scales
+            return
         assert self._gemm.plain is not None
         self.weight = self._gemm.plain.data  # row-major, for the lookup
         if self._gemm.packed is not self.weight:  # (float32: the very same rows)
@@ -388,7 +400,21 @@ class HostEmbedding(nn.Module):
             return w
         return np.asarray(w.view(mx.uint16) if w.dtype == mx.bfloat16 else w)
 
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [len(ids), D]: the rows `ids` (a host step's embedding)."""
+        if self._h8 is not None:
+            return head8.rows(self._h8, ids)
+        rows = self.host_rows()[ids]
+        if self._gemm.fmt is HostFormat.BF16:  # bf16 bits -> float32: the high half of the word
+            return (rows.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        scales = self.get("scales")
+        if scales is None:
+            return rows
+        return rows.astype(np.float32) * np.asarray(scales)[ids][:, None]
+
     def __call__(self, ids: mx.array) -> mx.array:
+        if self._h8 is not None:
+            return mx.array(head8.rows(self._h8, np.asarray(ids))).reshape(*ids.shape, -1)
         if isinstance(self.weight, np.ndarray):  # mapped: the rows looked up, then as MLX's
             rows = mx.array(self.weight[np.asarray(ids)])
             if self._gemm.fmt is HostFormat.BF16:
@@ -487,13 +513,18 @@ def _linears(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def head_format(fmt: HostFormat, backend: HostBackend) -> HostFormat:
-    """The embedding's and the LM head's format in a model of `fmt`: int8's are bf16 (float32
-    where oneDNN has no bf16 matmul). The head is where 8 bits cost most: in groups of 32 alone
-    it moves the next-token distribution by a KL divergence of 0.00076 (benchmarks/
-    RESULTS-int8.md), a fifth of llama.cpp's whole Q8_0 model; a float head with G=32 layers
-    scored 0.9604 / 0.0031 there, past Q8_0's 0.9561 / 0.0039."""
+    """The embedding's and the LM head's format in a model of `fmt`: int8's is W8 (8-bit
+    weights, bf16 activations: head8.py) where it runs; int8's elsewhere and q4's bf16
+    (float32 where oneDNN has no bf16 matmul). The head is where 8 bits cost most when its
+    activations are 8-bit too: in groups of 32 it moved the next-token distribution by a KL
+    divergence of 0.00076 (benchmarks/RESULTS-int8.md), a fifth of llama.cpp's whole Q8_0
+    model. Its weights alone in 8 bits (the default model's Q8_0 table as it is) measured
+    int8 96.19% / 0.003158 against the bf16 head's 96.02% / 0.003181, but q4 97.00% / 0.002100
+    against 96.72% / 0.002064 (a higher KLD): q4 keeps bf16 (RESULTS-fidelity.md)."""
     if fmt not in (HostFormat.INT8, HostFormat.Q4):
         return fmt
+    if fmt is HostFormat.INT8 and runs_here(HostFormat.W8, backend):
+        return HostFormat.W8
     return HostFormat.BF16 if runs_here(HostFormat.BF16, backend) else HostFormat.F32
 
 

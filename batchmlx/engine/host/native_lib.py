@@ -140,7 +140,7 @@ def pointer(a: np.ndarray) -> ctypes.Array | int:
 
 LIBRARIES: dict[str, NativeLibrary] = {}
 # the modules that own a kernel, each registering its library on import
-KERNEL_MODULES = ("q4", "q8", "ops", "paged_attention")
+KERNEL_MODULES = ("q4", "q8", "ops", "paged_attention", "head8")
 
 
 def register(lib: NativeLibrary) -> NativeLibrary:

@@ -160,7 +160,7 @@ def covers(model: nn.Module) -> Family | None:
 # host formats whose KV pool holds float16 (where the paged kernel reads it): half the bytes
 # every decode row reads and the pool holds; the keys and values are float32 before, widened
 # exactly after (llama.cpp's default KV cache is float16 too). float32 keeps a float32 pool.
-HALF_POOL_FORMATS = (HostFormat.INT8, HostFormat.BF16)
+HALF_POOL_FORMATS = (HostFormat.INT8, HostFormat.BF16, HostFormat.W8)
 
 
 def pool_dtype(model: nn.Module) -> mx.Dtype | None:
@@ -226,14 +226,9 @@ class HostStep:
                 keys[spec.rope.key] = len(self.ropes)
                 self.ropes.append(spec.rope)
         self.final_norm = HostNorm.of(inner.norm, fam.norm_offset)
-        emb: HostEmbedding = inner.embed_tokens
-        # bf16: the rows' bits as uint16; int8: the rows and their scales; float32: the rows
-        self._embed_bits = emb._gemm.fmt is HostFormat.BF16
-        self._embed = emb.host_rows()
-        scales = emb.get("scales")
-        self._embed_scales = None if scales is None else np.asarray(scales)
+        self._embed: HostEmbedding = inner.embed_tokens
         head = getattr(model, "lm_head", None)
-        self.head: SharedGemm = emb._gemm if head is None else head._gemm
+        self.head: SharedGemm = self._embed._gemm if head is None else head._gemm
         self.blocks = [self._block(layer, spec.rope, spec.window, keys, i in fam.expert_layers)
                        for i, (layer, spec) in enumerate(zip(inner.layers, fam.layers,
                                                              strict=True))]  # fmt: skip
@@ -382,12 +377,7 @@ class HostStep:
         return r
 
     def _embedding(self, tokens: np.ndarray) -> np.ndarray:
-        rows = self._embed[tokens]
-        if self._embed_bits:  # bf16 bits -> float32: the high half of the word
-            return (rows.astype(np.uint32) << np.uint32(16)).view(np.float32)
-        if self._embed_scales is None:
-            return rows
-        return rows.astype(np.float32) * self._embed_scales[tokens][:, None]
+        return self._embed.lookup(tokens)
 
 
 def _residual(x: np.ndarray, pending: np.ndarray | None, norm: HostNorm | None) -> np.ndarray:

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from batchmlx.engine.host import q4, quantized
+from batchmlx.engine.host import head8, q4, quantized
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,6 +63,20 @@ def four_bit(weights: list[mx.array | Dequantized]) -> bool:
                and w.module.group_size == q4.GROUP for w in weights)  # fmt: skip
     n = sum(w.shape[0] for w in weights)
     return four and q4.available() and q4.fits(n, weights[0].shape[1])
+
+
+def eight_bit(weights: list[mx.array | Dequantized]) -> head8.Head8Weights:
+    """One GEMM's weights (concatenated along N) as the 8-bit head's: a Q8_0 table (a converted
+    GGUF's 8-bit affine with bias -128 s) exactly as stored, else rounded per group of 32."""
+    w = weights[0]
+    if (len(weights) == 1 and isinstance(w, Dequantized) and w.module.bits == 8
+            and w.module.group_size == head8.GROUP):  # fmt: skip
+        exact = head8.Head8Weights.of_q8_0(*w.parts())
+        if exact is not None:
+            return exact
+    rows = [w.array() if isinstance(w, Dequantized) else w for w in weights]
+    full = rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
+    return head8.Head8Weights.of_float(np.asarray(full.astype(mx.float32)))
 
 
 def joined_bias(weights: list[mx.array | Dequantized],

@@ -38,7 +38,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from batchmlx.engine.host import q4, q8
+from batchmlx.engine.host import head8, q4, q8
 from batchmlx.engine.host.linear import HostFormat, PackedCache
 from batchmlx.engine.host.onednn import OneDNN
 from batchmlx.engine.models import first_run as notes
@@ -62,6 +62,8 @@ def signature(source: Path, fmt: HostFormat, lib: OneDNN) -> str:
         parts.append(f"q8-{q8.GROUP}-{q8.source_sha()}")
     if fmt is HostFormat.Q4 and q4.available():
         parts.append(f"q4-{q4.GROUP}-{q4.source_sha()}")
+    if fmt is HostFormat.INT8 and head8.available():  # its W8 head's layout
+        parts.append(f"head8-{head8.GROUP}-{head8.source_sha()}")
     for f in sorted(source.glob("*.safetensors")) + [source / "config.json"]:
         if f.is_file():
             st = f.stat()

@@ -31,12 +31,15 @@ log = logging.getLogger("batchmlx.engine")
 # OS: at most this share of the memory available as the model loads.
 HOST_MEMORY_SHARE = 0.75
 # bytes a weight takes packed in each host format (int8: a float32 scale and an int32 offset
-# per group of 32 besides the byte: engine/host/q8.py's Q8Weights)
+# per group of 32 besides the byte: engine/host/q8.py's Q8Weights; its head and embedding,
+# one table where tied, 1.125: a byte and a float32 scale per 32, engine/host/head8.py; q4's
+# are bf16)
 _PACKED_BYTES = {
     HostFormat.F32: 4.0,
     HostFormat.BF16: 2.0,
     HostFormat.INT8: 1.25,
     HostFormat.Q4: 1.25,  # int8's, but for the 4-bit layers it keeps:
+    HostFormat.W8: 1.125,
 }
 _Q4_KEPT_BYTES = 0.75  # a 4-bit value and a float32 scale and bias per 32 (host/q4.py)
 
@@ -152,8 +155,10 @@ def packed_bytes(model: nn.Module, fmt: HostFormat) -> int:
     unpacked count) at the format's width. Counted from shapes: nothing is evaluated."""
     from mlx.utils import tree_flatten
 
-    values = kept = 0  # kept: the values q4 keeps in their 4 bits
-    for _, module in model.named_modules():
+    from batchmlx.engine.host import head8
+
+    values = kept = head = 0  # kept: the values q4 keeps in their 4 bits; head: its and the
+    for name, module in model.named_modules():  # embedding's (int8 and q4: W8 or bf16)
         weight = module.get("weight") if isinstance(module, nn.Module) else None
         if not isinstance(weight, mx.array) or weight.ndim < 2:
             continue
@@ -162,9 +167,16 @@ def packed_bytes(model: nn.Module, fmt: HostFormat) -> int:
         values += n
         if fmt is HostFormat.Q4 and bits == 4 and getattr(module, "group_size", 0) == 32:
             kept += n
+        elif isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)) or name == "lm_head":
+            head += n
     if values == 0:  # not a module tree of layers (a test double): count every array
         values = sum(a.size for _, a in tree_flatten(model.parameters()))
-    return int((values - kept) * _PACKED_BYTES[fmt] + kept * _Q4_KEPT_BYTES)
+    head_fmt = fmt  # as linear.head_format
+    if fmt in (HostFormat.INT8, HostFormat.Q4):
+        w8 = fmt is HostFormat.INT8 and head8.available()
+        head_fmt = HostFormat.W8 if w8 else HostFormat.BF16
+    rest = values - kept - head
+    return int(rest * _PACKED_BYTES[fmt] + kept * _Q4_KEPT_BYTES + head * _PACKED_BYTES[head_fmt])
 
 
 def _fits(model: nn.Module, fmt: HostFormat, name: str, *, asked: str) -> bool:

@@ -1,0 +1,276 @@
+// The LM head (and a tied embedding) in 8-bit weights against bf16 activations, for the int8
+// and q4 host formats (engine/host/head8.py), with AVX-512 BF16.
+//
+//   w[n, k] = q[n, k] * s[n, g],  q int8 (|q| <= 127), groups g of 32 along K
+//   y[m, n] = sum over g, in order, of s[n, g] * dot_g(m, n)   (one fused multiply-add a group)
+//
+// with dot_g = the bf16 products of x[m, k] (rounded to bf16 once) and q[n, k] over the group,
+// summed by 16 vdpbf16ps in pair order from zero. q is exact in bf16 (8 significant bits), so
+// the weights are a Q8_0 file's own values: q and its scale are the file's. Batch invariance
+// by construction: every output element is the same instructions in the same order whatever M,
+// the block of rows a row falls in, or the columns a thread takes (one arithmetic at every
+// width: no other path).
+//
+// Layout: q as [N/16][K/2][16][2] (each 32 bytes: one k pair of 16 columns, vdpbf16ps's lanes),
+// s as [N/16][K/32][16].
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define G 32   // values per scale
+#define T 16   // columns per tile (one vector of outputs)
+#define MR 6   // rows per block: MR x CT group sums + CT weight vectors + a broadcast
+#define CT 4   // tiles per block
+
+#ifndef HEAD8_SOURCE_SHA
+#define HEAD8_SOURCE_SHA "unknown"
+#endif
+
+const char* head8_source_sha(void) { return HEAD8_SOURCE_SHA; }
+
+// x[M, K] float32 (row stride ldx) -> bf16 bits [M, K], rounded to nearest even (MLX's and
+// oneDNN's rounding of a float to bf16).
+void head8_to_bf16(int M, int K, const float* x, int64_t ldx, uint16_t* out) {
+    for (int m = 0; m < M; m++) {
+        const float* r = x + (size_t)m * ldx;
+        uint16_t* o = out + (size_t)m * K;
+        int k = 0;
+        for (; k + 16 <= K; k += 16)
+            _mm256_storeu_si256((__m256i*)(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r + k)));
+        for (; k < K; k++) {
+            __m512 v = _mm512_set1_ps(r[k]);
+            __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+            o[k] = (uint16_t)_mm256_extract_epi16(b, 0);
+        }
+    }
+}
+
+// One k pair of one tile: 32 int8 -> 32 bf16 (exact: |q| <= 127), lanes as vdpbf16ps reads them.
+static inline __attribute__((always_inline)) __m512bh widen(const int8_t* p) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static inline __attribute__((always_inline)) __m512bh pair(const uint16_t* x, int kp) {
+    uint32_t v;
+    memcpy(&v, x + 2 * kp, 4);
+    return (__m512bh)_mm512_set1_epi32((int)v);
+}
+
+// R rows x C tiles (constants where inlined) from the widened weights wb ([K/2][C] vectors):
+// each group's sums from zero over its 16 pairs, then y = s * sum + y (+0 for the first group).
+static inline __attribute__((always_inline)) void block(int R, int C, int K, const uint16_t* x,
+                                                        int64_t ldx, const __m512bh* wb,
+                                                        const float* s, float* y, int64_t ldy) {
+    __m512 acc[MR][CT];
+    int ng = K / G;
+    for (int g = 0; g < ng; g++) {
+        for (int i = 0; i < R; i++)
+            for (int c = 0; c < C; c++) acc[i][c] = _mm512_setzero_ps();
+        for (int p = 0; p < G / 2; p++) {
+            int kp = g * (G / 2) + p;
+            const __m512bh* w = wb + (size_t)kp * C;
+            for (int i = 0; i < R; i++) {
+                __m512bh b = pair(x + (size_t)i * ldx, kp);
+                for (int c = 0; c < C; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], w[c], b);
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            __m512 sc = _mm512_loadu_ps(s + ((size_t)c * ng + g) * T);
+            for (int i = 0; i < R; i++) {
+                float* yp = y + (size_t)i * ldy + c * T;
+                __m512 prev = g == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yp);
+                _mm512_storeu_ps(yp, _mm512_fmadd_ps(acc[i][c], sc, prev));
+            }
+        }
+    }
+}
+
+// One row of C tiles, widening the weights as it reads them (no scratch: one row reads each
+// weight once). The same instructions per element as `block`.
+static inline __attribute__((always_inline)) void row_direct(int C, int K, const uint16_t* x,
+                                                             const int8_t* q, const float* s,
+                                                             float* y) {
+    __m512 total[CT], acc[CT];
+    int ng = K / G;
+    for (int c = 0; c < C; c++) total[c] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        for (int c = 0; c < C; c++) acc[c] = _mm512_setzero_ps();
+        for (int p = 0; p < G / 2; p++) {
+            int kp = g * (G / 2) + p;
+            __m512bh b = pair(x, kp);
+            for (int c = 0; c < C; c++)
+                acc[c] = _mm512_dpbf16_ps(acc[c], widen(q + ((size_t)c * K / 2 + kp) * 2 * T), b);
+        }
+        for (int c = 0; c < C; c++)
+            total[c] = _mm512_fmadd_ps(acc[c], _mm512_loadu_ps(s + ((size_t)c * ng + g) * T), total[c]);
+    }
+    for (int c = 0; c < C; c++) _mm512_storeu_ps(y + c * T, total[c]);
+}
+
+static void rows_c(int M, int C, int K, const uint16_t* x, int64_t ldx, const __m512bh* wb,
+                   const float* s, float* y, int64_t ldy) {
+    int m = 0;
+    if (C == CT) {
+        for (; m + MR <= M; m += MR) block(MR, CT, K, x + (size_t)m * ldx, ldx, wb, s, y + (size_t)m * ldy, ldy);
+        for (; m < M; m++) block(1, CT, K, x + (size_t)m * ldx, ldx, wb, s, y + (size_t)m * ldy, ldy);
+    } else {
+        for (; m + MR <= M; m += MR) block(MR, 1, K, x + (size_t)m * ldx, ldx, wb, s, y + (size_t)m * ldy, ldy);
+        for (; m < M; m++) block(1, 1, K, x + (size_t)m * ldx, ldx, wb, s, y + (size_t)m * ldy, ldy);
+    }
+}
+
+// y[M, n0:n1] = x[M, K] . w[n0:n1]^T: x bf16 bits (row stride ldx), y float32 (row stride
+// ldy); n0 and n1 multiples of 16, K of 32. CT tiles at a time (one at the end): their weights
+// widened once into wb, read by every block of MR rows; a single row widens as it reads.
+void head8_gemm(int M, int K, const uint16_t* x, int64_t ldx, const int8_t* q, const float* s,
+                float* y, int64_t ldy, int n0, int n1) {
+    int ng = K / G;
+    __m512bh wb[(K / 2) * CT];
+    for (int t = n0 / T; t < n1 / T;) {
+        int C = n1 / T - t >= CT ? CT : 1;
+        const int8_t* qt = q + (size_t)t * K * T;
+        const float* st = s + (size_t)t * ng * T;
+        float* yt = y + (size_t)t * T;
+        if (M == 1) {
+            if (C == CT) row_direct(CT, K, x, qt, st, yt);
+            else row_direct(1, K, x, qt, st, yt);
+        } else {
+            for (int kp = 0; kp < K / 2; kp++)
+                for (int c = 0; c < C; c++)
+                    wb[(size_t)kp * C + c] = widen(qt + ((size_t)c * K / 2 + kp) * 2 * T);
+            rows_c(M, C, K, x, ldx, wb, st, yt, ldy);
+        }
+        t += C;
+    }
+}
+
+// ---- AMX (where q8.py's amx() holds and the CPU has AMX-BF16): the same layout and the same
+// order of work, but TDPBF16PS's own sums, which are not vdpbf16ps's bits (measured: its pair
+// sums round otherwise), so a machine runs one or the other at every width, never both: a row's
+// logits are then the same whatever the batch. Per group of 32, C tiles from zero (tilezero),
+// one TDPBF16PS each, then y = s * C + y (+0 for the first group) as above. A tiles hold 16
+// rows of x (the caller pads x to a multiple of 16 rows: one tile configuration for every
+// call), B tiles a column tile's 16 k pairs of one group, widened once a block of 32 columns.
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+struct tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+AMX static void amx_config(int rows) {
+    struct tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {  // 0-3: C, 4-5: A (`rows` rows), 6-7: B (16); 64 bytes a row
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t >= 6 ? 16 : rows;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// One group's epilogue from its stored C tiles: yb = s * C + yb (+0 for the first group).
+static inline __attribute__((always_inline)) void amx_epilogue(
+    const int MA, const int NB, const int* R, int first, const float (*buf)[16][16],
+    const float* s, int g, int ng, float (*yb)[32]) {
+    for (int b = 0; b < NB; b++) {
+        __m512 sc = _mm512_loadu_ps(s + ((size_t)b * ng + g) * T);
+        for (int a = 0; a < MA; a++)
+            for (int r = 0; r < R[a]; r++) {
+                float* yp = &yb[16 * a + r][16 * b];
+                __m512 prev = first ? _mm512_setzero_ps() : _mm512_load_ps(yp);
+                _mm512_store_ps(yp, _mm512_fmadd_ps(_mm512_load_ps(buf[2 * a + b][r]), sc, prev));
+            }
+    }
+}
+
+// MA row tiles of 16 rows (R[a] of each kept) from x, NB column tiles from their widened
+// weights wb ([NB][K/2]). A group's epilogue runs after the next group's tile products are
+// issued (two buffers), so that the two overlap.
+AMX static inline __attribute__((always_inline)) void amx_block(
+    const int MA, const int NB, const int* R, int K, const uint16_t* x, int64_t ldx,
+    const __m512bh* wb, const float* s, float* y, int64_t ldy) {
+    int ng = K / G;
+    float buf[2][4][16][16] __attribute__((aligned(64)));
+    float yb[32][32] __attribute__((aligned(64)));  // y's rows lie N floats apart: kept here
+    for (int g = 0; g < ng; g++) {
+        _tile_zero(0);
+        if (NB == 2) _tile_zero(1);
+        if (MA == 2) _tile_zero(2);
+        if (MA == 2 && NB == 2) _tile_zero(3);
+        _tile_loadd(4, x + (size_t)g * G, ldx * 2);
+        if (MA == 2) _tile_loadd(5, x + (size_t)16 * ldx + (size_t)g * G, ldx * 2);
+        _tile_loadd(6, wb + (size_t)g * (G / 2), 64);
+        if (NB == 2) _tile_loadd(7, wb + (size_t)(K / 2 + g * (G / 2)), 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (NB == 2) _tile_dpbf16ps(1, 4, 7);
+        if (MA == 2) _tile_dpbf16ps(2, 5, 6);
+        if (MA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+        float(*out)[16][16] = buf[g & 1];
+        _tile_stored(0, out[0], 64);
+        if (NB == 2) _tile_stored(1, out[1], 64);
+        if (MA == 2) _tile_stored(2, out[2], 64);
+        if (MA == 2 && NB == 2) _tile_stored(3, out[3], 64);
+        if (g == 1) amx_epilogue(MA, NB, R, 1, (const float(*)[16][16])buf[0], s, 0, ng, yb);
+        if (g > 1) amx_epilogue(MA, NB, R, 0, (const float(*)[16][16])buf[(g - 1) & 1], s, g - 1, ng, yb);
+    }
+    amx_epilogue(MA, NB, R, ng == 1, (const float(*)[16][16])buf[(ng - 1) & 1], s, ng - 1, ng, yb);
+    for (int a = 0; a < MA; a++)
+        for (int r = 0; r < R[a]; r++)
+            for (int b = 0; b < NB; b++)
+                _mm512_storeu_ps(y + (size_t)(16 * a + r) * ldy + 16 * b, _mm512_load_ps(&yb[16 * a + r][16 * b]));
+}
+
+// head8_gemm through AMX: from 16 rows, x's rows padded to a multiple of 16 (the padding any
+// finite value); below, tiles of M rows (each row's sums are its own either way: tested).
+AMX void head8_gemm_amx(int M, int K, const uint16_t* x, int64_t ldx, const int8_t* q,
+                        const float* s, float* y, int64_t ldy, int n0, int n1) {
+    int ng = K / G;
+    __m512bh wb[K];  // [2][K/2]
+    amx_config(M < 16 ? M : 16);
+    for (int t = n0 / T; t < n1 / T;) {
+        int NB = n1 / T - t >= 2 ? 2 : 1;
+        const int8_t* qt = q + (size_t)t * K * T;
+        for (int b = 0; b < NB; b++)
+            for (int kp = 0; kp < K / 2; kp++)
+                wb[(size_t)b * (K / 2) + kp] = widen(qt + ((size_t)b * K / 2 + kp) * 2 * T);
+        const float* st = s + (size_t)t * ng * T;
+        for (int m = 0; m < M; m += 32) {
+            int R[2] = {M - m < 16 ? M - m : 16, M - m - 16 < 16 ? M - m - 16 : 16};
+            const uint16_t* xm = x + (size_t)m * ldx;
+            float* ym = y + (size_t)m * ldy + (size_t)t * T;
+            if (R[1] > 0 && NB == 2) amx_block(2, 2, R, K, xm, ldx, wb, st, ym, ldy);
+            else if (R[1] > 0) amx_block(2, 1, R, K, xm, ldx, wb, st, ym, ldy);
+            else if (NB == 2) amx_block(1, 2, R, K, xm, ldx, wb, st, ym, ldy);
+            else amx_block(1, 1, R, K, xm, ldx, wb, st, ym, ldy);
+        }
+        t += NB;
+    }
+    _tile_release();
+}
+
+// Linux's leave to use the tile state (this process, every thread): 0 granted.
+int head8_amx_init(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+
+// The rows `ids` of the table, dequantized: out[i, k] = q[id, k] * s[id, k / 32] in float32
+// (a Q8_0 file's value exactly: an 8-bit q times an 11-bit scale is exact).
+void head8_rows(int count, const int64_t* ids, int K, const int8_t* q, const float* s,
+                float* out) {
+    int ng = K / G;
+    for (int i = 0; i < count; i++) {
+        int64_t id = ids[i], t = id / T, lane = id % T;
+        const int8_t* qt = q + (size_t)t * K * T + lane * 2;
+        const float* st = s + (size_t)t * ng * T + lane;
+        float* o = out + (size_t)i * K;
+        for (int kp = 0; kp < K / 2; kp++) {
+            float sc = st[(size_t)(kp * 2 / G) * T];
+            o[2 * kp] = (float)qt[(size_t)kp * 2 * T] * sc;
+            o[2 * kp + 1] = (float)qt[(size_t)kp * 2 * T + 1] * sc;
+        }
+    }
+}

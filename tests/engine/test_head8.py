@@ -90,6 +90,7 @@ def test_a_row_is_the_same_alone_in_any_batch_at_any_place_and_split(amx: bool) 
     for at in (0, 18, 37):
         batch = np.insert(_rows(37, k, 8), at, rows[3], axis=0)
         assert np.array_equal(_run(batch, w, amx=amx)[at], alone[3])
+    assert _run(rows[:0], w, amx=amx).shape == (0, n)  # no rows: nothing read or written
     wide = np.zeros((70, k + 32), np.float32)  # rows read through a wider array
     wide[:, 16 : 16 + k] = rows
     assert np.array_equal(_run(wide[:, 16 : 16 + k], w, amx=amx), alone)

@@ -181,6 +181,8 @@ def matmul(x: np.ndarray, w: Head8Weights, out: np.ndarray, *, threads: int = 1,
     if use_amx is None:
         use_amx = amx()
     m = x.shape[0]
+    if m == 0:  # (a step whose rows need no logits)
+        return
     rows = -(-m // 16) * 16 if use_amx and m > 16 else None  # AMX's tiles: 16 rows from 16
     if x.dtype == np.uint16:
         if rows is None:

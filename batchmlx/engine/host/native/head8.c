@@ -231,6 +231,7 @@ AMX static inline __attribute__((always_inline)) void amx_block(
 AMX void head8_gemm_amx(int M, int K, const uint16_t* x, int64_t ldx, const int8_t* q,
                         const float* s, float* y, int64_t ldy, int n0, int n1) {
     int ng = K / G;
+    if (M <= 0) return;  // (a tile of no rows is no tile)
     __m512bh wb[K];  // [2][K/2]
     amx_config(M < 16 ? M : 16);
     for (int t = n0 / T; t < n1 / T;) {

@@ -31,6 +31,7 @@ CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 LIB = register(NativeLibrary("head8", CPU_FLAGS, ("-mavx512f", "-mavx512bw", "-mavx512vl",
                                                  "-mavx512bf16"), "8-bit head kernel"))  # fmt: skip
 AMX_FLAGS = ("amx_tile", "amx_bf16")
+_ROWS_AT_ONCE = 1 << 20  # values rounded at once (`of_float`)
 # split over threads from this many multiply-adds (one row of a 135M head: 28 M, ~1-2 ms)
 SPLIT_MACS = 4 << 20
 
@@ -100,19 +101,14 @@ class Head8Weights:
 
     @classmethod
     def of_float(cls, w: np.ndarray) -> Head8Weights:
-        """Symmetric rounding per group of 32: s = max|w| / 127, q = round(w / s). A group
-        holding NaN or infinity keeps it in its scale (NaN: the logits show it, as a float
-        head's would) and quantizes to zeros (casting NaN to int8 is undefined)."""
+        """Symmetric rounding per group of 32 (`round_groups`), a few rows at a time."""
         n, k = w.shape
-        g = np.asarray(w, np.float32).reshape(n, k // GROUP, GROUP)
-        s = np.abs(g).max(axis=2) * np.float32(1.0 / 127.0)
-        ok = np.isfinite(s)
-        s[~ok] = np.nan
-        inv = np.divide(np.float32(1.0), s, out=np.zeros_like(s), where=ok & (s > 0))
-        with np.errstate(invalid="ignore"):
-            t = np.where(ok[:, :, None], g * inv[:, :, None], 0)
-        q = np.clip(np.rint(t), -127, 127).astype(np.int8)
-        return cls.pack(q.reshape(n, k), s)
+        q = np.empty((n, k), np.int8)
+        s = np.empty((n, k // GROUP), np.float32)
+        step = chunk_rows(k)
+        for r in range(0, n, step):
+            q[r : r + step], s[r : r + step] = round_groups(np.asarray(w[r : r + step], np.float32))
+        return cls.pack(q, s)
 
     @classmethod
     def of_q8_0(cls, weight: np.ndarray, scales: np.ndarray,
@@ -143,6 +139,27 @@ class Head8Weights:
         q = self.values.reshape(n // TILE, k // 2, TILE, 2).transpose(0, 2, 1, 3).reshape(n, k)
         s = self.scales.reshape(n // TILE, k // GROUP, TILE).transpose(0, 2, 1).reshape(n, -1)
         return q, s
+
+
+def chunk_rows(k: int) -> int:
+    """Rows rounded at once: a few MB of temporaries, not several copies of a whole table."""
+    return max(1, _ROWS_AT_ONCE // k)
+
+
+def round_groups(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 rows [R, K] -> q int8 [R, K] and s float32 [R, K / 32]: s = max|w| / 127 per
+    group of 32, q = round(w / s). A group holding NaN or infinity keeps it in its scale (NaN:
+    the logits show it, as a float head's would) and quantizes to zeros (casting NaN to int8
+    is undefined)."""
+    rows, k = w.shape
+    g = w.reshape(rows, k // GROUP, GROUP)
+    s = np.abs(g).max(axis=2) * np.float32(1.0 / 127.0)
+    ok = np.isfinite(s)
+    s[~ok] = np.nan
+    inv = np.divide(np.float32(1.0), s, out=np.zeros_like(s), where=ok & (s > 0))
+    with np.errstate(invalid="ignore"):
+        t = np.where(ok[:, :, None], g * inv[:, :, None], 0)
+    return np.clip(np.rint(t), -127, 127).astype(np.int8).reshape(rows, k), s
 
 
 def _lib() -> ctypes.CDLL:

@@ -76,7 +76,13 @@ def eight_bit(weights: list[mx.array | Dequantized]) -> head8.Head8Weights:
             return exact
     rows = [w.array() if isinstance(w, Dequantized) else w for w in weights]
     full = rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
-    return head8.Head8Weights.of_float(np.asarray(full.astype(mx.float32)))
+    n, k = full.shape
+    q, s = np.empty((n, k), np.int8), np.empty((n, k // head8.GROUP), np.float32)
+    step = head8.chunk_rows(k)  # float32 a few rows at a time: not the whole table at once
+    for r in range(0, n, step):
+        part = np.asarray(full[r : r + step].astype(mx.float32))
+        q[r : r + step], s[r : r + step] = head8.round_groups(part)
+    return head8.Head8Weights.pack(q, s)
 
 
 def joined_bias(weights: list[mx.array | Dequantized],

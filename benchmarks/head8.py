@@ -40,7 +40,8 @@ def _median_ms(times: list[float]) -> float:
     return round(float(np.median(times)) * 1e3, 3)
 
 
-def measure(shape: str, widths: list[int], trials: int, clock: str = "wall") -> list[Row]:
+def measure(shape: str, widths: list[int], trials: int, clock: str = "wall",
+            use_amx: bool | None = None) -> list[Row]:  # fmt: skip
     n, k = SHAPES[shape]
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((n, k), dtype=np.float32) * 0.05).astype(np.float32)
@@ -48,6 +49,14 @@ def measure(shape: str, widths: list[int], trials: int, clock: str = "wall") -> 
     eight = SharedGemm([mx.array(w)], HostFormat.W8)
     assert eight.fmt is HostFormat.W8, "the 8-bit head does not run here"
     del w
+    backend, h8 = eight.backend, eight._h8
+    assert h8 is not None
+
+    def run8(x: np.ndarray, y: np.ndarray) -> None:  # SharedGemm.host's, its path forced
+        head8.matmul(
+            x, h8, y, threads=backend.threads.or_cpus(), pool=backend.gemm_pool, use_amx=use_amx
+        )
+
     out: list[Row] = []
     now = time.perf_counter if clock == "wall" else time.process_time
     for m in widths:
@@ -55,9 +64,9 @@ def measure(shape: str, widths: list[int], trials: int, clock: str = "wall") -> 
         y = np.empty((m, n), np.float32)
         times: dict[str, list[float]] = {"head8": [], "bf16": []}
         for _ in range(trials + 2):
-            for name, gemm in (("head8", eight), ("bf16", bf16)):
+            for name, call in (("head8", run8), ("bf16", bf16.host)):
                 t = now()
-                gemm.host(x, y)
+                call(x, y)
                 times[name].append(now() - t)
         a, b = (_median_ms(times[p][2:]) for p in ("head8", "bf16"))
         out.append(Row(shape, m, a, b, round(b / a, 2)))
@@ -72,24 +81,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="cpu: the process's CPU time (with BATCHMLX_THREADS=1: a loaded "
                    "machine's time slices not counted)")  # fmt: skip
+    p.add_argument("--path", choices=("auto", "amx", "avx512"), default="auto",
+                   help="head8's path (auto: this process's). A CPU without AMX, as oneDNN "
+                   "sees it: ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 with --path avx512")  # fmt: skip
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if not head8.available():
         print("the 8-bit head kernel does not run on this CPU (AVX-512 BF16)")
         return 1
     widths = [int(w) for w in a.rows.split(",")]
-    rows = [r for s in a.shape.split(",") for r in measure(s, widths, a.trials, a.clock)]
+    use_amx = {"auto": None, "amx": True, "avx512": False}[a.path]
+    path = a.path if use_amx is not None else ("amx" if head8.amx() else "avx512")
+    rows = [r for s in a.shape.split(",") for r in measure(s, widths, a.trials, a.clock, use_amx)]
+    probe = SharedGemm([mx.zeros((64, 64))], HostFormat.BF16)
+    kernel = current().onednn().kernel(64, probe._w)
     cpu = platform.processor() or platform.machine()
     load = os.getloadavg()[0]
     threads = current().threads.or_cpus()
     if a.json:
         print(json.dumps({"cpu": cpu, "load": load, "threads": threads, "clock": a.clock,
-                          "amx": head8.amx(),
+                          "path": path,
                           "rows": [asdict(r) for r in rows]}))  # fmt: skip
         return 0
     print(
         f"{threads} threads, load {load:.1f}, {a.clock} time, head8 through "
-        f"{'AMX' if head8.amx() else 'AVX-512 BF16'}"
+        f"{path}; oneDNN bf16 at 64 rows: {kernel}"
     )
     print("shape       rows   head8 ms   bf16 ms   bf16/head8")
     for r in rows:

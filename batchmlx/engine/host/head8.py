@@ -197,10 +197,14 @@ def matmul(x: np.ndarray, w: Head8Weights, out: np.ndarray, *, threads: int = 1,
     lib = _lib()
     if use_amx is None:
         use_amx = amx()
+    elif use_amx and not amx():  # (also Linux's leave for the tile state, asked there)
+        raise RuntimeError("the 8-bit head kernel's AMX path does not run here")
     m = x.shape[0]
     if m == 0:  # (a step whose rows need no logits)
         return
-    rows = -(-m // 16) * 16 if use_amx and m > 16 else None  # AMX's tiles: 16 rows from 16
+    rows = None  # AMX's tiles: 16 rows from 16, at least 2 (head8.c)
+    if use_amx and (m > 16 or m == 1):
+        rows = 2 if m == 1 else -(-m // 16) * 16
     if x.dtype == np.uint16:
         if rows is None:
             x = np.ascontiguousarray(x)

@@ -54,7 +54,7 @@ def measure(shape: str, widths: list[int], trials: int, clock: str = "wall",
 
     def run8(x: np.ndarray, y: np.ndarray) -> None:  # SharedGemm.host's, its path forced
         head8.matmul(
-            x, h8, y, threads=backend.threads.or_cpus(), pool=backend.gemm_pool, use_amx=use_amx
+            x, h8, y, threads=backend.threads.or_cpus(), pool=backend.pool, use_amx=use_amx
         )
 
     out: list[Row] = []

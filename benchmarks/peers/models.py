@@ -214,7 +214,12 @@ def random_mlx_folder(shape: str) -> Path:
     """Random bf16 weights of `shape` from mlx-lm's class of its model_type, saved in shards
     (mlx arrays are lazy: only one shard is in memory at a time, so the 8B shape builds in
     about 2 GB)."""
-    dest = MODELS / f"random-{shape}-mlx-bf16"
+    return random_folder(SHAPES[shape], MODELS / f"random-{shape}-mlx-bf16")
+
+
+def random_folder(config: dict[str, Any], dest: Path) -> Path:
+    """Random bf16 weights of `config` (its model_type's mlx-lm class, seed 0) saved at `dest`
+    with the default model's tokenizer, unless a folder is there already."""
     if (dest / "config.json").is_file():
         return dest
     import importlib
@@ -222,10 +227,10 @@ def random_mlx_folder(shape: str) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    config = SHAPES[shape]
+    shape = dest.name
     family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    MODELS.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".random-{shape}-", dir=MODELS))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{shape}-", dir=dest.parent))
     mx.random.seed(0)
     model = family.Model(family.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)  # lazy: the float32 inits are freed as each shard evaluates

@@ -109,6 +109,12 @@ def _tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(str(model_files(model).tokenizer))
 
 
+def _folder_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
 def _default_quant(model: str) -> str:
     return "Q4_1" if model == "default" else "Q8_0"
 
@@ -405,17 +411,23 @@ _BATCHMLX_CLI = (
 )  # its load log line marks "ready"
 
 
+_MLX_STEPS = "steps run in MLX, not on the host alone:"  # engine/host/step.py's log line
+
+
 def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = None,
-                 quant: str | None = None, **_: Any) -> PeerRun:  # fmt: skip
+                 quant: str | None = None, folder: Path | None = None,
+                 **_: Any) -> PeerRun:  # fmt: skip
     """batchmlx as a user runs it on the very requests the peers get: `submit --wait` then
     `results -o`, a fresh process each (the defaults, or `--dtype`); ready = the line that
     says how the weights were loaded. `quant`: the peers' GGUF of that type as the model (for
-    `--dtype q4` on a 4-bit file), not the MLX folder."""
+    `--dtype q4` on a 4-bit file), not the MLX folder. `folder`: an MLX folder of any model
+    (its own tokenizer) in place of `model`'s files (benchmarks/families.py)."""
     from benchmarks.whole_process import REPO, _env, read_output
 
-    reqs = requests_of(wl, _tokenizer(model))
+    tok = _tokenizer(model) if folder is None else _folder_tokenizer(folder)
+    reqs = requests_of(wl, tok)
     work = Path(tempfile.mkdtemp(prefix="bmx-peers-"))
-    source = path_for(model, quant or "mlx")
+    source = folder or path_for(model, quant or "mlx")
     (work / "requests.jsonl").write_text(
         _batch_lines(reqs, wl, {}, model=str(source)))  # fmt: skip
     env = _env(home=str(work / "home"), pythonpath=str(REPO))
@@ -438,6 +450,9 @@ def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = No
     precision = loaded.split(": weights as ", 1)[1].split(" on ", 1)[0]
     label = "batchmlx" + (f" --dtype {dtype}" if dtype else " (defaults)")
     extra = {"usage": batch.get("usage")} | ({"gguf": str(source)} if quant else {})
+    mlx = next((line for _, line in w.lines if _MLX_STEPS in line), None)
+    if mlx:
+        extra["mlx_steps"] = mlx.split(_MLX_STEPS, 1)[1].strip()
     return PeerRun(label, "batchmlx", model, precision, wall, ready,
                    tokens / max(submit_s - ready, 1e-9), tokens, w.peak / 2**20, texts,
                    extra)  # fmt: skip

@@ -105,6 +105,9 @@ class Row:
     steady_tok_s: float  # median
     tokens: int  # the fewest of any round (random weights may emit eos early)
     ratio: float  # wall_s / llama's wall_s
+    # the median of each round's wall / llama's in that round (a slow spell that lasts a
+    # round moves both)
+    round_ratio: float
     precision: str
     mlx_steps: str | None
 
@@ -115,34 +118,37 @@ class Row:
 
 def summarize(runs: list[Run], reference: str = "llama") -> list[Row]:
     """Per family (in first-run order) its medians and the ratio of its median wall to
-    `reference`'s."""
+    `reference`'s; and the median of its per-round ratios (a family's n-th run against the
+    reference's n-th)."""
     by: dict[str, list[Run]] = {}
     for r in runs:
         by.setdefault(r.family, []).append(r)
     if reference not in by:
         raise ValueError(f"no runs of the reference family {reference!r}")
-    ref = statistics.median(r.wall_s for r in by[reference])
+    refs = [r.wall_s for r in by[reference]]
+    ref = statistics.median(refs)
     rows = []
     for fam, rs in by.items():
         wall = statistics.median(r.wall_s for r in rs)
+        per_round = statistics.median(r.wall_s / w for r, w in zip(rs, refs, strict=False))
         rows.append(Row(fam, tuple(r.wall_s for r in rs), wall,
                         statistics.median(r.steady_tok_s for r in rs),
-                        min(r.tokens for r in rs), wall / ref, rs[0].precision,
+                        min(r.tokens for r in rs), wall / ref, per_round, rs[0].precision,
                         next((r.mlx_steps for r in rs if r.mlx_steps), None)))  # fmt: skip
     return rows
 
 
 def table(rows: list[Row], requested_tokens: int) -> list[str]:
     lines = ["| family | whole process s (median) | rounds s | steady tok/s | completion "
-             "tokens | against llama | within 1.15x |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "tokens | against llama | within 1.15x | round by round |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         rounds = ", ".join(f"{w:.1f}" for w in r.walls)
         short = "" if r.tokens == requested_tokens else f" (of {requested_tokens})"
         mlx = f" (MLX steps: {r.mlx_steps})" if r.mlx_steps else ""
         lines.append(f"| {r.family}{mlx} | {r.wall_s:.2f} | {rounds} | {r.steady_tok_s:.1f} | "
                      f"{r.tokens}{short} | **{r.ratio:.2f}x** | "
-                     f"{'yes' if r.within else 'no'} |")  # fmt: skip
+                     f"{'yes' if r.within else 'no'} | {r.round_ratio:.2f}x |")  # fmt: skip
     return lines
 
 

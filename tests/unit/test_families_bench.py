@@ -42,6 +42,8 @@ def test_summary_takes_medians_and_divides_by_llamas_median():
         "llama", (10.0, 8.0, 9.0), 9.0, 450, 1.0)  # fmt: skip
     assert (qwen3.wall_s, qwen3.steady_tok_s, qwen3.tokens) == (13.0, 300, 2000)
     assert qwen3.ratio == pytest.approx(13.0 / 9.0)
+    # rounds: 12 / 10, 13 / 8, 30 / 9
+    assert qwen3.round_ratio == pytest.approx(13.0 / 8.0)
     assert qwen3.mlx_steps == "architecture x"
     assert llama.within and not qwen3.within
 
@@ -55,10 +57,10 @@ def test_table_marks_short_runs_mlx_steps_and_the_target():
     rows = summarize([_run("llama", 10.0), _run("gemma2", 11.5),
                       _run("phi3", 11.6, tokens=2000, mlx_steps="why")])  # fmt: skip
     lines = table(rows, 2048)
-    assert lines[2] == "| llama | 10.00 | 10.0 | 100.0 | 2048 | **1.00x** | yes |"
-    assert lines[3] == "| gemma2 | 11.50 | 11.5 | 100.0 | 2048 | **1.15x** | yes |"
+    assert lines[2] == "| llama | 10.00 | 10.0 | 100.0 | 2048 | **1.00x** | yes | 1.00x |"
+    assert lines[3] == "| gemma2 | 11.50 | 11.5 | 100.0 | 2048 | **1.15x** | yes | 1.15x |"
     assert lines[4] == ("| phi3 (MLX steps: why) | 11.60 | 11.6 | 100.0 | 2000 (of 2048) | "
-                        "**1.16x** | no |")  # fmt: skip
+                        "**1.16x** | no | 1.16x |")  # fmt: skip
 
 
 def test_decode_median_leaves_the_prefill_and_the_last_steps_out():

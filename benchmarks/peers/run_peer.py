@@ -31,6 +31,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -447,6 +448,7 @@ def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = No
                    check=True, capture_output=True)  # fmt: skip
     wall = submit_s + time.perf_counter() - t0
     texts, tokens = read_output(work / "out.jsonl")
+    shutil.rmtree(work, ignore_errors=True)  # (its queue, files and results: ~2 MB a run)
     precision = loaded.split(": weights as ", 1)[1].split(" on ", 1)[0]
     label = "batchmlx" + (f" --dtype {dtype}" if dtype else " (defaults)")
     extra = {"usage": batch.get("usage")} | ({"gguf": str(source)} if quant else {})

@@ -195,20 +195,46 @@ def test_the_start_does_not_wait_for_the_cache_file(tiny_model_dir, tmp_path, mo
 
 
 def test_a_process_that_ends_at_once_still_leaves_the_whole_file(tiny_model_dir, tmp_path):
-    """The writer is not a daemon: a process that loads a model and exits at once (a short
-    `submit --wait`) leaves a file the next start reads without packing."""
+    """The writer is not a daemon, even started from one (models load on the engine's thread,
+    a daemon): a process that loads a model and exits at once (a short `submit --wait`)
+    leaves a file the next start reads without packing."""
     import subprocess
     import sys
 
-    code = (f"from batchmlx.core.models import resolve_model\n"
+    code = (f"import threading\n"
+            f"from batchmlx.core.models import resolve_model\n"
             f"from batchmlx.engine.models.loader import load_model\n"
             f"spec = resolve_model({str(tiny_model_dir)!r}, cache_dir={str(tmp_path)!r})\n"
-            f"load_model(spec, cache_dir={str(tmp_path)!r}, dtype={PACKED.value!r})\n")  # fmt: skip
+            f"t = threading.Thread(target=load_model, args=(spec,), daemon=True,\n"
+            f"    kwargs=dict(cache_dir={str(tmp_path)!r}, dtype={PACKED.value!r}))\n"
+            f"t.start(); t.join()\n")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True)
     files = list((tmp_path / "host").glob(f"*.{PACKED.value}.safetensors"))
     assert len(files) == 1
     views, meta = host_cache._map(files[0])  # whole: every entry within the file, signed
     assert views and host_cache._SIGNATURE_KEY in meta
+
+
+def test_temporary_files_of_dead_writers_are_swept(tiny_model_dir, tmp_path):
+    """A writer killed mid-file leaves `.PID.N.<name>`; the next save removes those of
+    processes no longer alive, and leaves a live one's alone."""
+    import subprocess
+    import sys
+
+    spec = resolve_model(str(tiny_model_dir), cache_dir=tmp_path)
+    load_model(spec, cache_dir=tmp_path, dtype=PACKED.value)
+    assert host_cache.wait_written(60)
+    (final,) = (tmp_path / "host").glob(f"*.{PACKED.value}.safetensors")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    stale = final.with_name(f".{dead}.0.{final.name}")
+    live = final.with_name(f".{os.getppid()}.0.{final.name}")
+    stale.write_bytes(b"cut short")
+    live.write_bytes(b"still writing")
+    final.unlink()  # the next start packs and saves again
+    load_model(spec, cache_dir=tmp_path, dtype=PACKED.value)
+    assert host_cache.wait_written(60)
+    assert not stale.exists() and live.exists() and final.exists()
 
 
 def _flat(model):

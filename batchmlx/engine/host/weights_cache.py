@@ -219,6 +219,7 @@ def save_cache(
     size = sum(a.nbytes for a in cache.kept.values())
     # (one name per call: a second load of the model may write while the first still does)
     tmp = path.with_name(f".{os.getpid()}.{next(_names)}.{path.name}")
+    _sweep(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(path.parent).free
@@ -235,11 +236,29 @@ def save_cache(
         return False
     if not background:
         return _finish(tmp, path, host, sig, then)
+    # daemon=False said outright: a thread takes its starter's flag, and models load on the
+    # engine's thread, a daemon (one left to inherit it was killed at exit: only temporary
+    # files stayed, and every start packed again)
     writer = threading.Thread(target=_finish, args=(tmp, path, host, sig, then),
-                              name="batchmlx-weights-cache")  # fmt: skip
+                              name="batchmlx-weights-cache", daemon=False)  # fmt: skip
     _writers.append(writer)
     writer.start()
     return True
+
+
+def _sweep(path: Path) -> None:
+    """Remove the temporary files of `path` that processes no longer alive left (killed while
+    they wrote: each up to the whole file's size)."""
+    for stale in path.parent.glob(f".*.{path.name}"):
+        pid = stale.name.split(".")[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            stale.unlink(missing_ok=True)
+        except OSError:  # alive under another user: not ours to judge
+            continue
 
 
 def _finish(tmp: Path, path: Path, host: dict[str, tuple[np.ndarray, str]], sig: str,

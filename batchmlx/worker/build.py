@@ -77,7 +77,7 @@ def build_engine(
     from batchmlx.engine.choose import make_engine
     from batchmlx.engine.host.backend import current
     from batchmlx.engine.host.threads import apply_threads, choose_threads
-    from batchmlx.engine.models.loader import load_model
+    from batchmlx.engine.models.loader import collector_paused, load_model
 
     backend = backend or current()
     # the first look at the neighbours spans the model load (no wait of its own): all the
@@ -98,11 +98,12 @@ def build_engine(
         serving = _vision_engine(name, spec.name, spec.source, settings, governor, reader)
         governor.review(now=True)
         return serving
-    loaded = load_model(spec, cache_dir=cache_dir, dtype=dtype, backend=backend)
-    engine = make_engine(
-        loaded.model, loaded.tokenizer, name=loaded.spec.name,
-        context_length=loaded.context_length, config=settings,
-    )  # fmt: skip
+    with collector_paused():
+        loaded = load_model(spec, cache_dir=cache_dir, dtype=dtype, backend=backend)
+        engine = make_engine(
+            loaded.model, loaded.tokenizer, name=loaded.spec.name,
+            context_length=loaded.context_length, config=settings,
+        )  # fmt: skip
     assert engine.grammars is not None  # text runners take structured outputs
     translator = Translator(
         loaded.tokenizer, loaded.spec.name, engine.max_context_tokens, loaded.eos_token_ids,

@@ -20,6 +20,7 @@ from batchmlx.engine.host.linear import (
     runs_here,
     to_host_format,
 )
+from batchmlx.engine.host.native_lib import widened
 from tests.engine.helpers import bf16_bits, random_llama
 
 needs_kernel = pytest.mark.skipif(not head8.available(), reason="no AVX-512 BF16 here")
@@ -129,6 +130,24 @@ def test_float_weights_round_per_group_and_a_nan_group_shows() -> None:
     assert np.isnan(s[9, 1]) and np.array_equal(q[9, 32:], np.zeros(32, np.int8))
     y = _run(_rows(2, 64, 14), head8.Head8Weights.of_float(w))
     assert np.isnan(y[:, 9]).all() and np.isfinite(np.delete(y, 9, axis=1)).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["float32", "bf16", "float16"])
+def test_a_float_table_rounds_in_c_as_numpy_rounds_it(kind: str) -> None:
+    """A first start rounds a float head in head8.c, straight into its layout, from the
+    table as it lies: the same bits as round_groups (numpy) on its float32."""
+    w = _rows(48, 96, 16) * 0.2
+    w[3, :32] = 0.0
+    w[7, 50] = np.nan
+    w[8, 95] = np.inf
+    table = {"float32": w, "bf16": bf16_bits(w), "float16": w.astype(np.float16)}[kind]
+    got = head8.Head8Weights.of_float(table)
+    q, s = head8.round_groups(widened(table))
+    ref = head8.Head8Weights.pack(q, s)
+    assert np.array_equal(got.values, ref.values)
+    assert np.array_equal(got.scales, ref.scales, equal_nan=True)
+    assert np.isnan(s).sum() == 2 and (s[3, 0] == 0)
 
 
 def _tied_q8_0_llama(vocab: int = 112) -> tuple[nn.Module, np.ndarray, np.ndarray]:

@@ -12,7 +12,7 @@ import pytest
 
 from batchmlx.engine.host import q8
 from batchmlx.engine.host.native_lib import cpu_has
-from tests.engine.helpers import grouped_exact
+from tests.engine.helpers import bf16_bits, grouped_exact
 
 needs_kernel = pytest.mark.skipif(not q8.available(), reason="no AVX-512 VNNI here")
 
@@ -97,6 +97,48 @@ def test_weights_quantized_in_the_kernel_as_in_numpy(k: int) -> None:
     ref_q, ref_s = q8.quantize_groups_numpy(w)
     assert q.dtype == np.int8 and np.array_equal(q, ref_q)
     assert np.array_equal(s, ref_s, equal_nan=True) and np.isnan(s[4, 0]) and s[1, 0] == 1
+
+
+def _numpy_packed(w: np.ndarray) -> q8.Q8Weights:
+    """Q8Weights.pack's numpy path (where the kernel does not run), as the reference."""
+    real = q8.library
+    q8.library = lambda: None  # type: ignore[assignment]
+    try:
+        return q8.Q8Weights.pack(w)
+    finally:
+        q8.library = real  # type: ignore[assignment]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["float32", "bf16", "float16"])
+@pytest.mark.parametrize(("n", "k"), [(16, 16), (48, 48), (64, 576), (32, 160)])
+def test_a_table_packs_in_one_pass_as_numpy_packs_it(kind: str, n: int, k: int) -> None:
+    """A first start packs each weight table through q8_pack, read as it lies (bf16 bits,
+    float16, float32) and split over threads: the very bytes numpy's passes make from its
+    float32, NaN, infinity and all-zero groups included."""
+    w = _rand((n, k), 21, 0.05)
+    w[1, :16] = 0.0
+    w[2, 3] = np.nan
+    w[5, k - 1] = -np.inf
+    table = {"float32": w, "bf16": bf16_bits(w), "float16": w.astype(np.float16)}[kind]
+    ref = _numpy_packed(table)
+    for threads in (1, 2):
+        got = q8.Q8Weights.pack(table, threads=threads)
+        assert np.array_equal(got.packed, ref.packed) and np.array_equal(got.offsets, ref.offsets)
+        assert np.array_equal(got.scales, ref.scales, equal_nan=True)
+    assert np.isnan(ref.scales).sum() == 2  # (the test sees the NaN groups)
+
+
+@needs_kernel
+def test_a_layers_parts_pack_as_their_concatenation() -> None:
+    """q, k and v (gate and up) packed part by part into one buffer, as the layer's joined
+    table would be, into bytes the caller gives (an MLX array's)."""
+    parts = [bf16_bits(_rand((n, 96), 30 + n, 0.1)) for n in (64, 32, 32)]
+    joined = _numpy_packed(np.concatenate(parts))
+    into = np.zeros(q8.Q8Weights.nbytes(128, 96), np.uint8)
+    got = q8.Q8Weights.pack(parts, threads=2, into=into)
+    assert got.buffer.ctypes.data == into.ctypes.data
+    assert np.array_equal(into, joined.buffer)
 
 
 @needs_kernel

@@ -23,7 +23,7 @@ from functools import cache
 import numpy as np
 
 from batchmlx.engine.host import quantized
-from batchmlx.engine.host.native_lib import NativeLibrary, cpu_has, register
+from batchmlx.engine.host.native_lib import WIDEN, NativeLibrary, cpu_has, register, widened
 
 GROUP = 32  # K per scale: Q8_0's (fixed in head8.c)
 TILE = 16  # output columns per vector: N must be a multiple
@@ -54,7 +54,14 @@ def library() -> ctypes.CDLL | None:
     lib.head8_gemm.argtypes = [_I, _I, _P, _L, _P, _P, _P, _L, _I, _I]
     lib.head8_rows.argtypes = [_I, _P, _I, _P, _P, _P]
     lib.head8_gemm_amx.argtypes = lib.head8_gemm.argtypes
-    for f in (lib.head8_to_bf16, lib.head8_gemm, lib.head8_gemm_amx, lib.head8_rows):
+    lib.head8_round.argtypes = [_I, _I, _P, _I, _L, _P, _P]
+    for f in (
+        lib.head8_to_bf16,
+        lib.head8_gemm,
+        lib.head8_gemm_amx,
+        lib.head8_rows,
+        lib.head8_round,
+    ):
         f.restype = None
     return lib
 
@@ -101,13 +108,22 @@ class Head8Weights:
 
     @classmethod
     def of_float(cls, w: np.ndarray) -> Head8Weights:
-        """Symmetric rounding per group of 32 (`round_groups`), a few rows at a time."""
+        """Symmetric rounding per group of 32 (`round_groups`'s bits). w float32, float16 or
+        bf16 as its bits (uint16), read as it lies by head8.c's `head8_round` where it runs
+        (straight into the layout), else in numpy a few rows at a time."""
         n, k = w.shape
+        lib = library()
+        code = WIDEN.get(w.dtype)
+        if lib is not None and code is not None and fits(n, k) and w.strides[1] == w.itemsize:
+            out = cls(np.empty((n, k), np.int8), np.empty(n * (k // GROUP), np.float32), n, k)
+            lib.head8_round(n, k, w.ctypes.data, code, w.strides[0] // w.itemsize,
+                            out.values.ctypes.data, out.scales.ctypes.data)  # fmt: skip
+            return out
         q = np.empty((n, k), np.int8)
         s = np.empty((n, k // GROUP), np.float32)
         step = chunk_rows(k)
         for r in range(0, n, step):
-            q[r : r + step], s[r : r + step] = round_groups(np.asarray(w[r : r + step], np.float32))
+            q[r : r + step], s[r : r + step] = round_groups(widened(w[r : r + step]))
         return cls.pack(q, s)
 
     @classmethod

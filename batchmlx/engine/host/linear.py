@@ -1,34 +1,30 @@
 """Weights that stay small on MLX's CPU backend: every linear layer and the embedding in bf16
 or int8, their GEMMs computed on the host by oneDNN (onednn.py), activations float32.
 
-- **bfloat16** (`--dtype bfloat16`, and `auto` on a CPU without AVX-512 VNNI): weights rounded
-  to bf16; a layer's input is rounded to bf16 on the way in (in MLX, in the same evaluation as
-  the work before it) and the products accumulate in float32 (AVX-512 BF16 `vdpbf16ps`). Logits
-  within ~1.5% of float32's (of the largest logit) on the default model; greedy text follows
-  float32's.
+- **bfloat16** (`--dtype bfloat16`, and `auto` on a CPU without AVX-512 VNNI): weights and a
+  layer's input rounded to bf16 (in MLX, in the evaluation before), products summed in float32
+  (AVX-512 BF16 `vdpbf16ps`). Logits within ~1.5% of float32's (of the largest) on the default
+  model; greedy text follows float32's.
 - **float32** (`--dtype auto` on a CPU whose oneDNN has no bf16 matmul: oneDNN 3.2's bf16
   kernels need AVX-512, so an AVX2-only CPU gets this): weights and products float32, as
-  MLX's float32 path computes them but for the order of the sums, the GEMMs on numpy's own
-  BLAS (on a Zen 3 host 2.6x oneDNN's float32 matmul at decode widths, measured 2026-12-02);
-  the format exists so the host steps (engine/host/step.py) run there too.
+  MLX's float32 path computes them but for the order of the sums, on numpy's own BLAS (on a
+  Zen 3 host 2.6x oneDNN's float32 at decode widths, 2026-12-02), so that the host steps
+  (engine/host/step.py) run there too.
 - **int8** (`--dtype int8`, and `auto` on AVX-512 VNNI): weights int8 in groups of 32 along K,
   one float32 scale per (output channel, group) (symmetric, w ~= q * s, |q| <= 127); a layer's
   input is quantized per (token, group) on the fly and each group's exact int32 product rescaled
-  and summed in group order (q8.py, our own AVX-512 VNNI kernel): as Q8_0 computes, batch-
-  invariant by construction, 4x smaller than float32; the embedding and the LM head 8-bit
-  weights against bf16 inputs (`head_format`, head8.py; bf16 where that cannot run). Where
-  the grouped kernel cannot run (a CPU without AVX-512 VNNI, a shape not a multiple of 16),
-  oneDNN's s8 GEMM with one scale per output channel and per token instead,
-  which moves logits by up to ~15-20% of the largest (outlier channels).
-- **q4** (`--dtype q4`): a 4-bit GGUF's layers (Q4_0, Q4_1, Q4_K) keep the file's values, 4
-  bits in memory and in the GEMM (q4.py: int8 activations as int8's); the other layers int8's.
+  and summed in group order (q8.py, our own VNNI/AMX kernel): as Q8_0 computes, batch-invariant
+  by construction; the embedding and the LM head 8-bit weights against bf16 inputs (head8.py;
+  bf16 where that cannot run). Without AVX-512 VNNI or for a shape not a multiple of 16,
+  oneDNN's s8 GEMM with a scale per output channel and per token (logits moved by ~15-20%).
+- **q4** (`--dtype q4`): a 4-bit GGUF's layers (Q4_0, Q4_1, Q4_K) keep the file's 4 bits in
+  memory and GEMM (q4.py: int8 activations); the other layers int8's.
 
 Layers that read the same input (q, k and v; gate and up) share one GEMM over their
 concatenated weights: the first call computes all of them and the others take their slice
-(the input is the very same MLX array, so identity tells). A layer's result is written straight
-into a buffer MLX owns, as the host kernels do (host_attention.py). The evaluation barrier per
-GEMM would cost more than it saves on Metal or CUDA, where quantized MLX kernels are the fast
-path: these formats are for MLX's CPU backend only.
+(the input is the very same MLX array, so identity tells), written straight into a buffer MLX
+owns. These formats are for MLX's CPU backend only: on Metal or CUDA, where quantized MLX
+kernels are the fast path, the evaluation barrier per GEMM would cost more than it saves.
 """
 
 from __future__ import annotations
@@ -53,6 +49,7 @@ from batchmlx.engine.host.stored import (
     float_weight,
     four_bit,
     joined_bias,
+    table,
 )
 
 
@@ -182,9 +179,12 @@ class SharedGemm:
         weights = [w.array() if isinstance(w, Dequantized) else w for w in lazy]
         full = weights[0] if len(weights) == 1 else mx.concatenate(weights, axis=0)
         if self._grouped(*full.shape):
-            grouped = q8.Q8Weights.pack(np.asarray(full.astype(mx.float32)))
-            self.packed = mx.array(grouped.buffer)  # MLX owns the bytes from here on
-            self._q8 = replace(grouped, buffer=np.asarray(self.packed))
+            # numpy's bytes, as a cached layer's are (a mapped file's), and each part packed
+            # as it lies: MLX's concatenation of a 1.7B model's bf16 q, k, v (gate, up) took ~8
+            # s of a first start (their reads ~2), and MLX's copy of the bytes after ~1
+            self._q8 = q8.Q8Weights.pack([table(w) for w in weights],
+                                         threads=self.backend.threads.or_cpus())  # fmt: skip
+            self.packed = self._q8.buffer
             self._w = Packed(None, self._q8.buffer, *full.shape, fmt.data_type, False)
         plain = HostWeights.of(full, fmt) if self._q8 is None or keep_plain else None
         if self._q8 is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import mmap
 import platform
 import re
 import subprocess
@@ -136,6 +137,30 @@ def pointer(a: np.ndarray) -> ctypes.Array | int:
         return _BYTES.from_buffer(a)
     except TypeError:  # a strided view, or read-only
         return a.ctypes.data
+
+
+# the weight tables q8.c and head8.c pack as they lie (native/widen.h's codes): bf16 as its
+# bits, float16 and float32
+WIDEN = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.float16): 2}
+
+
+def widened(w: np.ndarray) -> np.ndarray:
+    """A table of WIDEN's types as float32 (bf16 bits: the high half of a float's word)."""
+    if w.dtype == np.uint16:
+        return (w.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return np.asarray(w, np.float32)
+
+
+def fresh_bytes(n: int) -> np.ndarray:
+    """n bytes of new memory (uint8), its zero pages faulted in 4 KiB at a time as they are
+    first written: a first start's packed weights. Not np.empty: numpy asks Linux for
+    transparent huge pages on large arrays (madvise), and where THP's defrag policy is
+    "madvise" (the default) a huge-page fault may compact memory first. Faulting 2.1 GB (a
+    1.7B model's int8 weights) took 3.0-5.6 s that way, 1.2-1.75 s in 4 KiB pages (this
+    2-core VM, most of its memory page cache)."""
+    if n == 0:
+        return np.empty(0, np.uint8)
+    return np.frombuffer(mmap.mmap(-1, n), np.uint8)
 
 
 LIBRARIES: dict[str, NativeLibrary] = {}

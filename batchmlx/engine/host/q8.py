@@ -37,13 +37,22 @@ import platform
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
 
 import numpy as np
 
-from batchmlx.engine.host.native_lib import NativeLibrary, cpu_has, pointer, register
+from batchmlx.engine.host.native_lib import (
+    WIDEN,
+    NativeLibrary,
+    cpu_has,
+    fresh_bytes,
+    pointer,
+    register,
+    widened,
+)
 
 log = logging.getLogger("batchmlx.engine")
 
@@ -92,6 +101,8 @@ def library() -> ctypes.CDLL | None:
     lib.q8_amx_init.restype = _I
     lib.q8_matmul.argtypes = [_I, _I, _I, _I, _P, ctypes.c_int64, *[_P] * 6, _I, _I, _I]
     lib.q8_matmul.restype = None
+    lib.q8_pack.argtypes = [_I, _I, _I, _P, _I, ctypes.c_int64, _P, _P, _P, _I]
+    lib.q8_pack.restype = None
     lib.q8_pool_workers.restype = _I
     lib.q8_pool_helped.restype = ctypes.c_int64
     return lib
@@ -193,14 +204,32 @@ class Q8Weights:
         return self.packed.ctypes.data, self.scales.ctypes.data, self.offsets.ctypes.data
 
     @classmethod
-    def pack(cls, w: np.ndarray) -> Q8Weights:
-        """w[N, K] float32 quantized: per (row, group of GROUP), s = max|w| / 127 (1 for an
-        all-zero group), q = round(w / s) in [-127, 127]."""
-        q, s = quantize_groups(w)
-        n, k = w.shape
+    def pack(cls, w: np.ndarray | Sequence[np.ndarray], *, threads: int = 1,
+             into: np.ndarray | None = None) -> Q8Weights:  # fmt: skip
+        """w[N, K] quantized: per (row, group of GROUP), s = max|w| / 127 (1 for an all-zero
+        group), q = round(w / s) in [-127, 127]. w float32, float16, or bf16 as its bits
+        (uint16), or several such tables one after another along N (a layer's q, k and v),
+        each read as it lies: in q8.c's `q8_pack` where it runs (one pass, split over
+        `threads`), else in numpy (float32 first); the same bits either way. `into`: the
+        nbytes(N, K) bytes to write (else fresh pages: native_lib.fresh_bytes)."""
+        parts = [w] if isinstance(w, np.ndarray) else list(w)
+        n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        buf = fresh_bytes(cls.nbytes(n, k)) if into is None else into
+        out = cls(buf.reshape(-1).view(np.uint8), n, k)
+        lib = library()
+        if lib is not None and all(_packs_here(p) for p in parts):
+            # each part's rows are whole tiles: its bytes lie in one span of each of the three
+            wp, ws, wc = out.addresses
+            ng, row = groups(k), 0
+            for p in parts:
+                lib.q8_pack(p.shape[0], k, GROUP, p.ctypes.data, WIDEN[p.dtype],
+                            p.strides[0] // p.itemsize, wp + row * k, ws + 4 * row * ng,
+                            wc + 4 * row * ng, max(1, threads))  # fmt: skip
+                row += p.shape[0]
+            return out
+        w = parts[0] if len(parts) == 1 else np.concatenate([widened(p) for p in parts])
+        q, s = quantize_groups_numpy(widened(w))
         ng = groups(k)
-        buf = np.empty(cls.nbytes(n, k), np.uint8)
-        out = cls(buf, n, k)
         # [N/16][K/4][16][4]: moved as 4-byte words, one pass (bytes took ~7x as long)
         words = np.ascontiguousarray(q).view(np.int32).reshape(n // TILE, TILE, k // 4)
         out.packed.view(np.int32).reshape(n // TILE, k // 4, TILE)[:] = words.transpose(0, 2, 1)
@@ -221,6 +250,11 @@ def _by_tile(a: np.ndarray) -> np.ndarray:
     """[N, ng] -> [N/16][ng][16], flat: each tile of 16 columns' groups in a row."""
     n, ng = a.shape
     return a.reshape(n // TILE, TILE, ng).transpose(0, 2, 1).ravel()
+
+
+def _packs_here(w: np.ndarray) -> bool:
+    """Whether q8_pack takes this table as it lies (a type it reads, whole tiles of rows)."""
+    return w.dtype in WIDEN and fits(*w.shape) and w.strides[1] == w.itemsize
 
 
 def groups(k: int) -> int:

@@ -75,14 +75,18 @@ def eight_bit(weights: list[mx.array | Dequantized]) -> head8.Head8Weights:
         if exact is not None:
             return exact
     rows = [w.array() if isinstance(w, Dequantized) else w for w in weights]
-    full = rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
-    n, k = full.shape
-    q, s = np.empty((n, k), np.int8), np.empty((n, k // head8.GROUP), np.float32)
-    step = head8.chunk_rows(k)  # float32 a few rows at a time: not the whole table at once
-    for r in range(0, n, step):
-        part = np.asarray(full[r : r + step].astype(mx.float32))
-        q[r : r + step], s[r : r + step] = head8.round_groups(part)
-    return head8.Head8Weights.pack(q, s)
+    return head8.Head8Weights.of_float(table(rows[0] if len(rows) == 1 else mx.concatenate(rows)))
+
+
+def table(a: mx.array) -> np.ndarray:
+    """A float table as numpy without a widened copy, for the kernels that pack it as it lies
+    (native/widen.h): bf16 as its bits (uint16), float16 and float32 as they are; another type
+    as float32."""
+    if a.dtype == mx.bfloat16:
+        return np.asarray(a.view(mx.uint16))
+    if a.dtype in (mx.float16, mx.float32):
+        return np.asarray(a)
+    return np.asarray(a.astype(mx.float32))
 
 
 def joined_bias(weights: list[mx.array | Dequantized],

@@ -97,7 +97,7 @@ def load_model(
     # before the load: without oneDNN, say what to install at once
     host = host_format(dtype, backend=backend)
     written = notes.writes()
-    with _collector_paused():
+    with collector_paused():
         folder = model_folder(spec, cache_dir=cache_dir)
         ours = spec.kind in ("default", "gguf")  # a folder batchmlx converted
         # the host formats convert every model layer by layer as it is stored (a quantized
@@ -289,10 +289,12 @@ def host_format(
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """No cyclic garbage collection while mlx-lm (transformers) imports and a model loads: they
     make hundreds of thousands of objects that live on, and the full collections they set off
-    only walk them (~0.17 s of a start, measured). Not frozen after: a worker switching models
+    only walk them (~0.17 s of a start, measured; the host step's construction after the load
+    set off ~2.5 s of them at Python's default thresholds, a 1.7B model's first start in a
+    script: build_engine pauses over it too). Not frozen after: a worker switching models
     must still collect the old one's reference cycles."""
     enabled = gc.isenabled()
     gc.disable()

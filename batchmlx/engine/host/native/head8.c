@@ -19,6 +19,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "widen.h"
+
 #define G 32   // values per scale
 #define T 16   // columns per tile (one vector of outputs)
 #define MR 6   // rows per block: MR x CT group sums + CT weight vectors + a broadcast
@@ -299,4 +301,54 @@ void head8_rows(int count, const int64_t* ids, int K, const int8_t* q, const flo
             o[2 * kp + 1] = (float)qt[(size_t)kp * 2 * T + 1] * sc;
         }
     }
+}
+
+// A float table's rounding to the head's 8 bits, straight into its layout, at a first start
+// (numpy's passes over a 1.7B head: ~1.3 s). w[N, K] (row stride ldw) of `dtype` (widen.h);
+// per group of 32: s = max|w| x (1/127) (the float nearest 1/127, as head8.py's round_groups
+// takes it), q = round(w x (1 / s)) in [-127, 127]; s = 0 and zeros for an all-zero group, NaN
+// and zeros for one holding NaN or infinity. The same bits as round_groups (numpy), its
+// reference. N a multiple of 16, K of 32.
+void head8_round(int N, int K, const void* w, int dtype, int64_t ldw, int8_t* values,
+                 float* scales) {
+    const float third = (float)(1.0 / 127.0);
+    const __m512i expo = _mm512_set1_epi32(0x7f800000), lo = _mm512_set1_epi32(-127),
+                  hi = _mm512_set1_epi32(127);
+    // word w of row r in `bytes`: its pairs 2w and 2w + 1
+    const __m512i rows = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
+                                           112, 120);
+    int ng = K / G;
+    for (int t = 0; t < N / T; t++)
+        for (int g = 0; g < ng; g++) {
+            int32_t bytes[T][8];  // a tile's 16 rows' 32 values of the group, as int8
+            for (int r = 0; r < T; r++) {
+                const void* row = widen_row(w, dtype, ldw, t * T + r);
+                __m512 a = widen16(row, dtype, g * G), b = widen16(row, dtype, g * G + 16);
+                int finite = (_mm512_cmpeq_epi32_mask(
+                                  _mm512_and_si512(_mm512_castps_si512(a), expo), expo) |
+                              _mm512_cmpeq_epi32_mask(
+                                  _mm512_and_si512(_mm512_castps_si512(b), expo), expo)) == 0;
+                float s = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) *
+                          third;
+                __m512 inv = _mm512_set1_ps(finite && s > 0.f ? 1.f / s : 0.f);
+                __m512i qa = _mm512_cvt_roundps_epi32(
+                    _mm512_mul_ps(a, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                __m512i qb = _mm512_cvt_roundps_epi32(
+                    _mm512_mul_ps(b, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                if (!finite) qa = qb = _mm512_setzero_si512();
+                qa = _mm512_min_epi32(_mm512_max_epi32(qa, lo), hi);
+                qb = _mm512_min_epi32(_mm512_max_epi32(qb, lo), hi);
+                _mm_storeu_si128((__m128i*)&bytes[r][0], _mm512_cvtepi32_epi8(qa));
+                _mm_storeu_si128((__m128i*)&bytes[r][4], _mm512_cvtepi32_epi8(qb));
+                scales[((size_t)t * ng + g) * T + r] = finite ? s : __builtin_nanf("");
+            }
+            // [N/16][K/2][16][2]: the group's 16 k pairs, a 32-byte line each, from 8 gathers
+            uint16_t* line = (uint16_t*)values + ((size_t)t * (K / 2) + (size_t)g * (G / 2)) * T;
+            for (int wd = 0; wd < 8; wd++) {
+                __m512i both = _mm512_i32gather_epi32(rows, &bytes[0][wd], 4);
+                _mm256_storeu_si256((__m256i*)(line + (2 * wd) * T), _mm512_cvtepi32_epi16(both));
+                _mm256_storeu_si256((__m256i*)(line + (2 * wd + 1) * T),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 16)));
+            }
+        }
 }

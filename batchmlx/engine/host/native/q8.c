@@ -14,6 +14,7 @@
 // target attributes of its own, so the library loads and runs VNNI on a CPU without AMX.
 #include "grouped.h"
 #include "pool.h"
+#include "widen.h"
 
 #define MR 6  // rows per block: 6 x 4 accumulators + 4 weight vectors + 1 broadcast < 32 zmm
 
@@ -257,3 +258,104 @@ void q8_matmul(int M, int N, int K, int G, const float* x, int64_t ldx, uint8_t*
 // Workers started, and the columns they computed (for tests)
 int q8_pool_workers(void) { return pool_workers(); }
 int64_t q8_pool_helped(void) { return pool_helped(); }
+
+// ---- q8_pack: a weight table into Q8Weights' buffer (q8.py) in one pass, at a first start
+// (numpy's passes over a 1.7B model: the layout's transpose and the group sums after the
+// quantizer, ~5.6 s of a 15.5 s start; here ~0.5 ns a weight, ~0.9 s on one thread). w[N, K] (row stride ldw) of
+// `dtype` (widen.h), rounded exactly as quantize_groups rounds activations (offset 0), so the
+// bits are q8.py's quantize_groups_numpy's. Out: wp [N/16][K/4][16][4] int8, ws [N/16][ng][16]
+// float32, wc [N/16][ng][16] int32 = -128 x the group's sum. Tiles of 16 rows split over the
+// pool: each tile's bytes are one thread's.
+struct q8_pack_job {
+    int K, G, dtype;
+    int64_t ldw;
+    const void* w;
+    int8_t* wp;
+    float* ws;
+    int32_t* wc;
+};
+
+// One tile's group of 32 (the common shape: G = 32, K a multiple of it): the 16 rows' values
+// in registers, then the tile's 8 lines of the group written whole (a gather a line), where
+// q8_pack_group's per-row passes wrote them 4 bytes at a time (~2.5x as long).
+static inline __attribute__((always_inline)) void q8_pack_tile32(
+    const struct q8_pack_job* j, int t, int g, int ng) {
+    const __m512i expo = _mm512_set1_epi32(0x7f800000);
+    int32_t bytes[16][8];  // the 16 rows' 32 values as int8, 4 to a word
+    size_t at = ((size_t)t * ng + g) * 16;
+    for (int r = 0; r < 16; r++) {
+        const void* row = widen_row(j->w, j->dtype, j->ldw, 16 * t + r);
+        __m512 a = widen16(row, j->dtype, g * 32), b = widen16(row, j->dtype, g * 32 + 16);
+        // NaN or infinity: all exponent bits set (as the sum of v x 0 tells it elsewhere)
+        int bad = (_mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(a), expo), expo) |
+                   _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(b), expo), expo)) != 0;
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        __m512 inv = _mm512_set1_ps(bad ? 0.f : amax > 0.f ? 127.f / amax : 0.f);
+        __m512i ia = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, inv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i ib = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, inv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (bad) ia = ib = _mm512_setzero_si512();
+        _mm_storeu_si128((__m128i*)&bytes[r][0], _mm512_cvtepi32_epi8(ia));
+        _mm_storeu_si128((__m128i*)&bytes[r][4], _mm512_cvtepi32_epi8(ib));
+        j->ws[at + r] = bad ? __builtin_nanf("") : amax > 0.f ? amax / 127.f : 1.f;
+        j->wc[at + r] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+    }
+    const __m512i rows = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
+                                           112, 120);  // word w of row r: bytes[r][w]
+    int32_t* line = (int32_t*)j->wp + ((size_t)t * (j->K / 4) + (size_t)g * 8) * 16;
+    for (int w = 0; w < 8; w++)
+        _mm512_storeu_si512(line + w * 16, _mm512_i32gather_epi32(rows, &bytes[0][w], 4));
+}
+
+// One row's group of any length (a multiple of 16): the general shape
+static inline __attribute__((always_inline)) void q8_pack_group(
+    const struct q8_pack_job* j, int t, int r, int g, int ng) {
+    int K = j->K, G = j->G;
+    const void* row = widen_row(j->w, j->dtype, j->ldw, 16 * t + r);
+    int len = K - g * G < G ? K - g * G : G;
+    __m512 mx = _mm512_setzero_ps(), bad = _mm512_setzero_ps();
+    for (int k = 0; k < len; k += 16) {
+        __m512 v = widen16(row, j->dtype, g * G + k);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+        bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));
+    }
+    float amax = _mm512_reduce_max_ps(mx);
+    int nan = _mm512_reduce_add_ps(bad) != _mm512_reduce_add_ps(bad);
+    size_t at = ((size_t)t * ng + g) * 16 + r;
+    __m512 inv = _mm512_set1_ps(nan ? 0.f : amax > 0.f ? 127.f / amax : 0.f);
+    __m512i total = _mm512_setzero_si512();
+    for (int k = 0; k < len; k += 16) {
+        __m512i i = _mm512_cvt_roundps_epi32(_mm512_mul_ps(widen16(row, j->dtype, g * G + k), inv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (nan) i = _mm512_setzero_si512();  // (NaN x 0 is NaN)
+        total = _mm512_add_epi32(total, i);
+        int32_t four[4];
+        _mm_storeu_si128((__m128i*)four, _mm512_cvtepi32_epi8(i));
+        // 16 values: 4 words of 4 k, each to its own line of the tile's layout
+        size_t k4 = (size_t)(g * G + k) / 4;
+        for (int q = 0; q < 4; q++) ((int32_t*)j->wp)[((size_t)t * (K / 4) + k4 + q) * 16 + r] = four[q];
+    }
+    j->ws[at] = nan ? __builtin_nanf("") : amax > 0.f ? amax / 127.f : 1.f;
+    j->wc[at] = -128 * _mm512_reduce_add_epi32(total);
+}
+
+static void q8_pack_tiles(const void* args, int t0, int t1) {
+    const struct q8_pack_job* j = args;
+    int ng = (j->K + j->G - 1) / j->G;
+    for (int t = t0; t < t1; t++)
+        for (int g = 0; g < ng; g++) {
+            if (j->G == 32 && (g + 1) * 32 <= j->K) {
+                q8_pack_tile32(j, t, g, ng);
+                continue;
+            }
+            for (int r = 0; r < 16; r++) q8_pack_group(j, t, r, g, ng);
+        }
+}
+
+// N and K multiples of 16; N / 16 < 2^19. Split over `threads` (this one and the pool's).
+void q8_pack(int N, int K, int G, const void* w, int dtype, int64_t ldw, int8_t* wp, float* ws,
+             int32_t* wc, int threads) {
+    struct q8_pack_job j = {K, G, dtype, ldw, w, wp, ws, wc};
+    pool_run(q8_pack_tiles, &j, N / 16, 4, threads);
+}

@@ -23,47 +23,44 @@ from functools import cache
 import numpy as np
 
 from batchmlx.engine.host import quantized
-from batchmlx.engine.host.native_lib import WIDEN, NativeLibrary, cpu_has, register, widened
+from batchmlx.engine.host.native_lib import (
+    I64,
+    INT,
+    WIDEN,
+    NativeLibrary,
+    P,
+    Signature,
+    cpu_has,
+    register,
+    widened,
+)
 
 GROUP = 32  # K per scale: Q8_0's (fixed in head8.c)
 TILE = 16  # output columns per vector: N must be a multiple
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+_GEMM = (INT, INT, P, I64, P, P, P, I64, INT, INT)
 LIB = register(NativeLibrary("head8", CPU_FLAGS, ("-mavx512f", "-mavx512bw", "-mavx512vl",
-                                                 "-mavx512bf16"), "8-bit head kernel"))  # fmt: skip
+                                                 "-mavx512bf16"), "8-bit head kernel", (
+    Signature("head8_to_bf16", (INT, INT, P, I64, P)),
+    Signature("head8_gemm", _GEMM),
+    Signature("head8_gemm_amx", _GEMM),
+    Signature("head8_rows", (INT, P, INT, P, P, P)),
+    Signature("head8_round", (INT, INT, P, INT, I64, P, P)),
+    Signature("head8_amx_init", (), INT),
+)))  # fmt: skip
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 _ROWS_AT_ONCE = 1 << 20  # values rounded at once (`of_float`)
 # split over threads from this many multiply-adds (one row of a 135M head: 28 M, ~1-2 ms)
 SPLIT_MACS = 4 << 20
-
-_P = ctypes.c_void_p
-_I = ctypes.c_int
-_L = ctypes.c_int64
 
 
 def source_sha() -> str:
     return LIB.source_sha()
 
 
-@cache
 def library() -> ctypes.CDLL | None:
     """The kernel, or None where it cannot run here (see native_lib); the reason is logged once."""
-    lib = LIB.load()
-    if lib is None:
-        return None
-    lib.head8_to_bf16.argtypes = [_I, _I, _P, _L, _P]
-    lib.head8_gemm.argtypes = [_I, _I, _P, _L, _P, _P, _P, _L, _I, _I]
-    lib.head8_rows.argtypes = [_I, _P, _I, _P, _P, _P]
-    lib.head8_gemm_amx.argtypes = lib.head8_gemm.argtypes
-    lib.head8_round.argtypes = [_I, _I, _P, _I, _L, _P, _P]
-    for f in (
-        lib.head8_to_bf16,
-        lib.head8_gemm,
-        lib.head8_gemm_amx,
-        lib.head8_rows,
-        lib.head8_round,
-    ):
-        f.restype = None
-    return lib
+    return LIB.load()
 
 
 @cache

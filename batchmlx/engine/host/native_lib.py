@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,15 +34,31 @@ INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"/]+)"', re.MULTILINE)
 COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
 
 
+# the C types the kernels' signatures name
+P, INT, I64, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One function a library exports: its arguments' C types, and its result's (None: void).
+    ctypes would take anything without them (a float as an int, a 64-bit stride cut to 32)."""
+
+    name: str
+    args: tuple[Any, ...] = ()
+    result: Any = None
+
+
 @dataclass(frozen=True)
 class NativeLibrary:
     """One kernel's source and library, the CPU flags it is compiled for (/proc/cpuinfo's
-    names; the CPU must have each) and the compiler's target options."""
+    names; the CPU must have each), the compiler's target options, and the functions it
+    exports (`load` gives each its signature)."""
 
     name: str
     cpu_flags: tuple[str, ...]
     target_flags: tuple[str, ...]
     what: str  # for the log: "grouped int8 kernel"
+    signatures: tuple[Signature, ...] = ()
 
     @property
     def source(self) -> Path:
@@ -70,8 +87,9 @@ class NativeLibrary:
         return sha.hexdigest()[:16]
 
     def load(self) -> ctypes.CDLL | None:
-        """The library, or None where it cannot run here (another OS or CPU, or a library
-        built from another source than the one beside it); the reason is logged once."""
+        """The library with its functions' signatures set, or None where it cannot run here
+        (another OS or CPU, or a library built from another source than the one beside it);
+        the reason is logged once."""
         return _load(self)
 
     def build(self, target: Path | None = None) -> Path:
@@ -121,10 +139,17 @@ def _load(lib: NativeLibrary) -> ctypes.CDLL | None:
                 why = f"its source {exc.filename} is missing"
             else:
                 if built == shipped:
-                    return handle
+                    return _signed(handle, lib)
                 why = f"{lib.path.name} was built from other sources ({built}): rebuild it"
     log.info("%s unavailable: %s", lib.what, why)
     return None
+
+
+def _signed(handle: ctypes.CDLL, lib: NativeLibrary) -> ctypes.CDLL:
+    for sig in lib.signatures:
+        function = getattr(handle, sig.name)  # (its source has it: the SHA matched)
+        function.argtypes, function.restype = list(sig.args), sig.result
+    return handle
 
 
 _BYTES = ctypes.c_char * 0

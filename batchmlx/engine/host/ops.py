@@ -16,19 +16,26 @@ from __future__ import annotations
 
 import ctypes
 import enum
-from functools import cache
 
 import numpy as np
 
-from batchmlx.engine.host.native_lib import NativeLibrary, pointer, register
+from batchmlx.engine.host.native_lib import (
+    FLOAT,
+    I64,
+    INT,
+    NativeLibrary,
+    P,
+    Signature,
+    pointer,
+    register,
+)
 
 CPU_FLAGS = ("avx512f",)
-LIB = register(NativeLibrary("ops", CPU_FLAGS, ("-mavx512f",), "host step's elementwise kernel"))
-
-_P = ctypes.c_void_p
-_I = ctypes.c_int
-_L = ctypes.c_int64
-_F = ctypes.c_float
+LIB = register(NativeLibrary("ops", CPU_FLAGS, ("-mavx512f",), "host step's elementwise kernel", (
+    Signature("ops_gated", (INT, INT, INT, P, I64, P, I64, INT)),
+    Signature("ops_rms_norm", (INT, INT, P, I64, P, I64, P, FLOAT, P, I64)),
+    Signature("ops_rope", (INT, INT, INT, INT, INT, P, I64, P, P, P, INT, FLOAT)),
+)))  # fmt: skip
 
 
 class Activation(enum.IntEnum):
@@ -38,18 +45,9 @@ class Activation(enum.IntEnum):
     GELU_TANH = 1
 
 
-@cache
 def library() -> ctypes.CDLL | None:
     """The kernel, or None where it cannot run here (see native_lib); the reason is logged once."""
-    lib = LIB.load()
-    if lib is None:
-        return None
-    lib.ops_gated.argtypes = [_I, _I, _I, _P, _L, _P, _L, _I]
-    lib.ops_rms_norm.argtypes = [_I, _I, _P, _L, _P, _L, _P, _F, _P, _L]
-    lib.ops_rope.argtypes = [_I, _I, _I, _I, _I, _P, _L, _P, _P, _P, _I, _F]
-    for f in (lib.ops_gated, lib.ops_rms_norm, lib.ops_rope):
-        f.restype = None
-    return lib
+    return LIB.load()
 
 
 def available() -> bool:

@@ -18,14 +18,25 @@ from __future__ import annotations
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 
-from batchmlx.engine.host.native_lib import NativeLibrary, pointer, register
+from batchmlx.engine.host.native_lib import (
+    FLOAT,
+    INT,
+    NativeLibrary,
+    P,
+    Signature,
+    pointer,
+    register,
+)
 
 CPU_FLAGS = ("avx512f",)
-LIB = register(NativeLibrary("attn", CPU_FLAGS, ("-mavx512f",), "paged decode-attention kernel"))
+LIB = register(NativeLibrary("attn", CPU_FLAGS, ("-mavx512f",), "paged decode-attention kernel", (
+    Signature("attn_decode", (P, P, P, INT, P, INT, P, *[INT] * 8, FLOAT, P), INT),
+    Signature("attn_scatter", (P, INT, INT, P, P, INT)),
+    Signature("attn_gather", (P, INT, P, INT, INT, P)),
+)))  # fmt: skip
 # rows x query heads x keys from which a call's rows are split over two threads (a hand-off
 # costs ~30-50 us; one such call is ~40 us of work)
 SPLIT_WORK = 1 << 15
@@ -35,24 +46,10 @@ MAX_REP = 16
 # what the pool may hold: float16 is widened exactly on load (F16C, part of AVX-512F's vcvtph2ps)
 POOL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int
 
-
-@cache
 def library() -> ctypes.CDLL | None:
     """The kernel, or None where it cannot run here (see native_lib); the reason is logged once."""
-    lib = LIB.load()
-    if lib is None:
-        return None
-    lib.attn_decode.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I,
-                                ctypes.c_float, _P]  # fmt: skip
-    lib.attn_decode.restype = _I
-    lib.attn_scatter.argtypes = [_P, _I, _I, _P, _P, _I]
-    lib.attn_scatter.restype = None
-    lib.attn_gather.argtypes = [_P, _I, _P, _I, _I, _P]
-    lib.attn_gather.restype = None
-    return lib
+    return LIB.load()
 
 
 def takes(head_dim: int, rep: int) -> bool:

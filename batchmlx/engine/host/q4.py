@@ -21,12 +21,20 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property
 
 import numpy as np
 
 from batchmlx.engine.host import q8, quantized
-from batchmlx.engine.host.native_lib import NativeLibrary, pointer, register
+from batchmlx.engine.host.native_lib import (
+    I64,
+    INT,
+    NativeLibrary,
+    P,
+    Signature,
+    pointer,
+    register,
+)
 
 GROUP = 32  # K per scale and bias: the GGUF types' (and the kernel's: fixed in q4.c)
 BITS = 4
@@ -34,7 +42,15 @@ TILE = 16  # output columns per vector: N must be a multiple
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 # -pthread: its pool's threads (native/pool.h, q8's too; glibc < 2.34 keeps them in libpthread)
 TARGET_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-pthread")
-LIB = register(NativeLibrary("q4", CPU_FLAGS, TARGET_FLAGS, "grouped 4-bit kernel"))
+_GEMM = (INT, INT, INT, P, P, P, P, P, P, P, INT, INT)
+LIB = register(NativeLibrary("q4", CPU_FLAGS, TARGET_FLAGS, "grouped 4-bit kernel", (
+    Signature("q4_quantize", (INT, INT, P, I64, P, P, P, INT)),
+    Signature("q4_gemm", _GEMM),
+    Signature("q4_gemm_amx", _GEMM),
+    Signature("q4_matmul", (INT, INT, INT, P, I64, *[P] * 7, INT, INT, INT)),
+    Signature("q4_pool_workers", (), INT),
+    Signature("q4_pool_helped", (), I64),
+)))  # fmt: skip
 # a GEMM of at least this many multiply-adds is split over threads by columns, in one C call
 # (q4_matmul over native/pool.h, as q8's); through a Python thread pool the hand-off was
 # ~30-50 us and this was 4 << 20, so no one-row decode GEMM split
@@ -45,30 +61,14 @@ SPLIT_MACS = q8.SPLIT_MACS
 AMX_ROWS = 8
 CHUNKS = 4
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int
-
 
 def source_sha() -> str:
     return LIB.source_sha()
 
 
-@cache
 def library() -> ctypes.CDLL | None:
     """The kernel, or None where it cannot run here (see native_lib); the reason is logged once."""
-    lib = LIB.load()
-    if lib is None:
-        return None
-    lib.q4_quantize.argtypes = [_I, _I, _P, ctypes.c_int64, _P, _P, _P, _I]
-    lib.q4_quantize.restype = None
-    for gemm in (lib.q4_gemm, lib.q4_gemm_amx):
-        gemm.argtypes = [_I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I]
-        gemm.restype = None
-    lib.q4_matmul.argtypes = [_I, _I, _I, _P, ctypes.c_int64, *[_P] * 7, _I, _I, _I]
-    lib.q4_matmul.restype = None
-    lib.q4_pool_workers.restype = _I
-    lib.q4_pool_helped.restype = ctypes.c_int64
-    return lib
+    return LIB.load()
 
 
 def available() -> bool:

@@ -45,8 +45,12 @@ from pathlib import Path
 import numpy as np
 
 from batchmlx.engine.host.native_lib import (
+    I64,
+    INT,
     WIDEN,
     NativeLibrary,
+    P,
+    Signature,
     cpu_has,
     fresh_bytes,
     pointer,
@@ -65,7 +69,17 @@ TILE = 16  # output columns per vector: N must be a multiple
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 # its pool's threads (glibc < 2.34 keeps them in libpthread)
 TARGET_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-pthread")
-LIB = register(NativeLibrary("q8", CPU_FLAGS, TARGET_FLAGS, "grouped int8 kernel"))
+_GEMM = (INT, INT, INT, INT, P, P, P, P, P, P, INT, INT)
+LIB = register(NativeLibrary("q8", CPU_FLAGS, TARGET_FLAGS, "grouped int8 kernel", (
+    Signature("q8_quantize", (INT, INT, INT, P, I64, P, P, INT)),
+    Signature("q8_gemm", _GEMM),
+    Signature("q8_gemm_amx", _GEMM),
+    Signature("q8_amx_init", (), INT),
+    Signature("q8_matmul", (INT, INT, INT, INT, P, I64, *[P] * 6, INT, INT, INT)),
+    Signature("q8_pack", (INT, INT, INT, P, INT, I64, P, P, P, INT)),
+    Signature("q8_pool_workers", (), INT),
+    Signature("q8_pool_helped", (), I64),
+)))  # fmt: skip
 SOURCE = LIB.source
 LIBRARY = LIB.path
 # what its AMX path needs besides (and Linux's leave, and a CPU that does not trap it: `amx`)
@@ -79,33 +93,14 @@ AMX_ROWS = 4
 SPLIT_MACS = 1 << 19
 CHUNKS = 4  # column chunks per thread when split
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int
-
 
 def source_sha() -> str:
     return LIB.source_sha()
 
 
-@cache
 def library() -> ctypes.CDLL | None:
     """The kernel, or None where it cannot run here (see native_lib); the reason is logged once."""
-    lib = LIB.load()
-    if lib is None:
-        return None
-    lib.q8_quantize.argtypes = [_I, _I, _I, _P, ctypes.c_int64, _P, _P, _I]
-    lib.q8_quantize.restype = None
-    for gemm in (lib.q8_gemm, lib.q8_gemm_amx):
-        gemm.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I]
-        gemm.restype = None
-    lib.q8_amx_init.restype = _I
-    lib.q8_matmul.argtypes = [_I, _I, _I, _I, _P, ctypes.c_int64, *[_P] * 6, _I, _I, _I]
-    lib.q8_matmul.restype = None
-    lib.q8_pack.argtypes = [_I, _I, _I, _P, _I, ctypes.c_int64, _P, _P, _P, _I]
-    lib.q8_pack.restype = None
-    lib.q8_pool_workers.restype = _I
-    lib.q8_pool_helped.restype = ctypes.c_int64
-    return lib
+    return LIB.load()
 
 
 def available() -> bool:

@@ -44,12 +44,11 @@ def _commit() -> str:
 def measure(model: str, requests: int, max_tokens: int, warm: int) -> list[str]:
     wl = run_peer.workload("unique", requests=requests, max_tokens=max_tokens)
     cache = Path(tempfile.mkdtemp(prefix="first-start-cache-"))
-    whole_process.CACHE = cache  # run_batchmlx's processes use this model cache
     rows, walls = [], []
     load = [f"{os.getloadavg()[0]:.1f}"]
     try:
         for k in range(1 + warm):
-            run = run_peer.run_batchmlx(wl, model)
+            run = run_peer.run_batchmlx(wl, model, cache=cache)
             size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
             walls.append(run.wall_s)
             rows.append(f"| {'first' if k == 0 else f'warm {k}'} | {run.wall_s:.1f} | "

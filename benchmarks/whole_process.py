@@ -92,9 +92,10 @@ class ProcessRun:
         self.unstable += sum(1 for k, v in self.texts.items() if again.texts.get(k) != v)
 
 
-def _env(home: str | None = None, pythonpath: str | None = None) -> dict[str, str]:
+def _env(home: str | None = None, pythonpath: str | None = None,
+         cache: Path | None = None) -> dict[str, str]:  # fmt: skip
     env = dict(os.environ)
-    env["BATCHMLX_CACHE_DIR"] = str(CACHE)
+    env["BATCHMLX_CACHE_DIR"] = str(cache or CACHE)
     env.pop("BATCHMLX_BLAS_REEXEC", None)  # each process chooses its BLAS itself, as a user's
     env.pop("LD_PRELOAD", None)
     if home is not None:

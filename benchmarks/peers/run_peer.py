@@ -417,12 +417,13 @@ _MLX_STEPS = "steps run in MLX, not on the host alone:"  # engine/host/step.py's
 
 def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = None,
                  quant: str | None = None, folder: Path | None = None,
-                 **_: Any) -> PeerRun:  # fmt: skip
+                 cache: Path | None = None, **_: Any) -> PeerRun:  # fmt: skip
     """batchmlx as a user runs it on the very requests the peers get: `submit --wait` then
     `results -o`, a fresh process each (the defaults, or `--dtype`); ready = the line that
     says how the weights were loaded. `quant`: the peers' GGUF of that type as the model (for
     `--dtype q4` on a 4-bit file), not the MLX folder. `folder`: an MLX folder of any model
-    (its own tokenizer) in place of `model`'s files (benchmarks/families.py)."""
+    (its own tokenizer) in place of `model`'s files (benchmarks/families.py). `cache`: the
+    model cache its processes use (default: the benchmarks' own, whole_process.CACHE)."""
     from benchmarks.whole_process import REPO, _env, read_output
 
     tok = _tokenizer(model) if folder is None else _folder_tokenizer(folder)
@@ -431,7 +432,7 @@ def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = No
     source = folder or path_for(model, quant or "mlx")
     (work / "requests.jsonl").write_text(
         _batch_lines(reqs, wl, {}, model=str(source)))  # fmt: skip
-    env = _env(home=str(work / "home"), pythonpath=str(REPO))
+    env = _env(home=str(work / "home"), pythonpath=str(REPO), cache=cache)
     cli = [sys.executable, "-c", _BATCHMLX_CLI]
     more = ["--dtype", dtype] if dtype else []
     w = Watched([*cli, "submit", "requests.jsonl", "--wait", "--json", *more], env=env, cwd=work)

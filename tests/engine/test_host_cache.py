@@ -128,6 +128,31 @@ def test_the_packed_bytes_are_used_from_the_mapped_file_where_they_lie(tiny_mode
                               if isinstance(a, np.ndarray) else a).item()  # fmt: skip
 
 
+def test_the_file_is_synced_as_it_is_written_and_reads_back_whole(tiny_model, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    """The writer syncs every _SYNC_BYTES as it goes (Linux would start writing a 2.1 GB file
+    back only at its final fsync), each array cut into pieces of that size: the file reads
+    back byte for byte."""
+    first = PackedCache()
+    to_host_format(tiny_model, PACKED, first)
+    syncs = []
+    monkeypatch.setattr(host_cache, "_SYNC_BYTES", 4096)
+    monkeypatch.setattr(host_cache, "_datasync", lambda fd: syncs.append(os.fstat(fd).st_size))
+    path = tmp_path / "m.safetensors"
+    assert host_cache.save_cache(path, first, "sig")
+    assert len(syncs) >= path.stat().st_size // 4096 // 2 and syncs == sorted(syncs)
+    found = host_cache.open_cache(path, "sig").found
+    assert set(found) == set(first.kept)
+    for key, a in first.kept.items():
+        np.testing.assert_array_equal(_bits(found[key]), _bits(a))
+
+
+def _bits(a: mx.array | np.ndarray) -> np.ndarray:
+    if isinstance(a, np.ndarray):
+        return a
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
 def test_packed_bytes_of_another_size_are_not_adopted():
     lib = current().onednn()
     dt, scaled = PACKED.data_type, PACKED.scaled

@@ -18,6 +18,7 @@ import pytest
 
 from batchmlx.core.models import resolve_model
 from batchmlx.engine.host import head8, q4, q8, quantized
+from batchmlx.engine.host import weights_cache as host_cache
 from batchmlx.engine.host.backend import current
 from batchmlx.engine.host.linear import HostFormat, HostLinear, runs_here, to_host_format
 from batchmlx.engine.models.loader import load_model, packed_bytes
@@ -290,9 +291,11 @@ def test_a_4bit_gguf_keeps_the_files_values(type_name: str, tmp_path: Path) -> N
     ids = mx.array([[1, 2, 3, 4]])
     logits = np.array(loaded.model(ids)[0, -1])
     # a second start reads the packed layers back from the host weights cache: the same bytes
+    assert host_cache.wait_written(60)  # (written behind the first start, in a thread)
     again = load_model(spec, cache_dir=tmp_path / "cache", dtype="q4")
     cached = again.model.model.layers[0].mlp.down_proj._gemm
-    assert isinstance(cached.packed, np.ndarray)  # the mapped file's, not packed anew
+    # the mapped file's read-only bytes, not packed anew
+    assert isinstance(cached.packed, np.ndarray) and not cached.packed.flags.writeable
     assert np.array_equal(cached._q4.buffer, gemm._q4.buffer)
     assert np.array_equal(np.array(again.model(ids)[0, -1]), logits)
     stored = load_model(spec, cache_dir=tmp_path / "cache", dtype="float32")

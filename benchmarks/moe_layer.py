@@ -7,7 +7,9 @@ The layer is qwen3_moe's at the families benchmark's size (benchmarks/families.p
 logits as the host step routes them (engine/host/experts.py's `route`). Both paths are
 `expert_outputs` of the same `HostExperts` (engine/host/linear.py): its GEMMs one expert at a
 time (`runs` left out) or a group of experts' runs at a time (what int8 runs). Each trial runs
-the paths in turn (a shared machine's load hits both alike); the median of the trials.
+the paths in turn (a shared machine's load hits both alike); the median of the trials, at one
+thread in this thread's CPU time (time another process holds the core is not counted), at two in
+wall time.
 """
 
 from __future__ import annotations
@@ -27,21 +29,22 @@ HIDDEN, INNER, EXPERTS, TOP_K = 576, 768, 8, 2
 MIN_RUN_S = 0.005  # a timed run repeats a call to last at least this long
 
 
-def _per_call(fn: Callable[[], object], repeats: int) -> float:
-    t = time.perf_counter()
+def _per_call(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> float:
+    t = clock()
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - t) / repeats
+    return (clock() - t) / repeats
 
 
-def medians(paths: dict[str, Callable[[], object]], trials: int) -> dict[str, float]:
+def medians(paths: dict[str, Callable[[], object]], trials: int,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:  # fmt: skip
     """Seconds per call of each path: the median of `trials`, the paths in turn in each."""
-    repeats = {name: max(1, int(MIN_RUN_S / max(_per_call(fn, 1), 1e-7)))
+    repeats = {name: max(1, int(MIN_RUN_S / max(_per_call(fn, 1, time.perf_counter), 1e-7)))
                for name, fn in paths.items()}  # fmt: skip
     runs: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(trials):
         for name, fn in paths.items():
-            runs[name].append(_per_call(fn, repeats[name]))
+            runs[name].append(_per_call(fn, repeats[name], clock))
     return {name: statistics.median(v) for name, v in runs.items()}
 
 
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                      for name, g in (("alone", alone), ("grouped", grouped))}  # fmt: skip
             got = {name: fn() for name, fn in paths.items()}
             assert np.array_equal(got["alone"], got["grouped"])  # the same bits
-            ms = {name: 1e3 * s for name, s in medians(paths, a.trials).items()}
+            clock = time.thread_time if threads == 1 else time.perf_counter
+            ms = {name: 1e3 * s for name, s in medians(paths, a.trials, clock).items()}
             ratio = ms["alone"] / ms["grouped"]
             print(f"| {t} | {threads} | {ms['alone']:.3f} | {ms['grouped']:.3f} | {ratio:.2f}x |",
                   flush=True)  # fmt: skip

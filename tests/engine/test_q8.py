@@ -338,6 +338,19 @@ def test_experts_in_one_call_check_what_they_are_given() -> None:
     assert np.isnan(out).all()  # no experts: nothing written
     with pytest.raises(ValueError, match="bounds"):
         q8.matmul_experts(x, np.array([0, 1], np.int32), np.array([0, 3], np.int32), table, out)
+    # refused before anything is written: an expert past E, bounds not ascending from 0 to at
+    # most M (q8.c checks them: a wrong one would read and write past the buffers)
+    ids = np.array([0, 1], np.int32)
+    for bad_ids, bounds in ((np.array([0, 2], np.int32), [0, 1, 3]), (ids, [0, 2, 1]),
+                            (ids, [1, 2, 3]), (ids, [0, 1, 4])):  # fmt: skip
+        with pytest.raises(ValueError, match="for 3 rows"):
+            q8.matmul_experts(x, bad_ids, np.array(bounds, np.int32), table, out)
+        assert np.isnan(out).all()
+    with pytest.raises(ValueError, match="out"):
+        q8.matmul_experts(x, ids, np.array([0, 1, 3], np.int32), table, out[:, :16])
+    q8.matmul_experts(x, ids, np.array([0, 1, 3], np.int32), table, out)
+    assert np.array_equal(out[:1], _run(x[:1], ws[0]))
+    assert np.array_equal(out[1:], _run(x[1:], ws[1]))
     with pytest.raises(ValueError, match="shapes"):
         q8.Q8Experts((ws[0], q8.Q8Weights.pack(_rand((48, 64), 22))))
     assert q8.expert_runs([ws[0], None], [ws[1], ws[1]], lambda: 1) is None

@@ -104,8 +104,9 @@ def library() -> ctypes.CDLL | None:
     lib.q8_matmul.restype = None
     lib.q8_pack.argtypes = [_I, _I, _I, _P, _I, ctypes.c_int64, _P, _P, _P, _I]
     lib.q8_pack.restype = None
-    lib.q8_experts.argtypes = [_I, _P, _P, _I, _I, _I, _P, ctypes.c_int64, *[_P] * 4, _I, _I, _I]
-    lib.q8_experts.restype = None
+    lib.q8_experts.argtypes = [_I, _P, _I, _P, *[_I] * 4, _P, ctypes.c_int64, *[_P] * 4, _I, _I,
+                               _I]  # fmt: skip
+    lib.q8_experts.restype = _I
     lib.q8_pool_workers.restype = _I
     lib.q8_pool_helped.restype = ctypes.c_int64
     return lib
@@ -400,17 +401,18 @@ def matmul_experts(x: np.ndarray, experts: np.ndarray, bounds: np.ndarray, w: Q8
     over `threads` with the others'. A row's result is `matmul`'s of that row alone (each
     expert's rows go through AMX from AMX_ROWS rows where it runs, as `matmul`'s would; both
     paths give the same bits). experts int32 [A], bounds int32 [A + 1] ascending from 0; x
-    float32 rows (any row stride, unit column stride), out float32 C-contiguous; each expert
-    index below E."""
+    float32 rows [M, K] (any row stride, unit column stride), out float32 [M, N] C-contiguous;
+    each expert index below E."""
     lib = library()
     if lib is None:
         raise RuntimeError("grouped int8 kernel unavailable (see the log)")
     count = len(experts)
     if count == 0:
         return
-    if count > MAX_EXPERTS or len(bounds) != count + 1:
-        raise ValueError(f"{count} experts, {len(bounds)} bounds")
     m, k = x.shape
+    if (count > MAX_EXPERTS or len(bounds) != count + 1 or k != w.k or out.shape != (m, w.n)
+            or out.dtype != np.float32 or not out.flags.c_contiguous):  # fmt: skip
+        raise ValueError(f"{count} experts, {len(bounds)} bounds, x {x.shape}, out {out.shape}")
     use_amx = k % GROUP == 0 and amx()
     if x.dtype != np.float32 or x.strides[1] != 4:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -423,9 +425,13 @@ def matmul_experts(x: np.ndarray, experts: np.ndarray, bounds: np.ndarray, w: Q8
         threads = 1
     step = 2 * TILE if use_amx else TILE
     chunk = max(step, n // (CHUNKS * max(1, threads)) // step * step)
-    lib.q8_experts(count, pointer(experts), pointer(bounds), n, k, GROUP, pointer(x),
-                   x.strides[0] // 4, xq, xs, pointer(w.table), pointer(out),
-                   AMX_ROWS if use_amx else 0, max(1, threads), chunk)  # fmt: skip
+    failed = lib.q8_experts(count, pointer(experts), len(w.weights), pointer(bounds), m, n, k,
+                            GROUP, pointer(x), x.strides[0] // 4, xq, xs, pointer(w.table),
+                            pointer(out), AMX_ROWS if use_amx else 0, max(1, threads),
+                            chunk)  # fmt: skip
+    if failed:
+        raise ValueError(f"experts {experts.tolist()} of {len(w.weights)}, bounds "
+                         f"{bounds.tolist()} for {m} rows")  # fmt: skip
 
 
 def expert_runs(gate_up: Sequence[Q8Weights | None], down: Sequence[Q8Weights | None],

@@ -401,26 +401,30 @@ static void q8_expert_columns(const void* args, int v0, int v1) {
 }
 
 // y[rows[a]:rows[a + 1], N] = x[rows[a]:rows[a + 1], K] . w_e^T for e = experts[a], a < A:
-// activations quantized into xq / xs (room for rows[A] + 16 A rows), through AMX where an
-// expert has at least amx_rows rows (0: never; G = 32 and K a multiple of 32 then), the
-// experts' columns split `chunk` at a time (a multiple of 16; of 32 with AMX) as q8_matmul's.
-// A < 1,024 and A N < 2^19.
-void q8_experts(int A, const int32_t* experts, const int32_t* rows, int N, int K, int G,
-                const float* x, int64_t ldx, uint8_t* xq, float* xs, const uint64_t* weights,
-                float* y, int amx_rows, int threads, int chunk) {
+// activations quantized into xq / xs (room for M + 16 A rows), through AMX where an expert has
+// at least amx_rows rows (0: never; G = 32 and K a multiple of 32 then), the experts' columns
+// split `chunk` at a time (a multiple of 16; of 32 with AMX) as q8_matmul's. Returns -1, having
+// done nothing, unless 0 < A <= 1,024, each experts[a] < E and rows ascend from 0 to at most M
+// (x's and y's rows). A N < 2^19 to be split.
+int q8_experts(int A, const int32_t* experts, int E, const int32_t* rows, int M, int N, int K,
+               int G, const float* x, int64_t ldx, uint8_t* xq, float* xs,
+               const uint64_t* weights, float* y, int amx_rows, int threads, int chunk) {
     int32_t qrow[1024];
     uint8_t amx[1024];
     int ng = (K + G - 1) / G, at = 0;
-    if (A < 1 || A > 1024) return;
+    if (A < 1 || A > 1024 || rows[0] != 0 || rows[A] > M) return -1;
+    for (int a = 0; a < A; a++)
+        if (experts[a] < 0 || experts[a] >= E || rows[a + 1] < rows[a]) return -1;
     for (int a = 0; a < A; a++) {
-        int M = rows[a + 1] - rows[a];
-        amx[a] = amx_rows > 0 && M >= amx_rows;
+        int m = rows[a + 1] - rows[a];
+        amx[a] = amx_rows > 0 && m >= amx_rows;
         qrow[a] = at;
-        if (M > 0)
-            q8_quantize(M, K, G, x + (size_t)rows[a] * ldx, ldx, xq + (size_t)at * K,
+        if (m > 0)
+            q8_quantize(m, K, G, x + (size_t)rows[a] * ldx, ldx, xq + (size_t)at * K,
                         xs + (size_t)at * ng, amx[a]);
-        at += (M + 15) / 16 * 16;  // AMX reads its last row tile whole
+        at += (m + 15) / 16 * 16;  // AMX reads its last row tile whole
     }
     struct q8_experts_job j = {N, K, G, rows, qrow, amx, experts, weights, xq, xs, y};
     pool_run(q8_expert_columns, &j, A * N, chunk, threads);
+    return 0;
 }

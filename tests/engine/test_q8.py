@@ -309,6 +309,7 @@ def test_experts_in_one_call_give_each_rows_bits_alone(amx: bool, monkeypatch, s
     # q8_experts: each expert's run of rows through its own weights, (expert, column chunk)
     # pieces over the pool; every row's bits those of q8.matmul on that row alone (VNNI), with
     # AMX (from AMX_ROWS rows) or not, whatever the other experts and their rows
+    assert not amx or q8.library().q8_amx_init() == 0  # this thread's AMX state, as amx() asks
     monkeypatch.setattr(q8, "amx", lambda: amx)
     rng = np.random.default_rng(18)
     helped = q8.pool_workers()[1]

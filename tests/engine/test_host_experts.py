@@ -1,12 +1,19 @@
 """engine/host/experts.py on its own, in numpy: routing as mlx-lm's qwen3_moe computes it, each
-token's experts' outputs against a per-token reference, and the grouping of experts' runs."""
+token's experts' outputs against a per-token reference, and the grouping of experts' runs; and
+int8's experts (HostExperts) a group of runs in one kernel call, with one call an expert's bits."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from batchmlx.engine.host import experts as host_experts
+from batchmlx.engine.host.backend import current
+from batchmlx.engine.host.elementwise import swiglu_halves
+from batchmlx.engine.host.linear import HostExperts, HostFormat, runs_here
 
 D, INNER, E = 16, 8, 6
 
@@ -70,3 +77,40 @@ def test_runs_are_grouped_up_to_group_rows():
     got = host_experts._groups([0, 300, 5, 5, 250, 0, 1])
     assert got == [[(1, 0, 300)], [(2, 300, 305), (3, 305, 310)], [(4, 310, 560), (6, 560, 561)]]
     assert host_experts._groups([0, 0]) == []
+
+
+@pytest.mark.skipif(not runs_here(HostFormat.INT8), reason="no int8 kernel here")
+def test_int8_experts_run_a_group_of_experts_in_one_call_with_their_bits():
+    """A SwitchGLU in int8: each group of consecutive experts' runs (one past GROUP_ROWS rows
+    alone) goes to the kernel in one gate-up call and one down call (q8.c's q8_experts), and
+    every (token, slot) gets the bits of one call an expert. In bf16, one call an expert."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    mx.random.seed(3)
+    be = current()
+    host = HostExperts(SwitchGLU(64, 32, E), HostFormat.INT8, None, "switch_mlp", be)
+    gemms = host.gemms()
+    assert gemms.runs is not None
+    calls: list[tuple[list[int], list[int]]] = []
+
+    def gate_up(rows, ids, bounds, out):
+        calls.append((ids.tolist(), bounds.tolist()))
+        gemms.runs.gate_up(rows, ids, bounds, out)
+
+    counted = dataclasses.replace(gemms, runs=dataclasses.replace(gemms.runs, gate_up=gate_up))
+    rng = np.random.default_rng(4)
+    t = 300
+    x = rng.standard_normal((t, 64)).astype(np.float32)
+    chosen = np.stack([np.full(t, 4), rng.choice([0, 1, 3], t)], axis=1)  # 2, 5 get none
+    chosen[::2] = chosen[::2, ::-1]
+    chosen[:5, 1] = 5  # 5 tokens of expert 5 (it follows the run of 300, in a group of its own)
+    act = lambda h: swiglu_halves(h, backend=be)  # noqa: E731
+    got = host_experts.expert_outputs(x, chosen, counted, act)
+    want = host_experts.expert_outputs(x, chosen, dataclasses.replace(gemms, runs=None), act)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    groups = host_experts._groups(np.bincount(chosen.reshape(-1), minlength=E).tolist())
+    assert calls == [([e for e, _, _ in g], [0, *(b - g[0][1] for _, _, b in g)]) for g in groups]
+    assert [ids for ids, _ in calls] == [[0, 1], [3], [4], [5]]  # up to 256 rows a group; 4: 300
+    if runs_here(HostFormat.BF16):
+        bf16 = HostExperts(SwitchGLU(64, 32, E), HostFormat.BF16, None, "switch_mlp", be)
+        assert bf16.gemms().runs is None

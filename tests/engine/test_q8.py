@@ -290,3 +290,72 @@ def test_a_forked_child_starts_a_pool_of_its_own() -> None:
     # in a child of ours: pytest's process has threads)
     done = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr.decode()
+
+
+def _experts_case(rng: np.random.Generator, case: int, step: int):
+    """Random experts' weights (one shape), a random subset of them in random order, and each
+    one's rows: none, one, odd counts, a few past a tile of 16."""
+    e = int(rng.integers(1, 10))
+    n, k = 16 * int(rng.integers(1, 60)), step * int(rng.integers(1, 30))
+    ws = [q8.Q8Weights.pack(_rand((n, k), 400 + 10 * case + i, 0.05)) for i in range(e)]
+    ids = rng.permutation(e)[: int(rng.integers(1, e + 1))].astype(np.int32)
+    counts = rng.choice([0, 1, 2, 3, 4, 5, 7, 9, 16, 17, 33], len(ids))
+    if case == 0:
+        counts[:] = 0  # every expert listed, no rows at all
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return ws, ids, bounds, _rand((int(bounds[-1]), k), 500 + case)
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", [False, pytest.param(True, marks=needs_amx)])
+def test_experts_in_one_call_give_each_rows_bits_alone(amx: bool, monkeypatch, split_all) -> None:
+    # q8_experts: each expert's run of rows through its own weights, (expert, column chunk)
+    # pieces over the pool; every row's bits those of q8.matmul on that row alone (VNNI), with
+    # AMX (from AMX_ROWS rows) or not, whatever the other experts and their rows
+    assert not amx or q8.library().q8_amx_init() == 0  # this thread's AMX state, as amx() asks
+    monkeypatch.setattr(q8, "amx", lambda: amx)
+    rng = np.random.default_rng(18)
+    helped = q8.pool_workers()[1]
+    for case in range(10):
+        ws, ids, bounds, x = _experts_case(rng, case, 32 if amx else 16)
+        table = q8.Q8Experts(tuple(ws))
+        alone = np.full((len(x), ws[0].n), np.nan, np.float32)
+        for a, e in enumerate(ids):
+            for r in range(bounds[a], bounds[a + 1]):
+                alone[r] = _run(x[r : r + 1], ws[e], amx=False)[0]
+        # rows read through a wider array too (the host step's slabs)
+        wide = np.zeros((len(x), x.shape[1] + 32), np.float32)
+        wide[:, 16:-16] = x
+        for rows, threads in ((x, 1), (x, 2), (wide[:, 16:-16], 3)):
+            got = np.full_like(alone, np.nan)
+            q8.matmul_experts(rows, ids, bounds, table, got, threads=threads)
+            assert np.array_equal(got.view(np.uint32), alone.view(np.uint32)), (case, threads)
+    assert q8.pool_workers()[1] > helped  # the pool's threads took part
+
+
+@needs_kernel
+def test_experts_in_one_call_check_what_they_are_given() -> None:
+    ws = [q8.Q8Weights.pack(_rand((32, 64), 19 + i)) for i in range(2)]
+    table = q8.Q8Experts(tuple(ws))
+    x, out = _rand((3, 64), 21), np.full((3, 32), np.nan, np.float32)
+    q8.matmul_experts(x, np.zeros(0, np.int32), np.zeros(1, np.int32), table, out)
+    assert np.isnan(out).all()  # no experts: nothing written
+    with pytest.raises(ValueError, match="bounds"):
+        q8.matmul_experts(x, np.array([0, 1], np.int32), np.array([0, 3], np.int32), table, out)
+    # refused before anything is written: an expert past E, bounds not ascending from 0 to at
+    # most M (q8.c checks them: a wrong one would read and write past the buffers)
+    ids = np.array([0, 1], np.int32)
+    for bad_ids, bounds in ((np.array([0, 2], np.int32), [0, 1, 3]), (ids, [0, 2, 1]),
+                            (ids, [1, 2, 3]), (ids, [0, 1, 4])):  # fmt: skip
+        with pytest.raises(ValueError, match="for 3 rows"):
+            q8.matmul_experts(x, bad_ids, np.array(bounds, np.int32), table, out)
+        assert np.isnan(out).all()
+    with pytest.raises(ValueError, match="out"):
+        q8.matmul_experts(x, ids, np.array([0, 1, 3], np.int32), table, out[:, :16])
+    q8.matmul_experts(x, ids, np.array([0, 1, 3], np.int32), table, out)
+    assert np.array_equal(out[:1], _run(x[:1], ws[0]))
+    assert np.array_equal(out[1:], _run(x[1:], ws[1]))
+    with pytest.raises(ValueError, match="shapes"):
+        q8.Q8Experts((ws[0], q8.Q8Weights.pack(_rand((48, 64), 22))))
+    assert q8.expert_runs([ws[0], None], [ws[1], ws[1]], lambda: 1) is None
+    assert q8.expert_runs(ws, ws, lambda: 1) is not None

@@ -20,6 +20,19 @@ import numpy as np
 
 # out[M, N] float32 = rows [M, K] (float32, or what `prepare` made of them) . W^T
 Gemm = Callable[[np.ndarray, np.ndarray], object]
+# out[R, N] = run a's expert's GEMM of rows [R, K] bounds[a]:bounds[a + 1], each a < A, in one
+# call: (rows, the runs' experts int32 [A], their bounds int32 [A + 1] from 0 to R, out)
+RunsGemm = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], object]
+
+
+@dataclass(frozen=True, slots=True)
+class RunsGemms:
+    """All of a group's experts' gate-ups in one call, and their downs in another (the int8
+    kernel's q8_experts: one hand-off to its threads where one an expert cost more than the
+    small GEMMs of decode widths)."""
+
+    gate_up: RunsGemm
+    down: RunsGemm
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +45,7 @@ class ExpertGemms:
     # float32 rows -> the GEMMs' input (bf16: their bits), done once for all experts' rows
     # (elementwise: the same bits as each GEMM rounding its own); None: taken as they are
     prepare: Callable[[np.ndarray], np.ndarray] | None = None
+    runs: RunsGemms | None = None  # the same GEMMs a group of runs at a time; None: one by one
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +80,8 @@ def expert_outputs(
     pairs are sorted by expert, so each expert's rows are one contiguous run: one GEMM pair per
     expert that has any; the input rounded once, and the activation and its rounding once per
     group of consecutive runs of up to GROUP_ROWS rows (fewer calls at decode widths, the
-    gate-up output still in cache for a prompt's)."""
+    gate-up output still in cache for a prompt's), and the GEMMs too where `gemms.runs` has
+    them so."""
     t, k = experts.shape
     flat = experts.reshape(-1)
     order = np.argsort(flat, kind="stable")  # (token, slot) pairs grouped by expert
@@ -77,6 +92,12 @@ def expert_outputs(
     y = np.empty((t * k, x.shape[1]), np.float32)
     for group in _groups(counts):
         lo, hi = group[0][1], group[-1][2]
+        if gemms.runs is not None:
+            ids = np.array([e for e, _, _ in group], np.int32)
+            bounds = np.array([0, *(b - lo for _, _, b in group)], np.int32)
+            gemms.runs.gate_up(rows[lo:hi], ids, bounds, h[lo:hi])
+            gemms.runs.down(prep(act(h[lo:hi])), ids, bounds, y[lo:hi])
+            continue
         for e, a, b in group:
             gemms.gate_up[e](rows[a:b], h[a:b])
         acts = prep(act(h[lo:hi]))

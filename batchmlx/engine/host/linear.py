@@ -38,19 +38,12 @@ import mlx.nn as nn
 import numpy as np
 
 from batchmlx.engine.host import experts as host_experts
-from batchmlx.engine.host import head8, numpy_blas, q4, q8
+from batchmlx.engine.host import head8, numpy_blas, q4, q8, stored
 from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.elementwise import swiglu_halves
 from batchmlx.engine.host.onednn import DataType, Packed, quantize_rows
 from batchmlx.engine.host.packed_cache import PackedCache
-from batchmlx.engine.host.stored import (
-    Dequantized,
-    eight_bit,
-    float_weight,
-    four_bit,
-    joined_bias,
-    table,
-)
+from batchmlx.engine.host.stored import Dequantized, eight_bit, float_weight, four_bit, joined_bias
 
 
 class HostFormat(enum.Enum):
@@ -182,7 +175,7 @@ class SharedGemm:
             # numpy's bytes, as a cached layer's are (a mapped file's), and each part packed
             # as it lies: MLX's concatenation of a 1.7B model's bf16 q, k, v (gate, up) took ~8
             # s of a first start (their reads ~2), and MLX's copy of the bytes after ~1
-            self._q8 = q8.Q8Weights.pack([table(w) for w in weights],
+            self._q8 = q8.Q8Weights.pack([stored.table(w) for w in weights],
                                          threads=self.backend.threads.or_cpus())  # fmt: skip
             self.packed = self._q8.buffer
             self._w = Packed(None, self._q8.buffer, *full.shape, fmt.data_type, False)
@@ -469,10 +462,12 @@ class HostExperts(nn.Module):
             first = self.gate_up[0]._gemm
             # (SharedGemm.host takes uint16 rows as bf16 bits)
             bf16 = first.backend.onednn().to_bf16 if first.fmt is HostFormat.BF16 else None
+            # int8: each group of experts' runs in one call of its kernel
+            ups, downs = [g._gemm._q8 for g in self.gate_up], [d._gemm._q8 for d in self.down]
+            runs = q8.expert_runs(ups, downs, first.backend.threads.or_cpus)
             self._gemms = host_experts.ExpertGemms(
                 [g._gemm.host for g in self.gate_up], [d._gemm.host for d in self.down],
-                first._w.n, bf16,
-            )  # fmt: skip
+                first._w.n, bf16, runs)  # fmt: skip
         return self._gemms
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:

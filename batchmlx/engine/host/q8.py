@@ -37,13 +37,14 @@ import platform
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
 
 import numpy as np
 
+from batchmlx.engine.host.experts import RunsGemm, RunsGemms
 from batchmlx.engine.host.native_lib import (
     I64,
     INT,
@@ -77,6 +78,7 @@ LIB = register(NativeLibrary("q8", CPU_FLAGS, TARGET_FLAGS, "grouped int8 kernel
     Signature("q8_amx_init", (), INT),
     Signature("q8_matmul", (INT, INT, INT, INT, P, I64, *[P] * 6, INT, INT, INT)),
     Signature("q8_pack", (INT, INT, INT, P, INT, I64, P, P, P, INT)),
+    Signature("q8_experts", (INT, P, INT, P, *[INT] * 4, P, I64, *[P] * 4, INT, INT, INT), INT),
     Signature("q8_pool_workers", (), INT),
     Signature("q8_pool_helped", (), I64),
 )))  # fmt: skip
@@ -356,6 +358,91 @@ def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
     chunk = max(step, w.n // (CHUNKS * max(1, threads)) // step * step)
     lib.q8_matmul(m, w.n, k, GROUP, pointer(x), x.strides[0] // 4, xq, xs, *w.addresses,
                   pointer(out), int(use_amx), max(1, threads), chunk)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Q8Experts:
+    """A mixture's experts' GEMMs of one shape [N, K] (each a Q8Weights), for `matmul_experts`:
+    their addresses in one table [E][3], found once."""
+
+    weights: tuple[Q8Weights, ...]  # held: the table points into their buffers
+
+    def __post_init__(self) -> None:
+        if len({(w.n, w.k) for w in self.weights}) != 1:
+            raise ValueError("experts' GEMMs of different shapes")
+
+    @property
+    def n(self) -> int:
+        return self.weights[0].n
+
+    @property
+    def k(self) -> int:
+        return self.weights[0].k
+
+    @cached_property
+    def table(self) -> np.ndarray:
+        return np.array([w.addresses for w in self.weights], np.uint64)
+
+
+MAX_EXPERTS = 1024  # experts a call takes at most (q8.c's q8_experts)
+
+
+def matmul_experts(x: np.ndarray, experts: np.ndarray, bounds: np.ndarray, w: Q8Experts,
+                   out: np.ndarray, *, threads: int = 1) -> None:  # fmt: skip
+    """out[bounds[a]:bounds[a + 1]] = x[bounds[a]:bounds[a + 1]] . W_e^T for e = experts[a]:
+    each expert's GEMM on its own run of rows in one call (q8.c's q8_experts), its columns split
+    over `threads` with the others'. A row's result is `matmul`'s of that row alone (each
+    expert's rows go through AMX from AMX_ROWS rows where it runs, as `matmul`'s would; both
+    paths give the same bits). experts int32 [A], bounds int32 [A + 1] ascending from 0; x
+    float32 rows [M, K] (any row stride, unit column stride), out float32 [M, N] C-contiguous;
+    each expert index below E."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("grouped int8 kernel unavailable (see the log)")
+    count = len(experts)
+    if count == 0:
+        return
+    m, k = x.shape
+    if (count > MAX_EXPERTS or len(bounds) != count + 1 or k != w.k or out.shape != (m, w.n)
+            or out.dtype != np.float32 or not out.flags.c_contiguous):  # fmt: skip
+        raise ValueError(f"{count} experts, {len(bounds)} bounds, x {x.shape}, out {out.shape}")
+    use_amx = k % GROUP == 0 and amx()
+    if x.dtype != np.float32 or x.strides[1] != 4:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    # each expert's quantized rows from a 16-row boundary (AMX's tiles)
+    (xq, xs), _held = scratch(m + 16 * count, k)
+    experts = np.ascontiguousarray(experts, np.int32)
+    bounds = np.ascontiguousarray(bounds, np.int32)
+    n = w.n
+    if m * n * k < SPLIT_MACS:
+        threads = 1
+    step = 2 * TILE if use_amx else TILE
+    chunk = max(step, n // (CHUNKS * max(1, threads)) // step * step)
+    failed = lib.q8_experts(count, pointer(experts), len(w.weights), pointer(bounds), m, n, k,
+                            GROUP, pointer(x), x.strides[0] // 4, xq, xs, pointer(w.table),
+                            pointer(out), AMX_ROWS if use_amx else 0, max(1, threads),
+                            chunk)  # fmt: skip
+    if failed:
+        raise ValueError(f"experts {experts.tolist()} of {len(w.weights)}, bounds "
+                         f"{bounds.tolist()} for {m} rows")  # fmt: skip
+
+
+def expert_runs(gate_up: Sequence[Q8Weights | None], down: Sequence[Q8Weights | None],
+                threads: Callable[[], int]) -> RunsGemms | None:  # fmt: skip
+    """A mixture's experts' GEMMs (engine/host/experts.py) a group of runs at a time, over
+    `threads()` threads (the live count, asked at each call); None unless every one is in this
+    kernel's format (the others go one expert at a time)."""
+    ups, downs = [w for w in gate_up if w is not None], [w for w in down if w is not None]
+    if not ups or len(ups) != len(gate_up) or len(downs) != len(down):
+        return None
+
+    def gemm(table: Q8Experts) -> RunsGemm:
+        def run(rows: np.ndarray, ids: np.ndarray, bounds: np.ndarray, out: np.ndarray) -> None:
+            matmul_experts(rows, ids, bounds, table, out, threads=threads())
+
+        return run
+
+    return RunsGemms(gemm(Q8Experts(tuple(ups))), gemm(Q8Experts(tuple(downs))))
 
 
 def pool_workers() -> tuple[int, int]:

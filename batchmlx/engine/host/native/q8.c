@@ -359,3 +359,72 @@ void q8_pack(int N, int K, int G, const void* w, int dtype, int64_t ldw, int8_t*
     struct q8_pack_job j = {K, G, dtype, ldw, w, wp, ws, wc};
     pool_run(q8_pack_tiles, &j, N / 16, 4, threads);
 }
+
+// ---- q8_experts: a mixture's experts in one call (engine/host/experts.py), each expert's
+// GEMM on its own rows. Per expert a call of q8_matmul's each was (4-12 rows at a decode
+// width of 32, 16 calls a layer) ~52 us of mostly hand-offs; here one quantizing pass, then
+// (expert, column chunk) pieces from one counter over the pool. Each expert's rows take
+// q8_matmul's path for that many rows (AMX from amx_rows, else VNNI), and both give the same
+// bits for a row whatever its neighbours: a row's result is q8_matmul's of that row alone.
+struct q8_experts_job {
+    int N, K, G;
+    const int32_t* rows;  // [A + 1]: expert a's rows are [rows[a], rows[a + 1]) of x and y
+    const int32_t* qrow;  // [A]: where its quantized rows start in xq / xs (16-row aligned)
+    const uint8_t* amx;   // [A]: 1 where its rows go through AMX
+    const int32_t* experts;  // [A]: its index into weights
+    const uint64_t* weights;  // [E][3]: each expert's wp, ws, wc (Q8Weights.addresses)
+    const uint8_t* xq;
+    const float* xs;
+    float* y;
+};
+
+// columns [v0, v1) of the experts' columns laid end to end (expert a's: [a N, (a + 1) N))
+static void q8_expert_columns(const void* args, int v0, int v1) {
+    const struct q8_experts_job* j = args;
+    int N = j->N, K = j->K, ng = (K + j->G - 1) / j->G;
+    while (v0 < v1) {
+        int a = v0 / N, n0 = v0 % N, n1 = n0 + (v1 - v0) < N ? n0 + (v1 - v0) : N;
+        int m = j->rows[a], M = j->rows[a + 1] - m;
+        const uint64_t* w = j->weights + (size_t)3 * j->experts[a];
+        const uint8_t* xq = j->xq + (size_t)j->qrow[a] * K;
+        const float* xs = j->xs + (size_t)j->qrow[a] * ng;
+        const int8_t* wp = (const int8_t*)(uintptr_t)w[0];
+        const float* ws = (const float*)(uintptr_t)w[1];
+        const int32_t* wc = (const int32_t*)(uintptr_t)w[2];
+        float* y = j->y + (size_t)m * N;
+        if (M > 0 && j->amx[a])
+            q8_gemm_amx(M, N, K, j->G, (const int8_t*)xq, xs, wp, ws, wc, y, n0, n1);
+        else if (M > 0)
+            q8_gemm(M, N, K, j->G, xq, xs, wp, ws, wc, y, n0, n1);
+        v0 += n1 - n0;
+    }
+}
+
+// y[rows[a]:rows[a + 1], N] = x[rows[a]:rows[a + 1], K] . w_e^T for e = experts[a], a < A:
+// activations quantized into xq / xs (room for M + 16 A rows), through AMX where an expert has
+// at least amx_rows rows (0: never; G = 32 and K a multiple of 32 then), the experts' columns
+// split `chunk` at a time (a multiple of 16; of 32 with AMX) as q8_matmul's. Returns -1, having
+// done nothing, unless 0 < A <= 1,024, each experts[a] < E and rows ascend from 0 to at most M
+// (x's and y's rows). A N < 2^19 to be split.
+int q8_experts(int A, const int32_t* experts, int E, const int32_t* rows, int M, int N, int K,
+               int G, const float* x, int64_t ldx, uint8_t* xq, float* xs,
+               const uint64_t* weights, float* y, int amx_rows, int threads, int chunk) {
+    int32_t qrow[1024];
+    uint8_t amx[1024];
+    int ng = (K + G - 1) / G, at = 0;
+    if (A < 1 || A > 1024 || rows[0] != 0 || rows[A] > M) return -1;
+    for (int a = 0; a < A; a++)
+        if (experts[a] < 0 || experts[a] >= E || rows[a + 1] < rows[a]) return -1;
+    for (int a = 0; a < A; a++) {
+        int m = rows[a + 1] - rows[a];
+        amx[a] = amx_rows > 0 && m >= amx_rows;
+        qrow[a] = at;
+        if (m > 0)
+            q8_quantize(m, K, G, x + (size_t)rows[a] * ldx, ldx, xq + (size_t)at * K,
+                        xs + (size_t)at * ng, amx[a]);
+        at += (m + 15) / 16 * 16;  // AMX reads its last row tile whole
+    }
+    struct q8_experts_job j = {N, K, G, rows, qrow, amx, experts, weights, xq, xs, y};
+    pool_run(q8_expert_columns, &j, A * N, chunk, threads);
+    return 0;
+}

@@ -41,6 +41,7 @@ from batchmlx.engine.host import experts as host_experts
 from batchmlx.engine.host import head8, numpy_blas, q4, q8, stored
 from batchmlx.engine.host.backend import HostBackend, current
 from batchmlx.engine.host.elementwise import swiglu_halves
+from batchmlx.engine.host.memory import buffers_reused
 from batchmlx.engine.host.onednn import DataType, Packed, quantize_rows
 from batchmlx.engine.host.packed_cache import PackedCache
 from batchmlx.engine.host.stored import Dequantized, eight_bit, float_weight, four_bit, joined_bias
@@ -568,15 +569,16 @@ def to_host_format(model: nn.Module, fmt: HostFormat, cache: PackedCache | None 
     # weight alive until the end
     parents = [(where, m) for where, m in model.named_modules() if any(
         isinstance(c, _CONVERTED) for c in m.children().values())]  # fmt: skip
-    for where, parent in parents:
-        layers = _host_layers(parent, fmt, cache, where, backend)
-        for name, child in parent.children().items():
-            if isinstance(child, (nn.Embedding, nn.QuantizedEmbedding)):
-                layers[name] = HostEmbedding(float_weight(child), head_format(fmt, backend),
-                                             cache=cache, key=f"{where}.{name}",
-                                             backend=backend)  # fmt: skip
-        for name, layer in layers.items():
-            setattr(parent, name, layer)
+    with buffers_reused():
+        for where, parent in parents:
+            layers = _host_layers(parent, fmt, cache, where, backend)
+            for name, child in parent.children().items():
+                if isinstance(child, (nn.Embedding, nn.QuantizedEmbedding)):
+                    layers[name] = HostEmbedding(float_weight(child), head_format(fmt, backend),
+                                                 cache=cache, key=f"{where}.{name}",
+                                                 backend=backend)  # fmt: skip
+            for name, layer in layers.items():
+                setattr(parent, name, layer)
     _norms_to_float32(model)
     return model
 

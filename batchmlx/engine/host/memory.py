@@ -26,6 +26,8 @@ import ctypes.util
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import mlx.core as mx
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 
 HEAP_TRIM_S = 5.0  # engine work between two trims of the heap's free pages
 MMAP_THRESHOLD = 1 << 20  # buffers above this are mmapped: freed, they leave the process
+# MLX's buffer cache while a model's layers are converted (`buffers_reused`)
+LOAD_BUFFER_CACHE = 512 << 20
 _M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
 
@@ -94,3 +98,20 @@ class HeapTrimmer:
             self._next = now + self.every_s
             trim_heap()
             self.trims += 1
+
+
+@contextmanager
+def buffers_reused(limit: int = LOAD_BUFFER_CACHE) -> Iterator[None]:
+    """MLX's buffer cache raised to `limit` (never lowered) while a model's layers are read
+    and converted one at a time, so that each layer's reads reuse the buffers the one before
+    freed (the same shapes); then its limit back and the cache emptied. At MLX's CPU default
+    (32 MiB) every read of a 1.7B bf16 folder took fresh pages: 641K page faults and ~1.5 s
+    of a first start's 2.3 s of reads, against 59K and 0.8 s (this 2-core VM)."""
+    previous = mx.set_cache_limit(limit)
+    if previous > limit:
+        mx.set_cache_limit(previous)
+    try:
+        yield
+    finally:
+        mx.set_cache_limit(previous)
+        mx.clear_cache()

@@ -196,6 +196,41 @@ def test_load_model_writes_the_cache_once_then_reads_it(tiny_model_dir, tmp_path
     assert calls  # off: packed at the start, as without a cache
 
 
+@pytest.mark.skipif(not (runs_here(HostFormat.INT8) and host_cache.PackArena.usable()),
+                    reason="no int8 host format here")  # fmt: skip
+@pytest.mark.parametrize("header_fits", [True, False])
+def test_a_first_start_packs_into_the_file_it_writes(tiny_model_dir, tmp_path, monkeypatch,
+                                                     header_fits):  # fmt: skip
+    """int8's packed bytes go straight into the cache file's mapping as the layers are packed
+    (no copy into the file after: `_write` is never called), and the finished file is
+    safetensors the next start reads back. A header too large for its room: the file is
+    written anew as usual, whole."""
+    writes = []
+    real_write = host_cache._write
+    monkeypatch.setattr(
+        host_cache, "_write", lambda *a, **k: writes.append(1) or real_write(*a, **k)
+    )
+    if not header_fits:
+        monkeypatch.setattr(host_cache, "_HEADER_ROOM", 0)  # (no room at all)
+    spec = resolve_model(str(tiny_model_dir), cache_dir=tmp_path)
+    first = load_model(spec, cache_dir=tmp_path, dtype="int8")
+    gemm = first.model.model.layers[0].self_attn.q_proj._gemm
+    assert gemm._q8 is not None
+    assert host_cache.wait_written(60)
+    assert writes == ([] if header_fits else [1])
+    (final,) = (tmp_path / "host").glob("*.int8.safetensors")
+    assert not list((tmp_path / "host").glob(".*"))  # no temporary file left
+    views, _ = host_cache._map(final)
+    assert np.array_equal(views["model.layers.0.self_attn.q_proj+k_proj+v_proj.packed"][0],
+                          gemm.packed)  # fmt: skip
+    by_mlx = mx.load(str(final))  # every byte covered, as the format asks
+    assert set(by_mlx) >= {k for k in views}
+    again = load_model(spec, cache_dir=tmp_path, dtype="int8")
+    cached = again.model.model.layers[0].self_attn.q_proj._gemm
+    assert not cached.packed.flags.writeable  # the finished file's read-only mapping
+    np.testing.assert_array_equal(np.array(again.model(TOKENS)), np.array(first.model(TOKENS)))
+
+
 def test_the_start_does_not_wait_for_the_cache_file(tiny_model_dir, tmp_path, monkeypatch):
     """load_model returns while the packed weights are still being written; the file appears
     whole (renamed from a temporary name) once the writer ends."""

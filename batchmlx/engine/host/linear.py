@@ -149,6 +149,7 @@ class SharedGemm:
         self._q8: q8.Q8Weights | None = None  # int8 through our grouped kernel (q8.py)
         self._q4: q4.Q4Weights | None = None  # 4-bit through our grouped kernel (q4.py)
         self._h8: head8.Head8Weights | None = None  # a W8 head (head8.py)
+        self._room = cache.room if cache is not None else None  # where packed bytes go
         hit = cache.take(key) if cache is not None else None
         if hit is None or not self._adopt(hit, at, weights[0].shape[1], keep_plain):
             self._pack(weights, biases or [None] * len(weights), keep_plain)
@@ -176,7 +177,8 @@ class SharedGemm:
             # numpy's bytes, as a cached layer's are (a mapped file's), and each part packed
             # as it lies: MLX's concatenation of a 1.7B model's bf16 q, k, v (gate, up) took ~8
             # s of a first start (their reads ~2), and MLX's copy of the bytes after ~1
-            self._q8 = q8.Q8Weights.pack([stored.table(w) for w in weights],
+            into = self._room(q8.Q8Weights.nbytes(*full.shape)) if self._room else None
+            self._q8 = q8.Q8Weights.pack([stored.table(w) for w in weights], into=into,
                                          threads=self.backend.threads.or_cpus())  # fmt: skip
             self.packed = self._q8.buffer
             self._w = Packed(None, self._q8.buffer, *full.shape, fmt.data_type, False)

@@ -185,7 +185,10 @@ def fresh_bytes(n: int) -> np.ndarray:
     2-core VM, most of its memory page cache)."""
     if n == 0:
         return np.empty(0, np.uint8)
-    return np.frombuffer(mmap.mmap(-1, n), np.uint8)
+    # private: Python's default for an anonymous map is shared, whose pages are shmem's
+    # (their faults went through shmem_get_folio: perf, a 1.7B first start)
+    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    return np.frombuffer(mmap.mmap(-1, n, flags=private) if private else mmap.mmap(-1, n), np.uint8)
 
 
 LIBRARIES: dict[str, NativeLibrary] = {}

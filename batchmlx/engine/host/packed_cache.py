@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -18,11 +19,14 @@ class PackedCache:
     bytes is not. Arrays are keyed `<layer key>.<part>` (packed, scales, bias, plain); `found`
     holds what a file had (the packed bytes as read-only numpy views of the mapped file, the
     other parts as MLX arrays), `kept` what the model ended with, `packed` how many layers were
-    packed anew (0: nothing to write)."""
+    packed anew (0: nothing to write); `room`, where set, gives a layer the bytes to pack into
+    in the file being written (weights_cache.PackArena: no copy into the file after), or None
+    (then fresh memory)."""
 
     found: dict[str, mx.array | np.ndarray] = field(default_factory=dict)
     kept: dict[str, mx.array | np.ndarray] = field(default_factory=dict)
     packed: int = 0
+    room: Callable[[int], np.ndarray | None] | None = None
 
     def take(self, key: str) -> dict[str, mx.array | np.ndarray] | None:
         parts = {p: self.found[f"{key}.{p}"] for p in PACKED_PARTS if f"{key}.{p}" in self.found}

@@ -219,10 +219,21 @@ def _to_host(
     where = host_cache.cache_path(cache_dir, source, fmt)
     sig = host_cache.signature(source, fmt, backend.onednn())
     cache = host_cache.open_cache(where, sig)
-    to_host_format(model, fmt, cache, backend)
-    return bool(cache.packed) and host_cache.save_cache(
-        where, cache, sig, fmt, background=True, then=lambda: _say_cache_holds(cache_dir)
-    )
+    arena = None  # a first start packs into the file it writes (PackArena), where it can
+    if not cache.found and host_cache.PackArena.usable():
+        try:
+            arena = host_cache.PackArena(where)
+            cache.room = arena.room
+        except OSError as exc:
+            log.info("host weights cache: packing into fresh memory (%s)", exc)
+    try:
+        to_host_format(model, fmt, cache, backend)
+    except BaseException:
+        if arena is not None:
+            arena.close()
+        raise
+    return host_cache.save_cache(where, cache, sig, fmt, background=True, arena=arena,
+                                 then=lambda: _say_cache_holds(cache_dir))  # fmt: skip
 
 
 def host_format(

@@ -10,7 +10,8 @@ streams). `name@TREE=OPTIONS` (or `alone@TREE`) runs the server from another che
 first on PYTHONPATH), e.g. `main@../main= this=` for a change against main in one run.
 `--streams` (8) streamed chats x `--rounds` of 32 tokens, as `benchmarks.peers.online` sends
 them, each stream's next request at once or `--think-s` after its last answer (so that it comes
-while the batch runs alone, as a user's would).
+while the batch runs alone, as a user's would); `--streams 0`: the batch alone, its time from
+creation to completion (what an option costs it with no online work).
 Prints one line per run: TTFT and inter-token p50/p99, the batch lines finished while the
 streams ran, and the load average before and after. Alternate the runs (a b a b) on a shared
 machine: its load moves between them.
@@ -44,10 +45,12 @@ def _start(home: Path, options: list[str], tree: str) -> Server:
     env.pop("BATCHMLX_API_KEY", None)  # the harness sends no key
     log = home / "server.log"
     with log.open("wb") as out:
+        # `-m` puts the working directory first on sys.path, ahead of PYTHONPATH: run from a
+        # checkout, its batchmlx would serve every run, whatever TREE says
         proc = subprocess.Popen(
             [sys.executable, "-m", "batchmlx.cli", "serve", "--host", HOST, "--port", str(port),
              *options],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
+            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tree or None,
         )  # fmt: skip
     return Server(proc, f"http://{HOST}:{port}", log)
 
@@ -78,6 +81,10 @@ async def run(
                     await asyncio.sleep(setup.settle_s)
                     before = _done(await batch.progress())
                 load0, t = os.getloadavg()[0], time.perf_counter()
+                if batch is not None and streams == 0:  # the batch's own time, nothing beside
+                    done = await batch.finish()
+                    load1 = os.getloadavg()[0]
+                    return f"{name}: the batch alone {done}; load {load0:.2f} -> {load1:.2f}"
                 await peers.streams(server.base, streams, setup, row, 1000)
                 wall = time.perf_counter() - t
                 note = ""

@@ -68,7 +68,9 @@ def engine_choice(
             min=0,
             rich_help_panel=PANEL,
             help="Batch prompt tokens a step feeds while online requests run, so their "
-            "tokens keep coming at decode speed (0: batch prompts wait for online work)",
+            "tokens keep coming at decode speed (0: batch prompts wait for online work); in "
+            "serve, with none running, a step's rows (decodes and batch prompt tokens), so "
+            "one that arrives waits for a short step",
         ),
     ] = D.batch_prefill_beside_online,
     batch_decodes_beside_online: Annotated[

@@ -40,8 +40,10 @@ class EngineSettings:
     batch_prefill_beside_online: int = 256
     # the engine takes online requests (serve's): one can arrive during any step and waits for
     # it to end, so the bound above holds at every step, online work or not (0 there: whole
-    # steps while none runs). Traced under a 256-chat batch: the first online requests waited
-    # 1.1-1.4 s for a step of 2,016 batch prompt tokens begun before they came (issue 49)
+    # steps while none runs), and with none it counts the step's decodes (a step's time follows
+    # its rows). Traced under a 256-chat batch: the first online requests waited 1.1-1.4 s for
+    # a step of 2,016 batch prompt tokens begun before they came, then 270-440 ms for 252 batch
+    # prompt tokens beside 24-60 decodes (issue 49; docs/engine.md: what 128 trades)
     serves_online: bool = False
     # and at most this many batch decodes (the earliest admitted; the rest keep their KV and
     # wait): a step's time grows with its rows, so online tokens come at the pace of a narrow

@@ -180,3 +180,38 @@ def test_without_online_requests_batch_prompts_take_whole_steps():
         sched.update(step, *runner_for(sched).run(step))
         drive(sched)
         assert_all_free(sched)
+
+
+def test_in_an_engine_serving_online_the_bound_counts_the_steps_decodes():
+    """Without online work, serve's bound is on a step's rows: batch prompts fill it up to
+    batch_prefill_beside_online less its decodes (a step's time follows its rows: the online
+    request that arrives waits for all of them), at least a floor's worth (16), so admissions
+    go on beside a wide running batch. Outputs are unchanged."""
+    cfg = SchedulerConfig(max_batch_size=64, block_size=4, num_blocks=512,
+                          max_prefill_tokens=256, batch_prefill_beside_online=40,
+                          serves_online=True)  # fmt: skip
+    sched = Scheduler(cfg)
+    runner = runner_for(sched)
+    short = {f"s{i}": [1 + i, 2, 3] for i in range(10)}
+    long = {f"b{i}": list(range(1 + i, 61 + i)) for i in range(3)}
+    seqs = {rid: sched.add(req(rid, prompt, 30, priority=1)) for rid, prompt in short.items()}
+    step = sched.schedule()  # the 10 short prompts (30 tokens)
+    sched.update(step, *runner.run(step))
+    seqs |= {rid: sched.add(req(rid, prompt, 4, priority=1)) for rid, prompt in long.items()}
+    step = sched.schedule()
+    assert sum(s.decode for s in step.seqs) == 10
+    assert _prompt_tokens(step, 1) == 30  # 40 rows less the 10 decodes (main: 40)
+    sched.update(step, *runner.run(step))
+    for rid, prompt in {f"w{i}": [50 + i, 2, 3] for i in range(40)}.items():
+        sched.add(req(rid, prompt, 30, priority=1))
+    rows = []
+    while len(rows) < 12 and (step := sched.schedule()) is not None:
+        decodes = sum(s.decode for s in step.seqs)
+        rows.append((decodes, _prompt_tokens(step, 1)))
+        sched.update(step, *runner.run(step))
+    assert all(p <= max(40 - d, 16) for d, p in rows)
+    assert any(d > 24 and p == 16 for d, p in rows)  # the floor beside a wide batch
+    drive(sched)
+    assert all(seqs[r].generated_token_ids == alone(p, 30) for r, p in short.items())
+    assert all(seqs[r].generated_token_ids == alone(p, 4) for r, p in long.items())
+    assert_all_free(sched)

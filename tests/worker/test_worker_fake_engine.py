@@ -181,6 +181,46 @@ def test_online_requests_are_admitted_before_waiting_batch_work(tmp_path: Path) 
     assert rec.status is BatchStatus.COMPLETED
 
 
+def test_online_requests_start_before_the_looks_for_other_work_and_only_one_tick(tmp_path):
+    """Online requests that came during a round start in the next one at once: that tick's
+    housekeeping queries and claim (5-15 ms under a batch, issue 49) wait a tick, and no more
+    than one: the tick after runs them even when more requests wait."""
+    rig = Rig(tmp_path, EngineSettings(max_batch_size=1))
+    body = {"model": "default", "prompt": "zz", "max_tokens": 2}
+    calls: list[str] = []
+
+    async def main():
+        await rig.open(_file(3))
+        await rig.worker.tick()  # claims the batch: r0 runs, r1 and r2 wait
+        end_batches, claim = rig.worker.housekeeping.end_batches, rig.worker.admission.claim
+
+        async def spied_end_batches():
+            calls.append("end_batches")
+            return await end_batches()
+
+        async def spied_claim():
+            calls.append("claim")
+            return await claim()
+
+        rig.worker.housekeeping.end_batches = spied_end_batches  # type: ignore[method-assign]
+        rig.worker.admission.claim = spied_claim  # type: ignore[method-assign]
+        for _ in range(2):
+            rig.worker._next_housekeeping = 0.0  # due at this tick
+            rig.worker.online.submit("/v1/completions", body)
+            await rig.worker.tick()
+            calls.append(f"added {[r for r in rig.engine.priorities if r.startswith('-')]}")
+        two_ticks = list(calls)
+        await rig.worker.run()
+        return await rig.finished(), two_ticks
+
+    rec, two_ticks = asyncio.run(main())
+    assert two_ticks == [
+        "added ['-1:0']",  # to the engine at once, the looks for other work put off
+        "end_batches", "claim", "added ['-1:0', '-2:0']",  # put off one tick at most
+    ]  # fmt: skip
+    assert rec.status is BatchStatus.COMPLETED and rec.request_counts.completed == 3
+
+
 def test_claims_follow_the_engines_running_width_not_the_hard_cap(tmp_path, monkeypatch):
     # the hard cap is 256 (claim_factor 2 would hold 512); the engine runs 3 wide
     monkeypatch.setattr(FakeEngine, "running_limit", 3, raising=False)

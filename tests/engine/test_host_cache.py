@@ -198,20 +198,23 @@ def test_load_model_writes_the_cache_once_then_reads_it(tiny_model_dir, tmp_path
 
 @pytest.mark.skipif(not (runs_here(HostFormat.INT8) and host_cache.PackArena.usable()),
                     reason="no int8 host format here")  # fmt: skip
-@pytest.mark.parametrize("header_fits", [True, False])
+@pytest.mark.parametrize("case", ["arena", "header too large", "disk too full"])
 def test_a_first_start_packs_into_the_file_it_writes(tiny_model_dir, tmp_path, monkeypatch,
-                                                     header_fits):  # fmt: skip
+                                                     case):  # fmt: skip
     """int8's packed bytes go straight into the cache file's mapping as the layers are packed
     (no copy into the file after: `_write` is never called), and the finished file is
-    safetensors the next start reads back. A header too large for its room: the file is
-    written anew as usual, whole."""
+    safetensors the next start reads back. A header too large for its room, or a disk too
+    full for a window: the file is written anew as usual, whole."""
     writes = []
     real_write = host_cache._write
     monkeypatch.setattr(
         host_cache, "_write", lambda *a, **k: writes.append(1) or real_write(*a, **k)
     )
-    if not header_fits:
+    header_fits = case == "arena"
+    if case == "header too large":
         monkeypatch.setattr(host_cache, "_HEADER_ROOM", 0)  # (no room at all)
+    if case == "disk too full":
+        monkeypatch.setattr(host_cache, "_FREE_MARGIN", 1 << 62)  # every window refused
     spec = resolve_model(str(tiny_model_dir), cache_dir=tmp_path)
     first = load_model(spec, cache_dir=tmp_path, dtype="int8")
     gemm = first.model.model.layers[0].self_attn.q_proj._gemm

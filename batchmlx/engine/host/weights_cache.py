@@ -220,7 +220,7 @@ class PackArena:
     and the model computes from them there, as a warm start does from the finished file.
     Written after the packing and copied into the file, a 1.7B model's 2.1 GB took ~4.5 s of
     CPU in the kernel's copy (perf: 36% of a first start's samples), beside the first batch.
-    `finish` then writes the other parts and the header (into room kept for it at the
+    `_finish_arena` then writes the other parts and the header (into room kept for it at the
     start), syncs and renames; a header that does not fit falls back to writing the whole
     file anew. Blocks are allocated as each window is given (posix_fallocate): a full disk
     refuses a window (the layer packs into fresh memory), never faults a write into it."""
@@ -250,7 +250,10 @@ class PackArena:
             # the final fsync, whose writeback stalled the KV pool's allocation after the load
             # (1.5 s against 0.07 warm)
             last, size = next(reversed(self.spans.values()))
-            os.posix_fadvise(self.fd, self.start + last, size, os.POSIX_FADV_DONTNEED)
+            try:
+                os.posix_fadvise(self.fd, self.start + last, size, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass  # (only sooner on disk: the final fsync writes it anyway)
         at = -(-self.end // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
         try:
             if shutil.disk_usage(self.tmp.parent).free < nbytes + _FREE_MARGIN:
@@ -268,10 +271,12 @@ class PackArena:
 
     def close(self) -> None:
         """Give up the file (its windows stay valid while the model holds them)."""
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1  # (never closed twice: the number may be reused)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         self.tmp.unlink(missing_ok=True)
 
 
@@ -384,16 +389,18 @@ def _finish_arena(
     (gaps padded: safetensors allows no holes), synced, renamed; False when the header does
     not fit its room (nothing renamed)."""
     placed: list[tuple[int, str, str, np.ndarray]] = []
-    at = arena.end
+    at, used = arena.end, set()
     for key, (a, name) in host.items():
         span = arena.spans.get(a.ctypes.data) if a.nbytes else None
-        if span is not None and span[1] == a.nbytes:
+        if span is not None and span[1] == a.nbytes and span[0] not in used:
             placed.append((span[0], key, name, a))
+            used.add(span[0])
             continue
         at = -(-at // _ALIGN) * _ALIGN
         data = memoryview(np.ascontiguousarray(a)).cast("B")
-        for k in range(0, len(data), _SYNC_BYTES):
-            os.pwrite(arena.fd, data[k : k + _SYNC_BYTES], arena.start + at + k)
+        done = 0
+        while done < len(data):  # (pwrite may write less than asked)
+            done += os.pwrite(arena.fd, data[done : done + _SYNC_BYTES], arena.start + at + done)
         placed.append((at, key, name, a))
         at += a.nbytes
     entries: dict[str, object] = {"__metadata__": metadata}
@@ -412,7 +419,8 @@ def _finish_arena(
     os.ftruncate(arena.fd, arena.start + end)
     os.pwrite(arena.fd, len(text).to_bytes(8, "little") + text, 0)
     os.fsync(arena.fd)  # the windows' pages too: the whole file, then its name
-    os.close(arena.fd)
+    fd, arena.fd = arena.fd, -1
+    os.close(fd)
     os.replace(arena.tmp, arena.path)
     return True
 

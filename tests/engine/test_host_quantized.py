@@ -77,3 +77,20 @@ def test_a_quantized_layer_is_dequantized_once_when_packed_never_from_the_cache(
     to_host_format(again, fmt, host_cache.open_cache(path, "sig"))
     assert calls == []
     np.testing.assert_array_equal(np.array(again(TOKENS)), want)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_a_layers_tables_join_as_mlx_joins_them(dtype) -> None:
+    """stored.joined (numpy over the stored bits, for a first start's speed): the very array
+    mx.concatenate gives, in its dtype; tables of two dtypes take MLX's own way."""
+    from batchmlx.engine.host import stored
+
+    rng = np.random.default_rng(3)
+    parts = [
+        mx.array(rng.normal(size=(n, 64)).astype(np.float32)).astype(dtype) for n in (32, 8, 8)
+    ]
+    got, want = stored.joined(parts), mx.concatenate(parts, axis=0)
+    assert got.dtype == want.dtype and mx.array_equal(got, want).item()
+    mixed = [parts[0], parts[1].astype(mx.float32)]
+    assert mx.array_equal(stored.joined(mixed), mx.concatenate(mixed, axis=0)).item()
+    assert stored.joined(parts[:1]) is parts[0]

@@ -172,24 +172,25 @@ class SharedGemm:
             return
         self.bias = joined_bias(lazy, biases)
         weights = [w.array() if isinstance(w, Dequantized) else w for w in lazy]
-        full = weights[0] if len(weights) == 1 else mx.concatenate(weights, axis=0)
-        if self._grouped(*full.shape):
+        shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
+        if self._grouped(*shape):
             # numpy's bytes, as a cached layer's are (a mapped file's), and each part packed
             # as it lies: MLX's concatenation of a 1.7B model's bf16 q, k, v (gate, up) took ~8
             # s of a first start (their reads ~2), and MLX's copy of the bytes after ~1
-            into = self._room(q8.Q8Weights.nbytes(*full.shape)) if self._room else None
+            into = self._room(q8.Q8Weights.nbytes(*shape)) if self._room else None
             self._q8 = q8.Q8Weights.pack([stored.table(w) for w in weights], into=into,
                                          threads=self.backend.threads.or_cpus())  # fmt: skip
             self.packed = self._q8.buffer
-            self._w = Packed(None, self._q8.buffer, *full.shape, fmt.data_type, False)
-        plain = HostWeights.of(full, fmt) if self._q8 is None or keep_plain else None
+            self._w = Packed(None, self._q8.buffer, *shape, fmt.data_type, False)
+        full = stored.joined(weights) if self._q8 is None or keep_plain else None
+        plain = None if full is None else HostWeights.of(full, fmt)
         if self._q8 is not None:
             pass  # packed above; `plain` (an embedding's rows) only for lookups
         elif fmt is HostFormat.F32 and not self._onednn_f32():
             # numpy's BLAS reads the rows as they are: nothing to pack
             assert plain is not None
             self.packed = plain.data
-            self._w = Packed(None, np.asarray(self.packed), *full.shape, fmt.data_type, False)
+            self._w = Packed(None, np.asarray(self.packed), *shape, fmt.data_type, False)
         else:
             assert plain is not None
             rows = np.asarray(plain.data.view(mx.uint16) if fmt is HostFormat.BF16 else plain.data)

@@ -97,3 +97,16 @@ def joined_bias(weights: list[mx.array | Dequantized],
     return np.concatenate([np.zeros(w.shape[0], np.float32) if b is None
                            else np.asarray(b.astype(mx.float32))
                            for w, b in zip(weights, biases, strict=True)])  # fmt: skip
+
+
+def joined(weights: list[mx.array]) -> mx.array:
+    """Tables of one K stacked along N (a layer's q, k and v): over their stored bits in numpy,
+    then one MLX array. MLX's CPU concatenation of a 1.7B model's bf16 q, k, v and gate, up
+    took ~6 s of a first start beside ~2 s to read them."""
+    if len(weights) == 1:
+        return weights[0]
+    parts = [table(w) for w in weights]
+    if len({p.dtype for p in parts}) > 1 or len({w.dtype for w in weights}) > 1:
+        return mx.concatenate(weights, axis=0)
+    out = mx.array(np.concatenate(parts))
+    return out.view(weights[0].dtype) if weights[0].dtype == mx.bfloat16 else out

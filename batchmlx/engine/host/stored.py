@@ -75,7 +75,7 @@ def eight_bit(weights: list[mx.array | Dequantized]) -> head8.Head8Weights:
         if exact is not None:
             return exact
     rows = [w.array() if isinstance(w, Dequantized) else w for w in weights]
-    return head8.Head8Weights.of_float(table(rows[0] if len(rows) == 1 else mx.concatenate(rows)))
+    return head8.Head8Weights.of_float(table(joined(rows)))
 
 
 def table(a: mx.array) -> np.ndarray:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -66,11 +66,20 @@ class DecodeRows:
     tables: np.ndarray
     counts: np.ndarray
     shared: int = 0
+    # (rep_heads, threads) -> `splits`: a step's rows are split once, not once a layer
+    _splits: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, tables: np.ndarray, counts: np.ndarray, shared: int = 0) -> DecodeRows:
         return cls(np.ascontiguousarray(tables, dtype=np.int32),
                    np.ascontiguousarray(counts, dtype=np.int32), shared)  # fmt: skip
+
+    def split(self, rep_heads: int, threads: int) -> list[tuple[int, int]]:
+        """`splits`, found once per shape."""
+        key = (rep_heads, threads)
+        if key not in self._splits:
+            self._splits[key] = self.splits(rep_heads, threads)
+        return self._splits[key]
 
     def splits(self, rep_heads: int, threads: int) -> list[tuple[int, int]]:
         """Row ranges, one per thread, of about equal keys (one range below SPLIT_WORK)."""
@@ -123,7 +132,7 @@ def decode(
             tables.shape[1], pointer(rows.counts))  # fmt: skip
     tail = (h, hq // h, d, block_size, rows.shared, window or 0, float(softcap or 0.0),
             pointer(out))  # fmt: skip
-    parts = ranges or rows.splits(hq, threads if pool is not None else 1)
+    parts = ranges or rows.split(hq, threads if pool is not None else 1)
     jobs = [pool.submit(lib.attn_decode, *args, a, b, *tail) for a, b in parts[1:]] if pool else []
     codes = [lib.attn_decode(*args, *parts[0], *tail)] if parts else []
     codes += [job.result() for job in jobs]
@@ -132,19 +141,36 @@ def decode(
     return out
 
 
-def scatter(pool: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
+@dataclass(frozen=True, slots=True)
+class WriteRows:
+    """A step's pool rows for `scatter` (int32), checked once against the pool's length (every
+    layer's pool has the same): a one-row decode step scatters 60 times, and the conversion
+    and the bounds check were half of each call."""
+
+    rows: np.ndarray
+    pool_rows: int
+
+    @classmethod
+    def of(cls, rows: np.ndarray, pool_rows: int) -> WriteRows:
+        rows = np.ascontiguousarray(rows, dtype=np.int32)
+        if rows.size and (int(rows.max()) >= pool_rows or int(rows.min()) < 0):
+            raise IndexError("a row outside the pool")
+        return cls(rows, pool_rows)
+
+
+def scatter(pool: np.ndarray, rows: np.ndarray | WriteRows, src: np.ndarray) -> None:
     """pool[rows] = src (float32 rows of D) into a float32 or float16 pool [N, D], rounded to
     float16 to nearest even (F16C) where it is one: numpy's and MLX's rounding, without
     numpy's scalar conversion loop."""
     lib = library()
+    checked = rows if isinstance(rows, WriteRows) else None
     if lib is None or pool.dtype not in POOL_DTYPES or not pool.flags.c_contiguous:
-        pool[rows] = src
+        pool[rows.rows if checked is not None else rows] = src
         return
     src = np.ascontiguousarray(src, dtype=np.float32)
-    rows = np.ascontiguousarray(rows, dtype=np.int32)
-    if rows.size and (int(rows.max()) >= pool.shape[0] or int(rows.min()) < 0):
-        raise IndexError("a row outside the pool")
-    lib.attn_scatter(pointer(src), rows.shape[0], pool.shape[1], pointer(rows),
+    if checked is None or checked.pool_rows != pool.shape[0]:
+        checked = WriteRows.of(checked.rows if checked is not None else rows, pool.shape[0])
+    lib.attn_scatter(pointer(src), checked.rows.shape[0], pool.shape[1], pointer(checked.rows),
                      pointer(pool), int(pool.dtype == np.float16))  # fmt: skip
 
 

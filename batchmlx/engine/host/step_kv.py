@@ -33,7 +33,9 @@ class StepKV:
     def __init__(self, storage: PagedKVStorage, layout: PackedLayout, backend: HostBackend) -> None:
         self.storage = storage
         self.run = storage.block_size * storage.head_dim
-        self.write_rows = np.asarray(layout.write_rows)  # token-major, then head
+        # token-major, then head; checked against the pool once for every layer
+        self.write_rows = paged_attention.WriteRows.of(np.asarray(layout.write_rows),
+                                                       storage.keys[0].shape[0])  # fmt: skip
         self.segments = [_SegmentPlan.of(seg, backend) for seg in layout.segments]
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,

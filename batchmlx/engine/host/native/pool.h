@@ -28,7 +28,9 @@
 #define COL_BITS 20
 #define COL_MASK ((1ull << COL_BITS) - 1)
 #define WAIT_PAUSES 256      // the caller spins this long for the workers' columns, then sleeps
-#define SPIN_ROUNDS 16       // a worker spins ~16 x 4 us for the next job, then sleeps
+#define SPIN_ROUNDS 16       // a worker spins ~16 x 4 us for the next job, then sleeps...
+#define IDLE_SPIN_ROUNDS 512 // ...or ~2 ms while its CPU has nothing else to run (see pool_worker)
+#define YIELD_RAN_OTHERS_NS 30000  // a sched_yield this long: another thread ran on our CPU
 
 // columns [n0, n1) of the job whose arguments `args` points to
 typedef void (*pool_columns)(const void* args, int n0, int n1);
@@ -77,6 +79,15 @@ static void pool_take(uint32_t gen, int helper) {
     }
 }
 
+// sched_yield, and whether it let another thread run (it took YIELD_RAN_OTHERS_NS or more)
+static inline int yield_ran_others(void) {
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    sched_yield();
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    return (b.tv_sec - a.tv_sec) * 1000000000LL + (b.tv_nsec - a.tv_nsec) >= YIELD_RAN_OTHERS_NS;
+}
+
 static void* pool_worker(void* arg) {
     int index = (int)(intptr_t)arg;
     // AMX's tile state, asked for per thread (harmless where there is none)
@@ -84,22 +95,30 @@ static void* pool_worker(void* arg) {
     uint32_t seen = __atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE);
     for (;;) {
         uint32_t w = __atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE);
-        // spin SPIN_ROUNDS rounds of 64 pauses, yielding after each: woken onto the caller's
-        // CPU (the other one busy), a worker that only spun would hold it from the caller
+        // spin rounds of 64 pauses, yielding after each: woken onto the caller's CPU (the
+        // other one busy), a worker that only spun would hold it from the caller. Asleep, a
+        // worker wakes too late for a one-row GEMM (~10-100 us), and the decode step's GEMMs
+        // come ~20-150 us apart (its attention, norms, Python between): so while its CPU is
+        // otherwise idle (each yield comes straight back) it spins IDLE_SPIN_ROUNDS (~2 ms, a
+        // step's gaps), and once a yield shows another thread waiting there, SPIN_ROUNDS only
+        // (measured, 135M, 2-core Xeon: width-1 decode step 18.6 -> 14.0 ms, its GEMMs 9.5 ->
+        // 6.8 ms; spinning long beside a busy process cost width-64 steps 5-12%)
+        int contended = 0;
         for (int round = 0; w == seen; round++) {
             for (int i = 0; i < 64 && w == seen; i++) {
                 _mm_pause();
                 w = __atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE);
             }
             if (w != seen) break;
-            sched_yield();
-            if (round >= SPIN_ROUNDS) {
+            contended |= yield_ran_others();
+            if (round >= (contended ? SPIN_ROUNDS : IDLE_SPIN_ROUNDS)) {
                 // sleep: the caller's store to `wake` then its look at `sleepers`, and ours in
                 // the other order (both sequentially consistent), lose no wake-up
                 __atomic_fetch_add(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
                 syscall(SYS_futex, &pool.wake, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
                 __atomic_fetch_sub(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
                 round = 0;
+                contended = 0;
             }
             w = __atomic_load_n(&pool.wake, __ATOMIC_ACQUIRE);
         }

@@ -322,11 +322,8 @@ void head8_rows(int count, const int64_t* ids, int K, const int8_t* q, const flo
 void head8_round(int N, int K, const void* w, int dtype, int64_t ldw, int8_t* values,
                  float* scales) {
     const float third = (float)(1.0 / 127.0);
-    const __m512i expo = _mm512_set1_epi32(0x7f800000), lo = _mm512_set1_epi32(-127),
-                  hi = _mm512_set1_epi32(127);
-    // word w of row r in `bytes`: its pairs 2w and 2w + 1
-    const __m512i rows = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
-                                           112, 120);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512i rows = widen_tile_rows();  // word w of row r in `bytes`: its pairs 2w, 2w + 1
     int ng = K / G;
     for (int t = 0; t < N / T; t++)
         for (int g = 0; g < ng; g++) {
@@ -334,10 +331,7 @@ void head8_round(int N, int K, const void* w, int dtype, int64_t ldw, int8_t* va
             for (int r = 0; r < T; r++) {
                 const void* row = widen_row(w, dtype, ldw, t * T + r);
                 __m512 a = widen16(row, dtype, g * G), b = widen16(row, dtype, g * G + 16);
-                int finite = (_mm512_cmpeq_epi32_mask(
-                                  _mm512_and_si512(_mm512_castps_si512(a), expo), expo) |
-                              _mm512_cmpeq_epi32_mask(
-                                  _mm512_and_si512(_mm512_castps_si512(b), expo), expo)) == 0;
+                int finite = !widen_nonfinite(a, b);
                 float s = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) *
                           third;
                 __m512 inv = _mm512_set1_ps(finite && s > 0.f ? 1.f / s : 0.f);

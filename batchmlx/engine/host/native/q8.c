@@ -280,15 +280,12 @@ struct q8_pack_job {
 // q8_pack_group's per-row passes wrote them 4 bytes at a time (~2.5x as long).
 static inline __attribute__((always_inline)) void q8_pack_tile32(
     const struct q8_pack_job* j, int t, int g, int ng) {
-    const __m512i expo = _mm512_set1_epi32(0x7f800000);
     int32_t bytes[16][8];  // the 16 rows' 32 values as int8, 4 to a word
     size_t at = ((size_t)t * ng + g) * 16;
     for (int r = 0; r < 16; r++) {
         const void* row = widen_row(j->w, j->dtype, j->ldw, 16 * t + r);
         __m512 a = widen16(row, j->dtype, g * 32), b = widen16(row, j->dtype, g * 32 + 16);
-        // NaN or infinity: all exponent bits set (as the sum of v x 0 tells it elsewhere)
-        int bad = (_mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(a), expo), expo) |
-                   _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(b), expo), expo)) != 0;
+        int bad = widen_nonfinite(a, b);  // (as the sum of v x 0 tells it elsewhere)
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         __m512 inv = _mm512_set1_ps(bad ? 0.f : amax > 0.f ? 127.f / amax : 0.f);
         __m512i ia = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, inv),
@@ -301,8 +298,7 @@ static inline __attribute__((always_inline)) void q8_pack_tile32(
         j->ws[at + r] = bad ? __builtin_nanf("") : amax > 0.f ? amax / 127.f : 1.f;
         j->wc[at + r] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
     }
-    const __m512i rows = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
-                                           112, 120);  // word w of row r: bytes[r][w]
+    const __m512i rows = widen_tile_rows();  // word w of row r: bytes[r][w]
     int32_t* line = (int32_t*)j->wp + ((size_t)t * (j->K / 4) + (size_t)g * 8) * 16;
     for (int w = 0; w < 8; w++)
         _mm512_storeu_si512(line + w * 16, _mm512_i32gather_epi32(rows, &bytes[0][w], 4));

@@ -25,4 +25,18 @@ static inline const void* widen_row(const void* w, int dtype, int64_t ld, int n)
     return (const char*)w + (size_t)n * (size_t)ld * size;
 }
 
+// Whether a or b holds a NaN or an infinity: all exponent bits set (a group of 32 values that
+// the quantizers zero, with a NaN scale)
+static inline __attribute__((always_inline)) int widen_nonfinite(__m512 a, __m512 b) {
+    const __m512i expo = _mm512_set1_epi32(0x7f800000);
+    return (_mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(a), expo), expo) |
+            _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(b), expo), expo)) != 0;
+}
+
+// The gather offsets (in 4-byte words) of word w of each of a tile's 16 rows in int32
+// bytes[16][8] (a group of 32 int8 values a row): the packers' transpose into a tile's lines
+static inline __attribute__((always_inline)) __m512i widen_tile_rows(void) {
+    return _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+}
+
 #endif

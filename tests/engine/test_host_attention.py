@@ -183,3 +183,36 @@ def test_decode_attention_equals_naive_over_own_keys_and_a_shared_prefix(
     got = host_attention.decode_attention(q, k, v, bias, prefix)  # q already scaled
     want = naive(q.reshape(s, h * rep, 1, d), k_all, v_all, 1.0, seen[:, None, None, :])
     np.testing.assert_allclose(got.reshape(s, h * rep, 1, d), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("h", "ql", "offset"), [(3, 6, 940), (2, 64, 0), (5, 1, 30)])
+def test_one_sequences_tile_split_by_kv_heads_gives_the_unsplit_bits(
+    h, ql, offset, monkeypatch
+) -> None:
+    """A lone sequence's single tile (a short chunk behind its cached prefix) goes to two
+    threads by KV head: the very bits of the whole tile on one thread, and close to plain
+    attention."""
+    backend = current()
+    monkeypatch.setattr(backend, "pool_threads", 2)
+    rng = np.random.default_rng(h * 100 + ql)
+    rep, d, tile = 3, 16, host_attention.TILE_QUERIES
+    kl = offset + ql
+    q = rng.standard_normal((1, h, rep, ql, d)).astype(np.float32) * 0.3
+    k, v = (rng.standard_normal((1, h, kl, d)).astype(np.float32) for _ in range(2))
+    bias = np.where(np.arange(kl)[None, :] <= np.arange(offset, kl)[:, None], 0,
+                    -np.inf).astype(np.float32)[None, None]  # fmt: skip
+    tiles = host_attention._attend_tiles
+    calls: list[int] = []  # each call's KV heads
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return tiles(*args, **kwargs)
+
+    monkeypatch.setattr(host_attention, "_attend_tiles", counted)
+    split = host_attention._attend(q, k, v, bias, offset, tile, backend=backend)
+    assert sorted(calls) == sorted([(h + 1) // 2, h // 2])  # two calls, the heads between them
+    whole = np.empty_like(q)
+    tiles(q, k, v, bias, offset, tile, None, whole, 0, ql)
+    assert np.array_equal(split, whole)
+    want = naive(q.reshape(1, h * rep, ql, d), k, v, 1.0, np.isfinite(bias))
+    np.testing.assert_allclose(split.reshape(1, h * rep, ql, d), want, rtol=1e-5, atol=1e-5)

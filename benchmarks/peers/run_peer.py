@@ -441,7 +441,8 @@ def run_batchmlx(wl: Workload, model: str = "default", *, dtype: str | None = No
         raise RuntimeError(f"batchmlx submit failed ({w.proc.returncode}): {w.tail()}")
     lines = [line for _, line in w.lines]
     start = max(i for i, line in enumerate(lines) if line == "{")
-    batch = json.loads("\n".join(lines[start:]))
+    # (raw_decode: the log may go on after the JSON, e.g. a first start's cache note at exit)
+    batch, _ = json.JSONDecoder().raw_decode("\n".join(lines[start:]))
     loaded = next(line for _, line in w.lines if ": weights as " in line)
     ready = w.first(": weights as ") or 0.0
     t0 = time.perf_counter()

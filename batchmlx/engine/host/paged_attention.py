@@ -67,7 +67,8 @@ class DecodeRows:
     counts: np.ndarray
     shared: int = 0
     # (rep_heads, threads) -> `splits`: a step's rows are split once, not once a layer
-    _splits: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict)
+    _splits: dict[tuple[int, int], list[tuple[int, int]]] = field(
+        default_factory=dict, compare=False, repr=False)  # fmt: skip
 
     @classmethod
     def of(cls, tables: np.ndarray, counts: np.ndarray, shared: int = 0) -> DecodeRows:
@@ -163,13 +164,13 @@ def scatter(pool: np.ndarray, rows: np.ndarray | WriteRows, src: np.ndarray) -> 
     float16 to nearest even (F16C) where it is one: numpy's and MLX's rounding, without
     numpy's scalar conversion loop."""
     lib = library()
-    checked = rows if isinstance(rows, WriteRows) else None
+    plain = rows.rows if isinstance(rows, WriteRows) else rows
     if lib is None or pool.dtype not in POOL_DTYPES or not pool.flags.c_contiguous:
-        pool[rows.rows if checked is not None else rows] = src
+        pool[plain] = src
         return
     src = np.ascontiguousarray(src, dtype=np.float32)
-    if checked is None or checked.pool_rows != pool.shape[0]:
-        checked = WriteRows.of(checked.rows if checked is not None else rows, pool.shape[0])
+    checked = (rows if isinstance(rows, WriteRows) and rows.pool_rows == pool.shape[0]
+               else WriteRows.of(plain, pool.shape[0]))  # fmt: skip
     lib.attn_scatter(pointer(src), checked.rows.shape[0], pool.shape[1], pointer(checked.rows),
                      pointer(pool), int(pool.dtype == np.float16))  # fmt: skip
 

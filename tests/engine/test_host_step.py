@@ -233,6 +233,8 @@ def test_real_model_text_equals_the_mlx_path(default_model_bf16):
     got, cmp = run(True)
     assert cmp.host.steps >= 20
     assert max(cmp.diffs) < 5e-2, max(cmp.diffs)  # 30 layers: measured <= 1.8e-2
-    assert sum(g.token_ids == w.token_ids for g, w in zip(got, want, strict=True)) >= 7
+    # 7 of 8 equal with 64-query attention tiles, 6 with 16 (the sums' order moved: two texts
+    # part at near-ties, max logit difference 0.013 either way)
+    assert sum(g.token_ids == w.token_ids for g, w in zip(got, want, strict=True)) >= 6
     # where a text parts, the MLX path was at a near-tie (measured: 0.013 in logprob)
     assert_greedy_texts_agree(got, want)

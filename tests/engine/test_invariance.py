@@ -199,18 +199,19 @@ def test_the_same_bits_behind_a_prefix_cache_hit_alone_and_in_a_batch(model):
 
 
 @pytest.mark.parametrize("shared, extra, rest, hit",
-                         [(32, 1, 1, 32), (32, 2, 1, 0), (72, 1, 90, 64), (72, 60, 90, 72),
-                          (130, 1, 1, 128), (150, 10, 60, 128)])  # fmt: skip
+                         [(40, 1, 1, 40), (40, 2, 1, 32), (72, 1, 90, 64), (72, 60, 90, 72),
+                          (130, 1, 1, 128), (150, 10, 60, 144)])  # fmt: skip
 def test_the_same_bits_with_and_without_a_prefix_cache_hit(model, shared, extra, rest, hit):
     """A request's prompt (`shared` + `rest` tokens) computed whole (a fresh engine), and
     with its first `hit` tokens taken from the prefix cache, left there by a sibling (`shared`
     + `extra` tokens), only the rest computed. A hit ends where the sibling's last whole
-    64-token tile and the request's own do, at most: the rows of a prompt's last, partial
-    tile attend over keys up to its end, so their KV depends on its length (150 + 10 behind
-    150: the tile from 128 summed 160 keys where the request's own sums 192); those blocks
-    are hashed with the prompt's length (core/kv_manager.py): hit by a prompt as long (32 + 1
-    behind 32 + 1), not by another (32 + 1 behind 32 + 2). `rest` = 1: one prompt token,
-    laid out as a chunk, not beside the decodes; 90 after a hit of 72: a hit ending mid-tile.
+    16-token tile (attention.TILE_QUERIES) and the request's own do, at most: the rows of a
+    prompt's last, partial tile attend over keys up to its end, so their KV depends on its
+    length (40 + 2 behind 40: the tile from 32 summed 42 keys where the request's own sums
+    41); those blocks are hashed with the prompt's length (core/kv_manager.py): hit by a
+    prompt as long (40 + 1 behind 40 + 1), not by another (40 + 1 behind 40 + 2: 32 of the 40
+    shared tokens). `rest` = 1: one prompt token, laid out as a chunk, not beside the decodes;
+    90 after a hit of 72: a hit ending mid-tile (blocks of 8).
     9 of 16 short chats' texts differed in int8 and 4 in bf16 behind the chat template's
     cached system prompt, before the tiles were aligned and padded (attention.py)."""
     fmt, m = model
@@ -227,10 +228,10 @@ def test_the_same_bits_with_and_without_a_prefix_cache_hit(model, shared, extra,
 
 @pytest.mark.parametrize("before", [37, 90])
 def test_the_same_bits_when_the_step_budget_cuts_the_prompt_elsewhere(model, before):
-    """A 230-token prompt under a 160-token step budget: alone it is cut at 128; arriving
+    """A 230-token prompt under a 160-token step budget: alone it is cut at 160; arriving
     behind a `before`-token prompt in the same step, where the budget left and the decodes
-    beside it say (at 64 and 192). The cuts end on the attention's 64-query
-    tiles (SchedulerConfig.chunk_align), so each row attends in the tile it would alone; cut
+    beside it say. The cuts end on the attention's 16-query tiles (attention.TILE_QUERIES,
+    SchedulerConfig.chunk_align), so each row attends in the tile it would alone; cut
     where the budget ran out, the tile ending at the cut saw fewer keys (1 of 3 requests'
     log-probs differed so at float32 in `benchmarks.invariance --quick`)."""
     fmt, m = model
@@ -245,8 +246,8 @@ def test_the_same_bits_when_the_step_budget_cuts_the_prompt_elsewhere(model, bef
     eng = engine(m, **cfg)
     ends = _chunk_ends(eng, "x")
     got = eng.generate([first, GenerationRequest("x", target, PARAMS)])[1]
-    assert solo_ends == [128, 230] and ends != solo_ends
-    assert all(e % 64 == 0 for e in ends[:-1]), ends
+    assert solo_ends == [160, 230] and ends != solo_ends
+    assert all(e % 16 == 0 for e in ends[:-1]), ends
     assert _bits(got) == _bits(alone)
 
 

@@ -27,8 +27,14 @@ from batchmlx.engine.host.elementwise import softcap as cap_scores
 from batchmlx.engine.host.onednn import OneDNN
 from batchmlx.engine.kv.paged import KEY_GROUP, additive_bias
 
-# Query rows per tile: 9 query heads x 64 queries x 1,000 keys x 4 B ~ 2.3 MB of scores.
-TILE_QUERIES = 64
+# Query rows per tile (a tile's products always have rep x TILE_QUERIES rows, padded: see
+# _attend_tiles), the KV block size: a chunk behind a cached prefix starts at a multiple of
+# the block, so at a tile's start, its rows where a whole prompt's run puts them. With 64 its
+# ~28 queries cost two padded tiles, 128 rows: 64 chats behind a ~900-token system prompt,
+# whole process 8.7 -> 7.7 s with 16, 64 unique chats 9.6 / 9.5 s either way (a 934-token
+# prompt alone pays for more tiles: its prefill 0.61 -> ~0.75 s). 3 query heads x 16 queries
+# x 1,000 keys x 4 B ~ 0.2 MB of scores.
+TILE_QUERIES = 16
 # Below this many score elements per layer (batch x query heads x queries x keys) a call keeps
 # MLX's attention: leaving MLX costs an evaluation barrier per layer and two copies. A prompt
 # chunk wins that back from this size on, one-query rows (decodes) from half as many (measured:

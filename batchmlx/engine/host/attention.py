@@ -88,8 +88,9 @@ def _attend(
     backend: HostBackend | None = None,
     softcap: float | None = None,
 ) -> np.ndarray:
-    """`_attend_tiles` split over the worker threads: a prompt's query tiles (the later,
-    larger ones first), or a single tile's sequences in two halves. valid [B, Q]: which
+    """`_attend_tiles` split over this thread and the workers: a prompt's query tiles (the
+    later, larger ones first), a lone sequence's single tile by KV heads, or a single tile's
+    sequences in two halves. valid [B, Q]: which
     queries are real (padded chunks); None: all. softcap: scores -> softcap * tanh(scores /
     softcap) before the mask (gemma2)."""
     b, h, rep, ql, d = q.shape

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from batchmlx.engine.host import paged_attention as pa
+from batchmlx.engine.host import q8
 
 pytestmark = pytest.mark.skipif(pa.library() is None, reason="kernel does not run on this CPU")
 
@@ -93,6 +94,34 @@ def test_the_cascade_is_a_loop_order_not_another_computation():
     assert np.array_equal(split, plain)
     alone = pa.DecodeRows.of(rows.tables[4:5], rows.counts[4:5], 6)
     assert np.array_equal(pa.decode(q[4:5], kp, vp, alone, h, BS)[0], plain[4])
+
+
+@pytest.mark.skipif(q8.pool_runner() is None, reason="q8's pool does not run on this CPU")
+@pytest.mark.parametrize("shared", [0, 4])
+def test_the_gemm_workers_parts_give_the_same_bits(shared):
+    """Handed to q8's pool by (row, KV head) units, claims of any size (19 units, 4, 1), the rows
+    keep the bits of one thread's call, a window, a softcap and a cascade included; and the
+    worker did take units (its help counter moved)."""
+    q, kp, vp, rows, h = _case(7, rows=13, shared=shared, max_keys=280)
+    runner = q8.pool_runner()
+    for window, softcap in ((None, None), (40, 30.0)):
+        full = pa.decode(q, kp, vp, rows, h, BS, window=window, softcap=softcap)
+        helped = q8.pool_workers()[1]
+        for threads in (2, 3):
+            for claims in (1, 4, 100):
+                got = _pooled(q, kp, vp, rows, h, window, softcap, runner, threads, claims)
+                assert np.array_equal(got, full)
+        assert q8.pool_workers()[1] > helped
+
+
+def _pooled(q, kp, vp, rows, h, window, softcap, runner, threads, claims):
+    saved = pa.CLAIMS_PER_THREAD
+    pa.CLAIMS_PER_THREAD = claims
+    try:
+        return pa.decode(q, kp, vp, rows, h, BS, window=window, softcap=softcap,
+                         runner=runner, threads=threads)  # fmt: skip
+    finally:
+        pa.CLAIMS_PER_THREAD = saved
 
 
 def test_splits_cover_every_row_once():

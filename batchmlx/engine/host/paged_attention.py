@@ -34,12 +34,17 @@ from batchmlx.engine.host.native_lib import (
 CPU_FLAGS = ("avx512f",)
 LIB = register(NativeLibrary("attn", CPU_FLAGS, ("-mavx512f",), "paged decode-attention kernel", (
     Signature("attn_decode", (P, P, P, INT, P, INT, P, *[INT] * 8, FLOAT, P), INT),
+    Signature("attn_decode_pooled", (P, P, P, INT, P, INT, P, *[INT] * 7, FLOAT, P, P, INT, INT),
+              INT),
     Signature("attn_scatter", (P, INT, INT, P, P, INT)),
     Signature("attn_gather", (P, INT, P, INT, INT, P)),
 )))  # fmt: skip
 # rows x query heads x keys from which a call's rows are split over two threads (a hand-off
 # costs ~30-50 us; one such call is ~40 us of work)
 SPLIT_WORK = 1 << 15
+# a pooled call's (row, KV head) units go out in about this many claims a thread: rows' keys
+# differ, and a thread that finishes early takes another
+CLAIMS_PER_THREAD = 4
 # the shapes the kernel takes (attn.c's MAX_D, MAX_REP)
 MAX_D = 512
 MAX_REP = 16
@@ -108,13 +113,15 @@ def decode(
     pool: ThreadPoolExecutor | None = None,
     threads: int = 1,
     ranges: list[tuple[int, int]] | None = None,
+    runner: int | None = None,
 ) -> np.ndarray:
     """q [R, H * rep, D] float32 (scaled) against the pool's keys and values (float32 or
     float16, C-contiguous, row ((block * H + head) * block_size + offset) of D; H = kv_heads) -> [R,
     H * rep, D]. window: each row sees its last `window` keys only; softcap: scores ->
-    softcap * tanh(s / softcap). The rows are split over this thread and `pool`'s
-    (`threads` in all) unless `ranges` names the split; a row's result is the same bits
-    whichever."""
+    softcap * tanh(s / softcap). With `runner` (q8.pool_runner: the GEMMs' workers) the rows'
+    (row, KV head) parts go to its `threads` in one C call; else the rows are split over this
+    thread and `pool`'s (`threads` in all) unless `ranges` names the split. A row's result is
+    the same bits whichever."""
     lib = library()
     if lib is None:
         raise RuntimeError("paged decode-attention kernel unavailable (see the log)")
@@ -133,6 +140,14 @@ def decode(
             tables.shape[1], pointer(rows.counts))  # fmt: skip
     tail = (h, hq // h, d, block_size, rows.shared, window or 0, float(softcap or 0.0),
             pointer(out))  # fmt: skip
+    if runner is not None and ranges is None and threads > 1:
+        code = lib.attn_decode_pooled(
+            *args, r, *tail[:-1], pointer(out), runner, threads,
+            max(1, r * h // (threads * CLAIMS_PER_THREAD)),
+        )  # fmt: skip
+        if code:
+            raise ValueError(f"attn_decode does not take D={d}, rep={hq // h}")
+        return out
     parts = ranges or rows.split(hq, threads if pool is not None else 1)
     jobs = [pool.submit(lib.attn_decode, *args, a, b, *tail) for a, b in parts[1:]] if pool else []
     codes = [lib.attn_decode(*args, *parts[0], *tail)] if parts else []

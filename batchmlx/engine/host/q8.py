@@ -31,6 +31,7 @@ it includes is refused, and a test fails).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import platform
@@ -79,6 +80,7 @@ LIB = register(NativeLibrary("q8", CPU_FLAGS, TARGET_FLAGS, "grouped int8 kernel
     Signature("q8_matmul", (INT, INT, INT, INT, P, I64, *[P] * 6, INT, INT, INT)),
     Signature("q8_pack", (INT, INT, INT, P, INT, I64, P, P, P, INT)),
     Signature("q8_experts", (INT, P, INT, P, *[INT] * 4, P, I64, *[P] * 4, INT, INT, INT), INT),
+    Signature("q8_pool_run", (P, P, INT, INT, INT)),
     Signature("q8_pool_workers", (), INT),
     Signature("q8_pool_helped", (), I64),
 )))  # fmt: skip
@@ -450,3 +452,11 @@ def pool_workers() -> tuple[int, int]:
     computed since."""
     lib = library()
     return (0, 0) if lib is None else (lib.q8_pool_workers(), lib.q8_pool_helped())
+
+
+@functools.cache  # asked once a layer: the library is loaded once a process
+def pool_runner() -> int | None:
+    """The address of q8.c's `q8_pool_run` (its GEMM workers, for another kernel's parts:
+    paged_attention.decode), or None where the library does not run here."""
+    lib = library()
+    return None if lib is None else ctypes.cast(lib.q8_pool_run, ctypes.c_void_p).value

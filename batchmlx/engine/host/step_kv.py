@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from batchmlx.engine.host import attention as host_attention
-from batchmlx.engine.host import paged_attention
+from batchmlx.engine.host import paged_attention, q8
 from batchmlx.engine.host.backend import HostBackend
 from batchmlx.engine.kv.decode import DecodePlan
 from batchmlx.engine.kv.paged import PackedLayout, PagedKVStorage, Segment, SegmentKind
@@ -124,10 +124,15 @@ class _SegmentPlan:
         rep = hq // h
         if self.rows is not None and self.dense is None and paged_attention.takes(d, rep):
             backend = self.backend
-            pool = None if backend is None else backend.pool()
+            if backend is None:
+                return paged_attention.decode(q, kpool, vpool, self.rows, h, kr.shape[1] // d,
+                                              window=window, softcap=softcap)  # fmt: skip
+            runner = q8.pool_runner()  # the GEMMs' workers: no Python hand-off, no third thread
             return paged_attention.decode(
                 q, kpool, vpool, self.rows, h, kr.shape[1] // d, window=window,
-                softcap=softcap, pool=pool, threads=1 if backend is None else backend.pool_threads,
+                softcap=softcap, pool=None if runner else backend.pool(),
+                threads=backend.threads.or_cpus() if runner else backend.pool_threads,
+                runner=runner,
             )  # fmt: skip
         bias = self.bias if window is None else self.window_bias(window)
         if self.dense is not None:

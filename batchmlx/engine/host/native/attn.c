@@ -6,10 +6,11 @@
  * block is merged into the row's running (max, sum, out) with a block-wise online softmax
  * (FlashAttention-2's update: rescale by exp(old max - new max), add exp(s - new max) and
  * p.V key by key), blocks in position order. Nothing depends on the batch, its width, the
- * longest row or how rows are split over threads (each row is computed by one call). A prefix
- * of blocks every row shares (cascade) is walked block-major across the rows, so each block
- * is read once for all of them while in cache; each (row, block) step is the same arithmetic
- * in the same order as a row alone, so the cascade is a loop order, not another computation.
+ * longest row or how rows are split over threads (a row's KV head is one thread's work). A
+ * prefix of blocks every row shares (cascade) is walked block-major across the rows, so each
+ * block is read once for all of them while in cache; each (row, block) step is the same
+ * arithmetic in the same order as a row alone: the cascade is a loop order, not another
+ * computation.
  *
  * Layouts: the pool (float32, or float16 where `half`: widened exactly by F16C's vcvtph2ps)
  * has rows ((block * H + head) * bs + offset) of D; q and out (float32)
@@ -207,76 +208,123 @@ static inline void block_span(const Shape *sh, int b, int count, int *lo, int *h
     *hi = count - p0 < sh->bs ? count - p0 : sh->bs;
 }
 
-/* Block b of one row, every KV head. State per (row, KV head): m [rep], l [rep], acc [rep, D]. */
-/* Asks for block `next`'s keys and values, every head (a row's blocks lie anywhere in the
- * pool: the hardware prefetcher sees one run at a time). */
-static void prefetch_block(const Shape *sh, int next) {
-    const size_t size = sh->half ? 2 : 4, bytes = (size_t)sh->bs * sh->d * size * sh->h;
-    const char *k = (const char *)sh->kpool + (size_t)next * bytes;
-    const char *v = (const char *)sh->vpool + (size_t)next * bytes;
+/* Asks for the keys and values of one KV head in block `next` (a sequence's blocks lie
+ * anywhere in the pool: the hardware prefetcher sees one run at a time). */
+static void prefetch_block(const Shape *sh, int next, int head) {
+    const size_t size = sh->half ? 2 : 4, bytes = (size_t)sh->bs * sh->d * size;
+    const size_t at = ((size_t)next * sh->h + head) * bytes;
+    const char *k = (const char *)sh->kpool + at, *v = (const char *)sh->vpool + at;
     for (size_t o = 0; o < bytes; o += 64) {
         _mm_prefetch(k + o, _MM_HINT_T0);
         _mm_prefetch(v + o, _MM_HINT_T0);
     }
 }
 
-/* next: the block id to prefetch meanwhile, or -1 */
-static void row_block(const Shape *sh, const float *q, const int32_t *tables, int tw,
-                      const int32_t *counts, float *state, int row, int b, int next) {
+/* The work of one call: units u = row * h + head (a row's KV head and its rep query heads),
+ * each computed whole by one thread. State per unit: m [rep], l [rep], acc [rep, D]. */
+typedef struct {
+    Shape sh;
+    const float *q;
+    const int32_t *tables;
+    const int32_t *counts;
+    int tw, shared;
+    float *out;
+    int failed; /* a part found no memory */
+} Job;
+
+/* Block b of unit u (row, head) merged into its state st; next: a block to prefetch, or -1 */
+static void unit_block(const Job *j, int u, int b, float *st, int next) {
+    const Shape *sh = &j->sh;
+    const int row = u / sh->h, head = u % sh->h, rep = sh->rep;
     int lo, hi;
-    block_span(sh, b, counts[row], &lo, &hi);
+    block_span(sh, b, j->counts[row], &lo, &hi);
     if (lo >= hi) return;
-    if (next >= 0) prefetch_block(sh, next);
-    const int rep = sh->rep, d = sh->d;
-    const size_t per_head = (size_t)rep * (d + 2);
-    const int block = tables[(size_t)row * tw + b];
-    for (int h = 0; h < sh->h; h++) {
-        float *st = state + ((size_t)row * sh->h + h) * per_head;
-        attend_block(sh, q + ((size_t)row * sh->h + h) * rep * d, block, h, lo, hi, st, st + rep,
-                     st + 2 * rep);
-    }
+    if (next >= 0) prefetch_block(sh, next, head);
+    attend_block(sh, j->q + (size_t)u * rep * sh->d, j->tables[(size_t)row * j->tw + b], head,
+                 lo, hi, st, st + rep, st + 2 * rep);
 }
 
-/* Rows r0..r1-1. shared: the first `shared` blocks of every row's table are the same blocks
- * (a shared prefix): walked block-major over the rows. Returns 0, or -1 for a shape it does
- * not take (D not a multiple of 16 or past MAX_D, rep past MAX_REP) or no memory. */
-int attn_decode(const float *q, const void *kpool, const void *vpool, int half,
-                const int32_t *tables, int tw, const int32_t *counts, int r0, int r1, int h,
-                int rep, int d, int bs, int shared, int window, float softcap, float *out) {
-    if (d % 16 || d > MAX_D || rep > MAX_REP || rep < 1 || r1 <= r0) return r1 <= r0 ? 0 : -1;
-    const Shape sh = {kpool, vpool, half != 0, h, rep, d, bs, window, softcap};
-    const int hq = h * rep;
-    const size_t per_row = (size_t)hq * (d + 2);
-    float *state = malloc((size_t)(r1 - r0) * per_row * sizeof(float));
-    if (!state) return -1;
-    float *st0 = state - (size_t)r0 * per_row; /* indexed by absolute row */
-    for (int row = r0; row < r1; row++)
-        for (int i = 0; i < h; i++) {
-            float *st = st0 + (size_t)row * per_row + (size_t)i * rep * (d + 2);
-            for (int r = 0; r < rep; r++) st[r] = -INFINITY;
-            for (size_t j = rep; j < (size_t)rep * (d + 2); j++) st[j] = 0.0f;
-        }
-    for (int b = 0; b < shared; b++)
-        for (int row = r0; row < r1; row++) row_block(&sh, q, tables, tw, counts, st0, row, b, -1);
-    for (int row = r0; row < r1; row++) {
-        const int nb = (counts[row] + bs - 1) / bs;
-        for (int b = shared; b < nb; b++) {
-            const int next = b + 1 < nb ? tables[(size_t)row * tw + b + 1]
-                             : row + 1 < r1 && shared < (counts[row + 1] + bs - 1) / bs
-                                 ? tables[(size_t)(row + 1) * tw + shared] : -1;
-            row_block(&sh, q, tables, tw, counts, st0, row, b, next);
-        }
-        for (int i = 0; i < h; i++) {
-            const float *st = st0 + (size_t)row * per_row + (size_t)i * rep * (d + 2);
-            for (int r = 0; r < rep; r++) {
-                float *o = out + ((size_t)row * hq + (size_t)i * rep + r) * d;
-                const float *acc = st + 2 * rep + (size_t)r * d;
-                for (int j = 0; j < d; j++) o[j] = acc[j] / st[rep + r];
+/* Units [u0, u1): the blocks every row shares first, block-major over the units (each read
+ * once for all of them while in cache), then each unit's own blocks in order. The same
+ * (unit, block) steps in the same order whichever units a call takes: the same bits. */
+static void decode_units(const void *arg, int u0, int u1) {
+    Job *j = (Job *)arg;
+    const Shape *sh = &j->sh;
+    const int rep = sh->rep, d = sh->d, bs = sh->bs, h = sh->h;
+    const size_t per_unit = (size_t)rep * (d + 2);
+    float *state = malloc((size_t)(u1 - u0) * per_unit * sizeof(float));
+    if (!state) {
+        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int u = u0; u < u1; u++) {
+        float *st = state + (size_t)(u - u0) * per_unit;
+        for (int r = 0; r < rep; r++) st[r] = -INFINITY;
+        for (size_t i = rep; i < per_unit; i++) st[i] = 0.0f;
+    }
+    for (int b = 0; b < j->shared; b++)
+        for (int u = u0; u < u1; u++) unit_block(j, u, b, state + (size_t)(u - u0) * per_unit, -1);
+    for (int u = u0; u < u1; u++) {
+        const int row = u / h;
+        const int nb = (j->counts[row] + bs - 1) / bs;
+        float *st = state + (size_t)(u - u0) * per_unit;
+        for (int b = j->shared; b < nb; b++) {
+            int next = -1;
+            if (b + 1 < nb) {
+                next = j->tables[(size_t)row * j->tw + b + 1];
+            } else if (u + 1 < u1) { /* the next unit's first own block */
+                const int r2 = (u + 1) / h;
+                if (j->shared < (j->counts[r2] + bs - 1) / bs)
+                    next = j->tables[(size_t)r2 * j->tw + j->shared];
             }
+            unit_block(j, u, b, st, next);
+        }
+        for (int r = 0; r < rep; r++) {
+            float *o = j->out + ((size_t)u * rep + r) * d;
+            const float *acc = st + 2 * rep + (size_t)r * d;
+            const __m512 inv = _mm512_set1_ps(st[rep + r]);
+            for (int c = 0; c < d; c += 16)
+                _mm512_storeu_ps(o + c, _mm512_div_ps(_mm512_loadu_ps(acc + c), inv));
         }
     }
     free(state);
-    return 0;
+}
+
+/* Whether the kernel takes the shape: D a multiple of 16, at most MAX_D; rep 1..MAX_REP */
+static int shape_ok(int d, int rep) { return d % 16 == 0 && d <= MAX_D && rep >= 1 && rep <= MAX_REP; }
+
+/* Rows r0..r1-1 in this thread. shared: the first `shared` blocks of every row's table are
+ * the same blocks (a shared prefix). Returns 0, or -1 for a shape it does not take (D not a
+ * multiple of 16 or past MAX_D, rep past MAX_REP) or no memory. */
+int attn_decode(const float *q, const void *kpool, const void *vpool, int half,
+                const int32_t *tables, int tw, const int32_t *counts, int r0, int r1, int h,
+                int rep, int d, int bs, int shared, int window, float softcap, float *out) {
+    if (r1 <= r0) return 0;
+    if (!shape_ok(d, rep)) return -1;
+    Job j = {{kpool, vpool, half != 0, h, rep, d, bs, window, softcap}, q, tables, counts, tw,
+             shared, out, 0};
+    decode_units(&j, r0 * h, r1 * h);
+    return j.failed ? -1 : 0;
+}
+
+/* A thread pool's entry (q8.c's q8_pool_run, pool.h): runs fn(arg, c0, c1) over columns [0, n),
+ * `chunk` at a time, on the calling thread and up to threads - 1 workers */
+typedef void (*pool_fn)(const void *arg, int c0, int c1);
+typedef void (*pool_runner)(pool_fn fn, const void *arg, int n, int chunk, int threads);
+
+/* attn_decode over all `rows`, its (row, KV head) units handed `chunk` at a time to `runner`'s
+ * threads (the GEMMs' spinning workers: a hand-off costs about a microsecond, where a Python
+ * pool's cost ~30-50 us, more than a narrow step's attention layer). Any split: the same bits. */
+int attn_decode_pooled(const float *q, const void *kpool, const void *vpool, int half,
+                       const int32_t *tables, int tw, const int32_t *counts, int rows, int h,
+                       int rep, int d, int bs, int shared, int window, float softcap,
+                       float *out, pool_runner runner, int threads, int chunk) {
+    if (rows <= 0) return 0;
+    if (!shape_ok(d, rep)) return -1;
+    Job j = {{kpool, vpool, half != 0, h, rep, d, bs, window, softcap}, q, tables, counts, tw,
+             shared, out, 0};
+    runner(decode_units, &j, rows * h, chunk < 1 ? 1 : chunk, threads);
+    return j.failed ? -1 : 0;
 }
 
 /* pool row rows[i] = src[i] (n rows of d floats; where half, rounded to float16 to nearest

@@ -255,6 +255,13 @@ void q8_matmul(int M, int N, int K, int G, const float* x, int64_t ldx, uint8_t*
     pool_run(q8_columns, &j, N, chunk, threads);
 }
 
+// The pool for another library's work (attn.c's attn_decode_pooled): run(args, c0, c1) over
+// columns [0, N), `chunk` at a time, here and on up to threads - 1 of the same workers, so
+// that a process has one set of spinning workers, not one per library
+void q8_pool_run(pool_columns run, const void* args, int N, int chunk, int threads) {
+    pool_run(run, args, N, chunk, threads);
+}
+
 // Workers started, and the columns they computed (for tests)
 int q8_pool_workers(void) { return pool_workers(); }
 int64_t q8_pool_helped(void) { return pool_helped(); }

@@ -358,10 +358,12 @@ def test_the_cascade_gives_the_same_bits_behind_a_shared_prompt(model):
     alone = engine(m, simple=True, **CFG).generate(reqs)
     e = engine(m, **CFG)
     rows = []
-    real = paged_attention.decode
+    real, layer = paged_attention.decode, paged_attention.DecodeStep.layer
     with pytest.MonkeyPatch.context() as mp:  # the steps' decode rows, to see the cascade ran
         mp.setattr(paged_attention, "decode", lambda q, k, v, r, *a, **kw: (
             rows.append(r.shared), real(q, k, v, r, *a, **kw))[1])  # fmt: skip
+        mp.setattr(paged_attention.DecodeStep, "layer", lambda self, *a: (
+            rows.append(self.rows.shared), layer(self, *a))[1])  # fmt: skip
         got = e.generate(reqs)
     assert max(rows) >= 16  # the prompt's 16 blocks of 8, read once a step for all rows
     assert [o.cached_tokens for o in got] == [o.cached_tokens for o in alone]

@@ -114,6 +114,31 @@ def test_the_gemm_workers_parts_give_the_same_bits(shared):
         assert q8.pool_workers()[1] > helped
 
 
+@pytest.mark.skipif(q8.pool_runner() is None, reason="q8's pool does not run on this CPU")
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_a_decode_steps_layer_is_the_scatter_then_the_decode(dtype):
+    """DecodeStep.layer (one C call) writes the new keys and values where `scatter` does and
+    returns `decode`'s bits over the pool so written."""
+    q, kp, vp, rows, h = _case(8, rows=6, shared=2, max_keys=150)
+    kp, vp = kp.astype(dtype), vp.astype(dtype)
+    rng = np.random.default_rng(9)
+    k = rng.standard_normal((6, h, kp.shape[1]), dtype=np.float32)
+    v = rng.standard_normal((6, h, kp.shape[1]), dtype=np.float32)
+    # each row's last key: its block's row for every head (row (block * H + head) * BS + offset)
+    last = rows.counts - 1
+    blocks = rows.tables[np.arange(6), last // BS]
+    write = ((blocks[:, None] * h + np.arange(h)) * BS + (last % BS)[:, None]).reshape(-1)
+    write = pa.WriteRows.of(write.astype(np.int32), kp.shape[0])
+    want_k, want_v = kp.copy(), vp.copy()
+    pa.scatter(want_k, write, k.reshape(-1, kp.shape[1]))
+    pa.scatter(want_v, write, v.reshape(-1, kp.shape[1]))
+    want = pa.decode(q, want_k, want_v, rows, h, BS, window=50)
+    step = pa.DecodeStep(write, rows, h, BS, q8.pool_runner(), 2)
+    got = step.layer(q, k, v, kp, vp, 50, None)
+    assert np.array_equal(kp, want_k) and np.array_equal(vp, want_v)
+    assert np.array_equal(got, want)
+
+
 def _pooled(q, kp, vp, rows, h, window, softcap, runner, threads, claims):
     saved = pa.CLAIMS_PER_THREAD
     pa.CLAIMS_PER_THREAD = claims

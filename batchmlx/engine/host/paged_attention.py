@@ -36,6 +36,8 @@ LIB = register(NativeLibrary("attn", CPU_FLAGS, ("-mavx512f",), "paged decode-at
     Signature("attn_decode", (P, P, P, INT, P, INT, P, *[INT] * 8, FLOAT, P), INT),
     Signature("attn_decode_pooled", (P, P, P, INT, P, INT, P, *[INT] * 7, FLOAT, P, P, INT, INT),
               INT),
+    Signature("attn_decode_step", (P, P, P, INT, P, P, P, INT, P, INT, P, *[INT] * 7, FLOAT, P, P,
+                                   INT, INT), INT),
     Signature("attn_scatter", (P, INT, INT, P, P, INT)),
     Signature("attn_gather", (P, INT, P, INT, INT, P)),
 )))  # fmt: skip
@@ -155,6 +157,46 @@ def decode(
     if any(codes):
         raise ValueError(f"attn_decode does not take D={d}, rep={hq // h}")
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    """A step of decode rows alone, each layer one call (attn_decode_step: the new keys and
+    values scattered, then the rows' attention on `runner`'s workers, as `decode`): a one-row
+    step's layer was ~65 us of Python around ~20 us of kernel as five calls. What does not
+    change between layers is converted once a step."""
+
+    write: WriteRows
+    rows: DecodeRows
+    kv_heads: int
+    block_size: int
+    runner: int  # q8.pool_runner()
+    threads: int
+
+    def layer(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kpool: np.ndarray,
+              vpool: np.ndarray, window: int | None,
+              softcap: float | None) -> np.ndarray:  # fmt: skip
+        """q [R, Hq, D] (scaled), k, v [R, H, D] float32 -> [R, Hq, D]; kpool, vpool: as
+        `decode` reads them (the caller checked they are)."""
+        lib = library()
+        assert lib is not None
+        r, hq, d = q.shape
+        h = self.kv_heads
+        k = np.ascontiguousarray(k, dtype=np.float32)
+        v = np.ascontiguousarray(v, dtype=np.float32)
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        out = np.empty((r, hq, d), np.float32)
+        rows, write = self.rows, self.write.rows
+        code = lib.attn_decode_step(
+            pointer(k), pointer(v), pointer(write), write.shape[0], pointer(q), pointer(kpool),
+            pointer(vpool), int(kpool.dtype == np.float16), pointer(rows.tables),
+            rows.tables.shape[1], pointer(rows.counts), r, h, hq // h, d, self.block_size,
+            rows.shared, window or 0, float(softcap or 0.0), pointer(out), self.runner,
+            self.threads, max(1, r * h // (self.threads * CLAIMS_PER_THREAD)),
+        )  # fmt: skip
+        if code:
+            raise ValueError(f"attn_decode does not take D={d}, rep={hq // h}")
+        return out
 
 
 @dataclass(frozen=True, slots=True)

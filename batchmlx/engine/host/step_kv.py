@@ -37,6 +37,7 @@ class StepKV:
         self.write_rows = paged_attention.WriteRows.of(np.asarray(layout.write_rows),
                                                        storage.keys[0].shape[0])  # fmt: skip
         self.segments = [_SegmentPlan.of(seg, backend) for seg in layout.segments]
+        self.decode_step = _decode_step(self.segments, self.write_rows, storage, backend)
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                window: int | None = None, softcap: float | None = None) -> np.ndarray:  # fmt: skip
@@ -46,6 +47,13 @@ class StepKV:
         s = self.storage
         t, h, d = k.shape
         kpool, vpool = view(s.keys[layer]), view(s.values[layer])
+        fused = self.decode_step
+        if (
+            fused is not None
+            and paged_attention.takes(d, q.shape[1] // h)
+            and _kernel_pool(kpool, vpool)
+        ):
+            return fused.layer(q, k, v, kpool, vpool, window, softcap)
         paged_attention.scatter(kpool, self.write_rows, k.reshape(t * h, d))
         paged_attention.scatter(vpool, self.write_rows, v.reshape(t * h, d))
         kr, vr = kpool.reshape(-1, self.run), vpool.reshape(-1, self.run)
@@ -55,6 +63,32 @@ class StepKV:
             out[rows] = p.attend(layer, q[rows], k[rows], v[rows], kpool, vpool, kr, vr,
                                  window, softcap)  # fmt: skip
         return out
+
+
+def _decode_step(
+    segments: list[_SegmentPlan],
+    write: paged_attention.WriteRows,
+    storage: PagedKVStorage,
+    backend: HostBackend,
+) -> paged_attention.DecodeStep | None:
+    """A step of paged decode rows alone, with the GEMMs' workers to run them: its layers each
+    one kernel call (paged_attention.DecodeStep); else None."""
+    if len(segments) != 1 or backend is None:
+        return None
+    (p,) = segments
+    runner = q8.pool_runner()
+    if p.rows is None or p.dense is not None or p.seg.first != 0 or runner is None:
+        return None
+    if p.seg.length * storage.n_kv_heads != write.rows.shape[0]:
+        return None
+    return paged_attention.DecodeStep(write, p.rows, storage.n_kv_heads, storage.block_size,
+                                      runner, backend.threads.or_cpus())  # fmt: skip
+
+
+def _kernel_pool(kpool: np.ndarray, vpool: np.ndarray) -> bool:
+    """Whether the decode kernel reads these pools as they are."""
+    return (kpool.dtype == vpool.dtype and kpool.dtype in paged_attention.POOL_DTYPES
+            and kpool.flags.c_contiguous and vpool.flags.c_contiguous)  # fmt: skip
 
 
 @dataclass(slots=True)

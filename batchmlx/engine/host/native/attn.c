@@ -312,6 +312,8 @@ int attn_decode(const float *q, const void *kpool, const void *vpool, int half,
 typedef void (*pool_fn)(const void *arg, int c0, int c1);
 typedef void (*pool_runner)(pool_fn fn, const void *arg, int n, int chunk, int threads);
 
+void attn_scatter(const float *src, int n, int d, const int32_t *rows, void *pool, int half);
+
 /* attn_decode over all `rows`, its (row, KV head) units handed `chunk` at a time to `runner`'s
  * threads (the GEMMs' spinning workers: a hand-off costs about a microsecond, where a Python
  * pool's cost ~30-50 us, more than a narrow step's attention layer). Any split: the same bits. */
@@ -325,6 +327,21 @@ int attn_decode_pooled(const float *q, const void *kpool, const void *vpool, int
              shared, out, 0};
     runner(decode_units, &j, rows * h, chunk < 1 ? 1 : chunk, threads);
     return j.failed ? -1 : 0;
+}
+
+/* A decode layer in one call: the step's new keys and values (k, v: n_write rows of D, float32)
+ * into the pool rows `write` (attn_scatter), then attn_decode_pooled. A one-row step's layer
+ * was ~65 us of Python around ~20 us of kernel as five calls. */
+int attn_decode_step(const float *k, const float *v, const int32_t *write, int n_write,
+                     const float *q, void *kpool, void *vpool, int half, const int32_t *tables,
+                     int tw, const int32_t *counts, int rows, int h, int rep, int d, int bs,
+                     int shared, int window, float softcap, float *out, pool_runner runner,
+                     int threads, int chunk) {
+    if (!shape_ok(d, rep)) return -1;
+    attn_scatter(k, n_write, d, write, kpool, half);
+    attn_scatter(v, n_write, d, write, vpool, half);
+    return attn_decode_pooled(q, kpool, vpool, half, tables, tw, counts, rows, h, rep, d, bs,
+                              shared, window, softcap, out, runner, threads, chunk);
 }
 
 /* pool row rows[i] = src[i] (n rows of d floats; where half, rounded to float16 to nearest

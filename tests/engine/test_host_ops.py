@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batchmlx.engine.host import elementwise, ops
+from batchmlx.engine.host import elementwise, ops, q8
 from batchmlx.engine.host.step import HostNorm, _rms_norm
 from tests.engine.test_decode_kv import churn
 from tests.engine.test_engine_tiny import engine, staggered
@@ -118,3 +118,52 @@ def test_a_host_step_with_the_kernel_is_near_the_numpy_forms(monkeypatch):
     monkeypatch.setattr(ops, "available", lambda: False)
     ref = engine(model, max_batch_size=8, max_prefill_tokens=24, block_size=8)
     assert _tokens(outs) == _tokens(staggered(ref, work))
+
+
+@pytest.mark.skipif(q8.pool_runner() is None, reason="q8's pool does not run on this CPU")
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_passes_by_rows_on_the_gemm_workers_give_one_threads_bits(threads):
+    """gated, the norm (with its residual add) and RoPE handed to q8's workers by rows (ops.c's
+    *_pooled) give the bits of one thread's pass over every row, odd row counts included; and
+    the workers took rows (their help counter moved)."""
+    lib, runner = ops.library(), q8.pool_runner()
+    rng = np.random.default_rng(5)
+    helped = q8.pool_workers()[1]
+    for m in (37, 300):
+        gu = _gate_up(m, 1536, seed=m)
+        one, pooled = np.empty((m, 1536), np.float32), np.empty((m, 1536), np.float32)
+        lib.ops_gated(0, m, 1536, gu.ctypes.data, 3072, one.ctypes.data, 1536, 0)
+        lib.ops_gated_pooled(m, 1536, gu.ctypes.data, 3072, pooled.ctypes.data, 1536, 0, runner,
+                             threads)  # fmt: skip
+        np.testing.assert_array_equal(pooled, one)
+
+        w = rng.standard_normal(576).astype(np.float32)
+        x = rng.standard_normal((m, 576)).astype(np.float32)
+        r = rng.standard_normal((m, 576)).astype(np.float32)
+        x1, x2 = x.copy(), x.copy()
+        o1, o2 = np.empty_like(x), np.empty_like(x)
+        lib.ops_rms_norm(m, 576, x1.ctypes.data, 576, r.ctypes.data, 576, w.ctypes.data,
+                         1e-5, o1.ctypes.data, 576)  # fmt: skip
+        lib.ops_rms_norm_pooled(m, 576, x2.ctypes.data, 576, r.ctypes.data, 576, w.ctypes.data,
+                                1e-5, o2.ctypes.data, 576, runner, threads)  # fmt: skip
+        np.testing.assert_array_equal(x2, x1)
+        np.testing.assert_array_equal(o2, o1)
+
+        h, d = 12, 64
+        q = rng.standard_normal((m, h * d)).astype(np.float32)
+        cos = rng.standard_normal((m, d // 2)).astype(np.float32)
+        sin = rng.standard_normal((m, d // 2)).astype(np.float32)
+        r1, r2 = np.empty((m, h, d), np.float32), np.empty((m, h, d), np.float32)
+        args = (m, h, d, d, 0, q.ctypes.data, h * d, cos.ctypes.data, sin.ctypes.data)
+        lib.ops_rope(*args, r1.ctypes.data, 9, 0.125)
+        lib.ops_rope_pooled(*args, r2.ctypes.data, 9, 0.125, runner, threads)
+        np.testing.assert_array_equal(r2, r1)
+    # a sleeping worker wakes later than these short passes end: it helps once it spins
+    gu = _gate_up(300, 1536)
+    out = np.empty((300, 1536), np.float32)
+    for _ in range(200):
+        lib.ops_gated_pooled(300, 1536, gu.ctypes.data, 3072, out.ctypes.data, 1536, 0, runner,
+                             threads)  # fmt: skip
+        if q8.pool_workers()[1] > helped:
+            break
+    assert q8.pool_workers()[1] > helped

@@ -118,22 +118,20 @@ Tile = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 
 def _gated_halves(gu: np.ndarray, tile: Tile, act: ops.Activation, out: np.ndarray | None,
                   backend: HostBackend | None) -> np.ndarray:  # fmt: skip
-    """out = act(gate) * up of gu's rows: our kernel's `act` where it runs, else numpy's
-    `tile`; the row halves of a large one on two threads (a row's result is the same)."""
+    """out = act(gate) * up of gu's rows: our kernel's `act` where it runs (split by rows
+    there, ops.gated), else numpy's `tile`, the row halves of a large one on two threads (a
+    row's result is the same)."""
     m, two = gu.shape
     i = two // 2
     if out is None:
         out = np.empty((m, i), np.float32)
-    run: Callable[[int, int], None]
     if ops.available() and ops.rows_of(gu) and ops.rows_of(out):
+        ops.gated(gu, out, 0, m, act)  # by rows over the GEMMs' workers where large enough
+        return out
+    rows = max(1, TILE // i)  # rows per tile
 
-        def run(lo: int, hi: int) -> None:
-            ops.gated(gu, out, lo, hi, act)
-    else:
-        rows = max(1, TILE // i)  # rows per tile
-
-        def run(lo: int, hi: int) -> None:
-            _gated_rows(gu, out, i, lo, hi, rows, tile)
+    def run(lo: int, hi: int) -> None:
+        _gated_rows(gu, out, i, lo, hi, rows, tile)
 
     if ATTENTION_THREADS > 1 and m * i >= MIN_HOST_ELEMENTS:
         mid = m // 2

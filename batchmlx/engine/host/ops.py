@@ -19,6 +19,7 @@ import enum
 
 import numpy as np
 
+from batchmlx.engine.host import backend, q8
 from batchmlx.engine.host.native_lib import (
     FLOAT,
     I64,
@@ -35,7 +36,13 @@ LIB = register(NativeLibrary("ops", CPU_FLAGS, ("-mavx512f",), "host step's elem
     Signature("ops_gated", (INT, INT, INT, P, I64, P, I64, INT)),
     Signature("ops_rms_norm", (INT, INT, P, I64, P, I64, P, FLOAT, P, I64)),
     Signature("ops_rope", (INT, INT, INT, INT, INT, P, I64, P, P, P, INT, FLOAT)),
+    Signature("ops_gated_pooled", (INT, INT, P, I64, P, I64, INT, P, INT)),
+    Signature("ops_rms_norm_pooled", (INT, INT, P, I64, P, I64, P, FLOAT, P, I64, P, INT)),
+    Signature("ops_rope_pooled", (INT, INT, INT, INT, INT, P, I64, P, P, P, INT, FLOAT, P, INT)),
 )))  # fmt: skip
+# from this many elements a pass goes by rows to the GEMMs' workers (q8.pool_runner: a hand-off
+# of a microsecond or two; one row of a 135M layer's gated pass is ~0.5 us)
+POOL_ELEMENTS = 1 << 14
 
 
 class Activation(enum.IntEnum):
@@ -59,14 +66,28 @@ def rows_of(x: np.ndarray) -> bool:
     return x.ndim == 2 and x.dtype == np.float32 and x.strides[1] == 4 and x.strides[0] > 0
 
 
+def _pool(rows: int, elements: int) -> tuple[int, int] | None:
+    """(runner, threads) where a pass of `rows` rows, `elements` in all, goes to the GEMMs'
+    workers; None: this thread alone."""
+    if rows < 2 or elements < POOL_ELEMENTS:
+        return None
+    runner = q8.pool_runner()
+    threads = backend.current().threads.or_cpus()
+    return None if runner is None or threads < 2 else (runner, threads)
+
+
 def gated(gu: np.ndarray, out: np.ndarray, lo: int, hi: int, act: Activation) -> None:
-    """out[lo:hi] = act(gate) * up of gu's rows lo..hi (gu [M, 2I] rows, out [M, I] rows)."""
+    """out[lo:hi] = act(gate) * up of gu's rows lo..hi (gu [M, 2I] rows, out [M, I] rows);
+    all of them (lo 0, hi M) by rows over the GEMMs' workers when large enough."""
     lib = library()
     assert lib is not None
     i = out.shape[1]
-    lib.ops_gated(
-        lo, hi, i, pointer(gu), gu.strides[0] // 4, pointer(out), out.strides[0] // 4, act
-    )
+    ldg, ldo = gu.strides[0] // 4, out.strides[0] // 4
+    pool = _pool(hi - lo, (hi - lo) * i) if (lo, hi) == (0, out.shape[0]) else None
+    if pool is not None:
+        lib.ops_gated_pooled(hi, i, pointer(gu), ldg, pointer(out), ldo, act, *pool)
+        return
+    lib.ops_gated(lo, hi, i, pointer(gu), ldg, pointer(out), ldo, act)
 
 
 def rms_norm(x: np.ndarray, weight: int, eps: float, out: np.ndarray,
@@ -77,8 +98,13 @@ def rms_norm(x: np.ndarray, weight: int, eps: float, out: np.ndarray,
     assert lib is not None
     m, n = x.shape
     r, ldr = (None, 0) if residual is None else (pointer(residual), residual.strides[0] // 4)
-    lib.ops_rms_norm(m, n, pointer(x), x.strides[0] // 4, r, ldr, weight, eps, pointer(out),
-                     out.strides[0] // 4)  # fmt: skip
+    args = (m, n, pointer(x), x.strides[0] // 4, r, ldr, weight, eps, pointer(out),
+            out.strides[0] // 4)  # fmt: skip
+    pool = _pool(m, m * n)
+    if pool is not None:
+        lib.ops_rms_norm_pooled(*args, *pool)
+        return
+    lib.ops_rms_norm(*args)
 
 
 def rope(x: np.ndarray, heads: int, head_dim: int, dims: int, traditional: bool,
@@ -89,6 +115,11 @@ def rope(x: np.ndarray, heads: int, head_dim: int, dims: int, traditional: bool,
     assert lib is not None
     t = x.shape[0]
     out = np.empty((t, heads, head_dim), np.float32)
-    lib.ops_rope(t, heads, head_dim, dims, int(traditional), x.ctypes.data, x.strides[0] // 4,
-                 pointer(cos), pointer(sin), pointer(out), scaled, scale)  # fmt: skip
+    args = (t, heads, head_dim, dims, int(traditional), x.ctypes.data, x.strides[0] // 4,
+            pointer(cos), pointer(sin), pointer(out), scaled, scale)  # fmt: skip
+    pool = _pool(t, t * heads * head_dim)
+    if pool is not None:
+        lib.ops_rope_pooled(*args, *pool)
+    else:
+        lib.ops_rope(*args)
     return out

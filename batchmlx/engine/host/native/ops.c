@@ -156,3 +156,79 @@ void ops_rope(int T, int H, int D, int dims, int traditional, const float* x, in
         }
     }
 }
+
+// ---- The passes by rows over a thread pool's workers (q8.c's q8_pool_run: the GEMMs'
+// spinning workers, a hand-off of a microsecond or two): each row is still one thread's, with
+// the same instructions, so the same bits.
+typedef void (*pool_fn)(const void* arg, int r0, int r1);
+typedef void (*pool_runner)(pool_fn fn, const void* arg, int n, int chunk, int threads);
+
+static int chunk_of(int M, int threads) {  // ~2 claims a thread
+    int c = M / (2 * threads);
+    return c < 1 ? 1 : c;
+}
+
+struct gated_job {
+    int I, act;
+    const float* gu;
+    int64_t ldg, ldo;
+    float* out;
+};
+
+static void gated_rows(const void* a, int r0, int r1) {
+    const struct gated_job* j = a;
+    ops_gated(r0, r1, j->I, j->gu, j->ldg, j->out, j->ldo, j->act);
+}
+
+void ops_gated_pooled(int M, int I, const float* gu, int64_t ldg, float* out, int64_t ldo,
+                      int act, pool_runner runner, int threads) {
+    struct gated_job j = {I, act, gu, ldg, ldo, out};
+    runner(gated_rows, &j, M, chunk_of(M, threads), threads);
+}
+
+struct norm_job {
+    int N;
+    float* x;
+    int64_t ldx, ldr, ldo;
+    const float *r, *w;
+    float eps;
+    float* out;
+};
+
+static void norm_rows(const void* a, int r0, int r1) {
+    const struct norm_job* j = a;
+    ops_rms_norm(r1 - r0, j->N, j->x + (size_t)r0 * j->ldx, j->ldx,
+                 j->r ? j->r + (size_t)r0 * j->ldr : 0, j->ldr, j->w, j->eps,
+                 j->out + (size_t)r0 * j->ldo, j->ldo);
+}
+
+void ops_rms_norm_pooled(int M, int N, float* x, int64_t ldx, const float* r, int64_t ldr,
+                         const float* w, float eps, float* out, int64_t ldo, pool_runner runner,
+                         int threads) {
+    struct norm_job j = {N, x, ldx, ldr, ldo, r, w, eps, out};
+    runner(norm_rows, &j, M, chunk_of(M, threads), threads);
+}
+
+struct rope_job {
+    int H, D, dims, traditional, scaled;
+    const float* x;
+    int64_t ldx;
+    const float *cos, *sin;
+    float* out;
+    float scale;
+};
+
+static void rope_rows(const void* a, int r0, int r1) {
+    const struct rope_job* j = a;
+    size_t half = (size_t)(j->dims / 2);
+    ops_rope(r1 - r0, j->H, j->D, j->dims, j->traditional, j->x + (size_t)r0 * j->ldx, j->ldx,
+             j->cos + r0 * half, j->sin + r0 * half, j->out + (size_t)r0 * j->H * j->D,
+             j->scaled, j->scale);
+}
+
+void ops_rope_pooled(int T, int H, int D, int dims, int traditional, const float* x,
+                     int64_t ldx, const float* cos, const float* sin, float* out, int scaled,
+                     float scale, pool_runner runner, int threads) {
+    struct rope_job j = {H, D, dims, traditional, scaled, x, ldx, cos, sin, out, scale};
+    runner(rope_rows, &j, T, chunk_of(T, threads), threads);
+}

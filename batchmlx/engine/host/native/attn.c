@@ -232,14 +232,15 @@ typedef struct {
     int failed; /* a part found no memory */
 } Job;
 
-/* Block b of unit u (row, head) merged into its state st; next: a block to prefetch, or -1 */
-static void unit_block(const Job *j, int u, int b, float *st, int next) {
+/* Block b of unit u (row, head) merged into its state st; next: a block to prefetch meanwhile
+ * (its KV head next_head), or -1 */
+static void unit_block(const Job *j, int u, int b, float *st, int next, int next_head) {
     const Shape *sh = &j->sh;
     const int row = u / sh->h, head = u % sh->h, rep = sh->rep;
     int lo, hi;
     block_span(sh, b, j->counts[row], &lo, &hi);
     if (lo >= hi) return;
-    if (next >= 0) prefetch_block(sh, next, head);
+    if (next >= 0) prefetch_block(sh, next, next_head);
     attend_block(sh, j->q + (size_t)u * rep * sh->d, j->tables[(size_t)row * j->tw + b], head,
                  lo, hi, st, st + rep, st + 2 * rep);
 }
@@ -263,21 +264,23 @@ static void decode_units(const void *arg, int u0, int u1) {
         for (size_t i = rep; i < per_unit; i++) st[i] = 0.0f;
     }
     for (int b = 0; b < j->shared; b++)
-        for (int u = u0; u < u1; u++) unit_block(j, u, b, state + (size_t)(u - u0) * per_unit, -1);
+        for (int u = u0; u < u1; u++)
+            unit_block(j, u, b, state + (size_t)(u - u0) * per_unit, -1, 0);
     for (int u = u0; u < u1; u++) {
         const int row = u / h;
         const int nb = (j->counts[row] + bs - 1) / bs;
         float *st = state + (size_t)(u - u0) * per_unit;
         for (int b = j->shared; b < nb; b++) {
-            int next = -1;
+            int next = -1, next_head = u % h;
             if (b + 1 < nb) {
                 next = j->tables[(size_t)row * j->tw + b + 1];
             } else if (u + 1 < u1) { /* the next unit's first own block */
                 const int r2 = (u + 1) / h;
+                next_head = (u + 1) % h;
                 if (j->shared < (j->counts[r2] + bs - 1) / bs)
                     next = j->tables[(size_t)r2 * j->tw + j->shared];
             }
-            unit_block(j, u, b, st, next);
+            unit_block(j, u, b, st, next, next_head);
         }
         for (int r = 0; r < rep; r++) {
             float *o = j->out + ((size_t)u * rep + r) * d;

@@ -45,12 +45,13 @@ def test_a_library_built_before_a_header_it_includes_changed_is_refused(tmp_path
     from batchmlx.engine.host import native_lib
 
     libraries = kernel_libraries()
-    # q8 and q4 share native/grouped.h and native/pool.h (and q8 and head8 native/widen.h):
-    # each hash covers what its source includes
+    # q8 and q4 share native/grouped.h and native/pool.h (q8 and head8 native/widen.h, attn
+    # and ops native/runner.h): each hash covers what its source includes
     assert [p.name for p in libraries["q4"].sources()] == ["q4.c", "grouped.h", "pool.h"]
     assert [p.name for p in libraries["q8"].sources()] == ["q8.c", "grouped.h", "pool.h", "widen.h"]
     assert [p.name for p in libraries["head8"].sources()] == ["head8.c", "widen.h"]
-    assert [p.name for p in libraries["ops"].sources()] == ["ops.c"]
+    assert [p.name for p in libraries["ops"].sources()] == ["ops.c", "runner.h"]
+    assert [p.name for p in libraries["attn"].sources()] == ["attn.c", "runner.h"]
     q8 = libraries["q8"]
     if not native_lib.cpu_has(q8.cpu_flags) or not LINUX_X86:
         pytest.skip("no AVX-512 VNNI here")

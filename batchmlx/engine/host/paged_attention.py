@@ -144,19 +144,27 @@ def decode(
             pointer(out))  # fmt: skip
     if runner is not None and ranges is None and threads > 1:
         code = lib.attn_decode_pooled(
-            *args, r, *tail[:-1], pointer(out), runner, threads,
-            max(1, r * h // (threads * CLAIMS_PER_THREAD)),
+            *args, r, *tail[:-1], pointer(out), runner, threads, _claim(r * h, threads),
         )  # fmt: skip
-        if code:
-            raise ValueError(f"attn_decode does not take D={d}, rep={hq // h}")
+        _taken(code, d, hq // h)
         return out
     parts = ranges or rows.split(hq, threads if pool is not None else 1)
     jobs = [pool.submit(lib.attn_decode, *args, a, b, *tail) for a, b in parts[1:]] if pool else []
     codes = [lib.attn_decode(*args, *parts[0], *tail)] if parts else []
     codes += [job.result() for job in jobs]
-    if any(codes):
-        raise ValueError(f"attn_decode does not take D={d}, rep={hq // h}")
+    _taken(int(any(codes)), d, hq // h)
     return out
+
+
+def _claim(units: int, threads: int) -> int:
+    """(row, KV head) units a pooled call's thread takes at a time (CLAIMS_PER_THREAD)."""
+    return max(1, units // (threads * CLAIMS_PER_THREAD))
+
+
+def _taken(code: int, d: int, rep: int) -> None:
+    """The kernel's answer: 0, or it did not take the shape."""
+    if code:
+        raise ValueError(f"attn_decode does not take D={d}, rep={rep}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,10 +200,9 @@ class DecodeStep:
             pointer(vpool), int(kpool.dtype == np.float16), pointer(rows.tables),
             rows.tables.shape[1], pointer(rows.counts), r, h, hq // h, d, self.block_size,
             rows.shared, window or 0, float(softcap or 0.0), pointer(out), self.runner,
-            self.threads, max(1, r * h // (self.threads * CLAIMS_PER_THREAD)),
+            self.threads, _claim(r * h, self.threads),
         )  # fmt: skip
-        if code:
-            raise ValueError(f"attn_decode does not take D={d}, rep={hq // h}")
+        _taken(code, d, hq // h)
         return out
 
 

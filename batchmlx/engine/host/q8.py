@@ -456,7 +456,8 @@ def pool_workers() -> tuple[int, int]:
 
 @functools.cache  # asked once a layer: the library is loaded once a process
 def pool_runner() -> int | None:
-    """The address of q8.c's `q8_pool_run` (its GEMM workers, for another kernel's parts:
-    paged_attention.decode), or None where the library does not run here."""
+    """The address of q8.c's `q8_pool_run` (its GEMM workers, lent to other kernels: the
+    paged decode attention's units, the elementwise passes' rows; native/runner.h), or None
+    where the library does not run here."""
     lib = library()
     return None if lib is None else ctypes.cast(lib.q8_pool_run, ctypes.c_void_p).value

@@ -73,7 +73,7 @@ def _decode_step(
 ) -> paged_attention.DecodeStep | None:
     """A step of paged decode rows alone, with the GEMMs' workers to run them: its layers each
     one kernel call (paged_attention.DecodeStep); else None."""
-    if len(segments) != 1 or backend is None:
+    if len(segments) != 1:
         return None
     (p,) = segments
     runner = q8.pool_runner()

@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "runner.h"
+
 #ifndef ATTN_SOURCE_SHA
 #define ATTN_SOURCE_SHA "unknown"
 #endif
@@ -309,11 +311,6 @@ int attn_decode(const float *q, const void *kpool, const void *vpool, int half,
     decode_units(&j, r0 * h, r1 * h);
     return j.failed ? -1 : 0;
 }
-
-/* A thread pool's entry (q8.c's q8_pool_run, pool.h): runs fn(arg, c0, c1) over columns [0, n),
- * `chunk` at a time, on the calling thread and up to threads - 1 workers */
-typedef void (*pool_fn)(const void *arg, int c0, int c1);
-typedef void (*pool_runner)(pool_fn fn, const void *arg, int n, int chunk, int threads);
 
 void attn_scatter(const float *src, int n, int d, const int32_t *rows, void *pool, int half);
 

@@ -13,6 +13,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "runner.h"
+
 #ifndef OPS_SOURCE_SHA
 #define OPS_SOURCE_SHA "unknown"
 #endif
@@ -157,11 +159,9 @@ void ops_rope(int T, int H, int D, int dims, int traditional, const float* x, in
     }
 }
 
-// ---- The passes by rows over a thread pool's workers (q8.c's q8_pool_run: the GEMMs'
-// spinning workers, a hand-off of a microsecond or two): each row is still one thread's, with
-// the same instructions, so the same bits.
-typedef void (*pool_fn)(const void* arg, int r0, int r1);
-typedef void (*pool_runner)(pool_fn fn, const void* arg, int n, int chunk, int threads);
+// ---- The passes by rows over a lent pool's workers (runner.h: the GEMMs' spinning workers, a
+// hand-off of a microsecond or two): each row is still one thread's, with the same
+// instructions, so the same bits.
 
 static int chunk_of(int M, int threads) {  // ~2 claims a thread
     int c = M / (2 * threads);

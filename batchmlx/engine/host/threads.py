@@ -27,6 +27,7 @@ files and the loaded BLAS; imports no MLX.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -56,6 +57,13 @@ THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"
 OPENMP_DEFAULTS = (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "20000"))
 
 
+@functools.cache
+def _cpu_count() -> int:
+    # looked up once: os.cpu_count() reads /sys each call, and an engine built outside a
+    # worker (benchmarks, tests: no count chosen) asks per GEMM, ~8% of a one-row decode step
+    return os.cpu_count() or 1
+
+
 @dataclass(slots=True)
 class ComputeThreads:
     """The engine's compute thread count now: made with the HostBackend, set by the worker's
@@ -67,7 +75,7 @@ class ComputeThreads:
 
     def or_cpus(self) -> int:
         """The count, else the CPUs here."""
-        return max(1, self.n or os.cpu_count() or 1)
+        return max(1, self.n or _cpu_count())
 
 
 @dataclass(frozen=True, slots=True)

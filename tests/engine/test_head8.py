@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from batchmlx.engine.host import head8, quantized
+from batchmlx.engine.host import head8, q8, quantized
 from batchmlx.engine.host.linear import (
     HostEmbedding,
     HostFormat,
@@ -95,6 +95,39 @@ def test_a_row_is_the_same_alone_in_any_batch_at_any_place_and_split(amx: bool) 
     wide = np.zeros((70, k + 32), np.float32)  # rows read through a wider array
     wide[:, 16 : 16 + k] = rows
     assert np.array_equal(_run(wide[:, 16 : 16 + k], w, amx=amx), alone)
+
+
+@needs_kernel
+@pytest.mark.skipif(q8.pool_runner() is None, reason="q8's pool does not run on this CPU")
+@pytest.mark.parametrize("amx", PATHS, ids=lambda a: "amx" if a else "avx512")
+def test_on_the_gemm_workers_a_row_keeps_its_bits(amx: bool, monkeypatch) -> None:
+    """Split on q8's GEMM workers (units of 64 columns, claims of 1 unit to all of them, 2-3
+    threads, a tail unit of 16 columns), every row keeps one thread's bits; and the worker did
+    take units (its help counter moved)."""
+    monkeypatch.setattr(head8, "SPLIT_MACS", 0)
+    k, n = 576, 1040  # 17 units of 64 columns, the last of 16
+    w = head8.Head8Weights.pack(*_q8_0(n, k, 11))
+    rows = _rows(37, k, 12)
+    runner = q8.pool_runner()
+
+    def pooled(x: np.ndarray, threads: int) -> np.ndarray:
+        out = np.full((x.shape[0], n), np.nan, np.float32)
+        head8.matmul(x, w, out, threads=threads, runner=runner, use_amx=amx)
+        return out
+
+    helped = q8.pool_workers()[1]
+    for m in (1, 5, 17, 37):
+        alone = _run(rows[:m], w, amx=amx)
+        for chunks in (1, 4, 100):  # claims of 8, 2 and 1 unit(s) at 2 threads
+            monkeypatch.setattr(head8, "CHUNKS", chunks)
+            for threads in (2, 3):
+                assert np.array_equal(pooled(rows[:m], threads), alone), (m, chunks, threads)
+    # a sleeping worker wakes later than these short calls end: it takes units once it spins
+    for _ in range(200):
+        if q8.pool_workers()[1] > helped:
+            break
+        pooled(rows, 2)
+    assert q8.pool_workers()[1] > helped
 
 
 @needs_kernel

@@ -45,11 +45,11 @@ def test_a_library_built_before_a_header_it_includes_changed_is_refused(tmp_path
     from batchmlx.engine.host import native_lib
 
     libraries = kernel_libraries()
-    # q8 and q4 share native/grouped.h and native/pool.h (q8 and head8 native/widen.h, attn
-    # and ops native/runner.h): each hash covers what its source includes
+    # q8 and q4 share native/grouped.h and native/pool.h (q8 and head8 native/widen.h; attn,
+    # ops and head8 native/runner.h): each hash covers what its source includes
     assert [p.name for p in libraries["q4"].sources()] == ["q4.c", "grouped.h", "pool.h"]
     assert [p.name for p in libraries["q8"].sources()] == ["q8.c", "grouped.h", "pool.h", "widen.h"]
-    assert [p.name for p in libraries["head8"].sources()] == ["head8.c", "widen.h"]
+    assert [p.name for p in libraries["head8"].sources()] == ["head8.c", "runner.h", "widen.h"]
     assert [p.name for p in libraries["ops"].sources()] == ["ops.c", "runner.h"]
     assert [p.name for p in libraries["attn"].sources()] == ["attn.c", "runner.h"]
     q8 = libraries["q8"]

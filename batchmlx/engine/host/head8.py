@@ -44,6 +44,7 @@ LIB = register(NativeLibrary("head8", CPU_FLAGS, ("-mavx512f", "-mavx512bw", "-m
     Signature("head8_to_bf16", (INT, INT, P, I64, P)),
     Signature("head8_gemm", _GEMM),
     Signature("head8_gemm_amx", _GEMM),
+    Signature("head8_gemm_pooled", (*_GEMM[:-2], INT, INT, P, INT, INT)),
     Signature("head8_rows", (INT, P, INT, P, P, P)),
     Signature("head8_round", (INT, INT, P, INT, I64, P, P)),
     Signature("head8_amx_init", (), INT),
@@ -52,6 +53,7 @@ AMX_FLAGS = ("amx_tile", "amx_bf16")
 _ROWS_AT_ONCE = 1 << 20  # values rounded at once (`of_float`)
 # split over threads from this many multiply-adds (one row of a 135M head: 28 M, ~1-2 ms)
 SPLIT_MACS = 4 << 20
+CHUNKS = 4  # claims per thread on a runner's workers: a thread the OS holds back leaves its rest
 
 
 def source_sha() -> str:
@@ -201,12 +203,13 @@ def to_bf16(x: np.ndarray, rows: int | None = None) -> np.ndarray:
 
 
 def matmul(x: np.ndarray, w: Head8Weights, out: np.ndarray, *, threads: int = 1,
-           pool: Callable[[], ThreadPoolExecutor] | None = None,
+           pool: Callable[[], ThreadPoolExecutor] | None = None, runner: int | None = None,
            use_amx: bool | None = None) -> None:  # fmt: skip
     """out[M, N] = x[M, K] . w^T, x float32 rows (rounded to bf16 here) or their bf16 bits
     (uint16), out float32 C-contiguous. Through AMX where `amx()` holds (`use_amx` forces
-    either: tests), at every M. Split by columns over `threads` (this thread and `pool()`'s)
-    when large enough: a row's logits are the same bits however it is split."""
+    either: tests), at every M. Split by columns over `threads` when large enough: on
+    `runner`'s workers (q8.pool_runner: the GEMMs') in one C call, else this thread and
+    `pool()`'s. A row's logits are the same bits however it is split."""
     lib = _lib()
     if use_amx is None:
         use_amx = amx()
@@ -231,8 +234,13 @@ def matmul(x: np.ndarray, w: Head8Weights, out: np.ndarray, *, threads: int = 1,
     args = (m, w.k, x.ctypes.data, x.strides[0] // 2, w.values.ctypes.data, w.scales.ctypes.data,
             out.ctypes.data, out.strides[0] // 4)  # fmt: skip
     gemm = lib.head8_gemm_amx if use_amx else lib.head8_gemm
-    if threads <= 1 or pool is None or m * w.n * w.k < SPLIT_MACS:
+    if threads <= 1 or (pool is None and runner is None) or m * w.n * w.k < SPLIT_MACS:
         gemm(*args, 0, w.n)
+        return
+    if runner is not None:  # units of 64 columns, CHUNKS claims a thread (as q8's GEMMs)
+        units = -(-w.n // 64)
+        lib.head8_gemm_pooled(*args, w.n, int(use_amx), runner, threads,
+                              max(1, units // (CHUNKS * threads)))  # fmt: skip
         return
     # equal column spans, one a thread, in blocks of 64 columns (the kernels' widest): the
     # call is one a step

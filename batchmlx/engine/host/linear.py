@@ -322,8 +322,10 @@ class SharedGemm:
         elif self._h8 is not None:
             b = self.backend
             x = x.reshape(-1, self._w.k) if x.dtype == np.uint16 else as_rows(x)
-            # (the attention tiles' threads: idle while the head runs; one hand-off a step)
-            head8.matmul(x, self._h8, out, threads=b.threads.or_cpus(), pool=b.pool)
+            # on the GEMMs' workers where q8's library runs (one C call), else split with the
+            # attention tiles' threads (idle while the head runs; one hand-off a step)
+            head8.matmul(x, self._h8, out, threads=b.threads.or_cpus(), pool=b.pool,
+                         runner=q8.pool_runner())  # fmt: skip
         elif self._q4 is not None:
             b = self.backend
             q4.matmul(as_rows(x), self._q4, out, threads=b.threads.or_cpus())

@@ -19,6 +19,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "runner.h"
 #include "widen.h"
 
 #define G 32   // values per scale
@@ -290,6 +291,37 @@ AMX void head8_gemm_amx(int M, int K, const uint16_t* x, int64_t ldx, const int8
         t = u;
     }
     _tile_release();
+}
+
+// ---- head8_gemm_pooled: one call, its columns handed to another library's workers (q8.c's
+// q8_pool_run: the GEMMs' spinning workers, native/runner.h) in units of 64 columns (the
+// widest block of either path), `chunk` units at a time. Handed to a Python pool in two equal
+// halves instead, each call paid the hand-off and its thread took the core from the GEMMs'
+// spinning worker. Either path is one thread's per column: the same bits however it is split.
+struct head8_job {
+    int M, K, N, amx;
+    const uint16_t* x;
+    int64_t ldx;
+    const int8_t* q;
+    const float* s;
+    float* y;
+    int64_t ldy;
+};
+
+static void head8_units(const void* arg, int u0, int u1) {
+    const struct head8_job* j = arg;
+    int n0 = u0 * 64, n1 = u1 * 64 < j->N ? u1 * 64 : j->N;
+    if (j->amx)
+        head8_gemm_amx(j->M, j->K, j->x, j->ldx, j->q, j->s, j->y, j->ldy, n0, n1);
+    else
+        head8_gemm(j->M, j->K, j->x, j->ldx, j->q, j->s, j->y, j->ldy, n0, n1);
+}
+
+void head8_gemm_pooled(int M, int K, const uint16_t* x, int64_t ldx, const int8_t* q,
+                       const float* s, float* y, int64_t ldy, int N, int amx, pool_runner runner,
+                       int threads, int chunk) {
+    struct head8_job j = {M, K, N, amx, x, ldx, q, s, y, ldy};
+    runner(head8_units, &j, (N + 63) / 64, chunk < 1 ? 1 : chunk, threads);
 }
 
 // Linux's leave to use the tile state (this process, every thread): 0 granted.

@@ -353,9 +353,14 @@ def test_real_model_int8_greedy_agrees_with_float32(engine_cache_dir) -> None:
         assert _rel(lb, la) < 0.25
 
 
-# bf16 against float32 on the same 8 chats x 32 tokens (measured: 7/8 texts equal throughout,
-# the other parting at a near tie, from its 2nd or 13th token in two runs; logits' max error
-# 1.3-1.6% of the largest logit).
+# bf16 against float32 on the same 8 chats x 32 tokens: most texts equal throughout, the
+# others parting only at a near tie of float32's own logits (measured: 7/8 equal, the other
+# parting from its 2nd or 13th token in two runs; with prompt chunks in the paged kernel, 5/8,
+# the three parting at the 2nd, 28th and 31st token where float32's top two logits were 0.04,
+# 0.02 and 0.07 apart; logits' max error 1.3-1.6% of the largest logit).
+NEAR_TIE = 0.25  # logits: a greedy choice this close may go either way at bf16
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 @needs_onednn
@@ -364,8 +369,14 @@ def test_real_model_bf16_greedy_follows_float32(engine_cache_dir) -> None:
     assert {type(m) for _, m in bf.model.named_modules()} >= {HostLinear, HostEmbedding}
     same = [a.token_ids == b.token_ids for a, b in zip(*runs, strict=True)]
     first_diff = [_first_difference(a.token_ids, b.token_ids) for a, b in zip(*runs, strict=True)]
-    assert sum(same) >= 6, first_diff
+    assert sum(same) >= 4, first_diff
     assert min(first_diff) >= 1, first_diff
+    for p, a, b in zip(prompts, *runs, strict=True):
+        if a.token_ids == b.token_ids:
+            continue
+        d = _first_difference(a.token_ids, b.token_ids)
+        top = np.sort(np.array(f32.model(mx.array([p + a.token_ids[:d]]))[0, -1]))[::-1]
+        assert top[0] - top[1] < NEAR_TIE, (d, top[:2])
     for p in prompts:
         x = mx.array([p])
         la, lb = np.array(f32.model(x)[0, -1]), np.array(bf.model(x)[0, -1])

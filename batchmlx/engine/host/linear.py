@@ -320,10 +320,8 @@ class SharedGemm:
             with numpy_blas.threads(self.backend.threads.or_cpus()):
                 np.matmul(np.ascontiguousarray(x, dtype=np.float32), self._w.buffer.T, out=out)
         elif self._h8 is not None:
-            b = self.backend
-            x = x.reshape(-1, self._w.k) if x.dtype == np.uint16 else as_rows(x)
-            # on the GEMMs' workers where q8's library runs (one C call), else split with the
-            # attention tiles' threads (idle while the head runs; one hand-off a step)
+            b, x = self.backend, x.reshape(-1, self._w.k) if x.dtype == np.uint16 else as_rows(x)
+            # on the GEMMs' workers (q8's), else with the attention tiles' idle threads
             head8.matmul(x, self._h8, out, threads=b.threads.or_cpus(), pool=b.pool,
                          runner=q8.pool_runner())  # fmt: skip
         elif self._q4 is not None:

@@ -6,8 +6,9 @@ the host through an evaluation barrier: 121 a step at 135M, ~350 us each, 42 ms 
 decode step's 81 (measured 2026-12-02), and the norms, RoPE and SwiGLU between them run in
 MLX's slow CPU elementwise kernels. Here a packed step (decodes, prompt chunks, or both) runs
 as numpy and oneDNN calls over the very same packed weights and paged KV pool, decode rows
-attending straight from the pool in the paged kernel (paged_attention.py; the decodes' dense
-copy, kv/decode.py, where it cannot run), prompt chunks in host_attention's kernels, the norms
+and prompt chunks (each query a row of the kernel) attending straight from the pool in the
+paged kernel (paged_attention.py; where it cannot run, the decodes' dense copy, kv/decode.py,
+and host_attention's tiles for prompt chunks), the norms
 (each with the residual add before it), RoPE and gated MLP activations in our elementwise
 kernel (ops.py; numpy where it cannot run), and only the logits go back to MLX, in a buffer MLX
 owns. One block is written once: its norms

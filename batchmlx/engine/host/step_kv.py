@@ -1,9 +1,9 @@
 """A host step's keys and values (engine/host/step.py): each token's new rows written to the
-paged pool, and each segment's attention over the keys its rows see. Decode rows attend
-straight from the pool through their block tables in the paged kernel
-(engine/host/paged_attention.py: no gather, no dense copy, batch-invariant by construction),
-where it runs; elsewhere through the decodes' dense copy (kv/decode.py) in
-engine/host/attention.py's kernels, which prompt chunks always use. A sliding-window layer's
+paged pool, and each segment's attention over the keys its rows see. Decode rows, and each
+query of a prompt chunk, attend straight from the pool through their block tables in the paged
+kernel (engine/host/paged_attention.py: no gather, no dense copy, batch-invariant by
+construction), where it runs; elsewhere through the decodes' dense copy (kv/decode.py) and
+gathered keys in engine/host/attention.py's kernels. A sliding-window layer's
 segments add their window to the step's mask (built once a step per window size; the paged
 kernel takes the window itself); gemma2's soft-capped scores go through the same kernels with
 their cap.
@@ -120,6 +120,18 @@ class _SegmentPlan:
             assert seg.query_pos is not None
             shared = 0 if p.prefix_runs is None else p.prefix_runs.shape[1]
             p.rows = paged_attention.DecodeRows.of(seg.block_table, seg.query_pos[:, 0] + 1, shared)
+        if seg.kind is SegmentKind.CHUNK and seg.block_table is not None:
+            # each query of the chunk a row of the paged kernel, its sequence's table and the
+            # keys up to its own: what a decode row of that position computes, so a prompt's
+            # token has the same bits however the prompt was cut into chunks, and no step
+            # gathers its keys (64 chunks of ~28 tokens behind a ~900-token prefix: each
+            # gathered the prefix and scored it in padded numpy tiles). Every row's table is
+            # the same blocks: all of them walked block-major (read once for the rows a
+            # thread takes), the same (row, block) steps in the same order as alone
+            assert seg.query_pos is not None
+            counts = seg.query_pos[0, : seg.length] + 1
+            tables = np.broadcast_to(seg.block_table, (seg.length, seg.block_table.shape[1]))
+            p.rows = paged_attention.DecodeRows.of(tables, counts, seg.block_table.shape[1])
         if seg.kind is SegmentKind.CHUNKS:
             p.pad_rows, p.real_rows = np.asarray(seg.pad_rows), np.asarray(seg.real_rows)
             if p.prefix_runs is not None and seg.queries <= host_attention.TILE_QUERIES:

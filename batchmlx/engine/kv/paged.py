@@ -232,9 +232,9 @@ class Segment:
     # sliding-window layers limit the mask with them (engine/host/step_kv.py)
     query_pos: np.ndarray | None = None
     key_pos: np.ndarray | None = None
-    # ROWS only, host-side: [B, blocks] each row's block ids (a shared prefix's first), for
-    # the host's paged decode attention (engine/host/paged_attention.py), which reads the pool
-    # through them; each row sees query_pos + 1 keys
+    # ROWS (and a host step's CHUNK), host-side: [B, blocks] each sequence's block ids (a
+    # shared prefix's first), for the host's paged attention (engine/host/paged_attention.py),
+    # which reads the pool through them; each query sees query_pos + 1 keys
     block_table: np.ndarray | None = None
 
 
@@ -321,7 +321,7 @@ class PackedLayout:
                 query_pos=qwin,
                 key_pos=kpos,
             )
-            if kind is SegmentKind.ROWS:
+            if kind is SegmentKind.ROWS or (host and kind is SegmentKind.CHUNK):
                 seg.block_table = table
             if kind is SegmentKind.CHUNKS:
                 member_first = np.concatenate([[0], np.cumsum(lens)[:-1]])

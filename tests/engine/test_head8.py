@@ -105,7 +105,9 @@ def test_on_the_gemm_workers_a_row_keeps_its_bits(amx: bool, monkeypatch) -> Non
     threads, a tail unit of 16 columns), every row keeps one thread's bits; and the worker did
     take units (its help counter moved)."""
     monkeypatch.setattr(head8, "SPLIT_MACS", 0)
-    k, n = 576, 1040  # 17 units of 64 columns, the last of 16
+    # 17 units of 64 columns, the last of 16; K = 2,048 (a 1.7B's): each path's widened
+    # weights on the worker's stack, 256 KB (pool.h's workers once had 256 KB: SIGSEGV)
+    k, n = 2048, 1040
     w = head8.Head8Weights.pack(*_q8_0(n, k, 11))
     rows = _rows(37, k, 12)
     runner = q8.pool_runner()

@@ -143,7 +143,10 @@ static void pool_grow(int want) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&attr, 256 << 10);  // the AMX blocks' buffers: ~12 KB
+        // what the lent kernels keep on their stacks too (runner.h): head8's AMX path holds
+        // two column blocks of widened weights, 256 KB at K = 2,048 (1.7B), 1 MB at 8,192;
+        // 256 KB here ended a 1.7B process with SIGSEGV. Reserved, not touched, past use
+        pthread_attr_setstacksize(&attr, 8 << 20);
         int failed = pthread_create(&t, &attr, pool_worker, (void*)(intptr_t)pool.workers);
         pthread_attr_destroy(&attr);
         if (failed) return;

@@ -59,8 +59,8 @@ OPENMP_DEFAULTS = (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "20000"))
 
 @functools.cache
 def _cpu_count() -> int:
-    # looked up once: os.cpu_count() reads /sys each call, and an engine built outside a
-    # worker (benchmarks, tests: no count chosen) asks per GEMM, ~8% of a one-row decode step
+    # looked up once: os.cpu_count() reads /sys each call (~2 us), and an engine built outside
+    # a worker (benchmarks, tests: no count chosen) asks per GEMM, ~150 times a decode step
     return os.cpu_count() or 1
 
 

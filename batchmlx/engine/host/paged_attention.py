@@ -169,10 +169,11 @@ def _taken(code: int, d: int, rep: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class DecodeStep:
-    """A step of decode rows alone, each layer one call (attn_decode_step: the new keys and
-    values scattered, then the rows' attention on `runner`'s workers, as `decode`): a one-row
-    step's layer was ~65 us of Python around ~20 us of kernel as five calls. What does not
-    change between layers is converted once a step."""
+    """A step of kernel rows alone (decodes, or one prompt chunk's queries: step_kv), each layer
+    one call (attn_decode_step: the new keys and values scattered, then the rows' attention on
+    `runner`'s workers, as `decode`): a one-row step's layer was ~65 us of Python around ~20
+    us of kernel as five calls. What does not change between layers is converted once a
+    step."""
 
     write: WriteRows
     rows: DecodeRows

@@ -71,8 +71,9 @@ def _decode_step(
     storage: PagedKVStorage,
     backend: HostBackend,
 ) -> paged_attention.DecodeStep | None:
-    """A step of paged decode rows alone, with the GEMMs' workers to run them: its layers each
-    one kernel call (paged_attention.DecodeStep); else None."""
+    """A step of one segment of kernel rows (decodes alone, or one prompt chunk's queries),
+    with the GEMMs' workers to run them: its layers each one kernel call
+    (paged_attention.DecodeStep); else None."""
     if len(segments) != 1:
         return None
     (p,) = segments

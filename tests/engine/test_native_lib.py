@@ -51,7 +51,7 @@ def test_a_library_built_before_a_header_it_includes_changed_is_refused(tmp_path
     assert [p.name for p in libraries["q8"].sources()] == ["q8.c", "grouped.h", "pool.h", "widen.h"]
     assert [p.name for p in libraries["head8"].sources()] == ["head8.c", "runner.h", "widen.h"]
     assert [p.name for p in libraries["ops"].sources()] == ["ops.c", "runner.h"]
-    assert [p.name for p in libraries["attn"].sources()] == ["attn.c", "runner.h"]
+    assert [p.name for p in libraries["attn"].sources()] == ["attn.c", "runner.h", "attn_amx.h"]
     q8 = libraries["q8"]
     if not native_lib.cpu_has(q8.cpu_flags) or not LINUX_X86:
         pytest.skip("no AVX-512 VNNI here")

@@ -69,6 +69,98 @@ def test_kernel_matches_a_float64_reference(shape, window, softcap):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
+amx_only = pytest.mark.skipif(not pa.amx(), reason="no AMX-BF16 tiles here")
+
+
+def _prompt(rows: pa.DecodeRows, shared: int | None = None) -> pa.DecodeRows:
+    """The same rows as prompt queries (DecodeRows.tiles)."""
+    return pa.DecodeRows.of(rows.tables, rows.counts, rows.shared if shared is None else shared,
+                            tiles=True)  # fmt: skip
+
+
+def _chunks(seed: int, chunks: int, h: int = 3, rep: int = 3, d: int = 64, prefix: int = 5,
+            blocks: int = 80):  # fmt: skip
+    """Prompt chunks of a step behind one shared prefix of `prefix` blocks: each chunk's
+    queries a row each, their sequence's table and the keys up to their own position."""
+    rng = np.random.default_rng(seed)
+    kpool = rng.standard_normal((blocks * h * BS, d), dtype=np.float32).astype(np.float16)
+    vpool = rng.standard_normal((blocks * h * BS, d), dtype=np.float32).astype(np.float16)
+    ids = rng.permutation(np.arange(1, blocks))
+    tables, counts, at = [], [], prefix
+    for _ in range(chunks):
+        own = ids[at : at + 4]
+        at += 4
+        start, n = prefix * BS + int(rng.integers(0, 20)), int(rng.integers(1, 40))
+        for i in range(n):
+            tables.append(np.concatenate([ids[:prefix], own]))
+            counts.append(start + i + 1)
+    q = rng.standard_normal((len(counts), h * rep, d), dtype=np.float32) * np.float32(0.3)
+    rows = pa.DecodeRows.of(np.array(tables), np.array(counts), prefix, tiles=True)
+    return q, kpool, vpool, rows, h
+
+
+@amx_only
+@pytest.mark.parametrize(
+    ("shape", "window", "softcap", "dtype"),
+    [(dict(h=3, rep=3, d=64), None, None, np.float16),
+     (dict(h=3, rep=3, d=64), None, None, np.float32),
+     (dict(h=2, rep=4, d=128), None, None, np.float16),
+     (dict(h=1, rep=1, d=32), 40, None, np.float16), (dict(h=2, rep=2, d=64), 70, 5.0, np.float16),
+     (dict(h=3, rep=3, d=64, shared=5), None, None, np.float16)],
+)  # fmt: skip
+def test_prompt_rows_through_tiles_match_a_float64_reference(shape, window, softcap, dtype):
+    """The tile path (prompt queries, attn_amx.h) against float64: its bf16 halves keep ~16
+    bits of each product, so within ~1e-4, where a broken tile layout is off by ~1."""
+    q, kp, vp, rows, h = _case(1, rows=9, **shape)
+    kp, vp = kp.astype(dtype), vp.astype(dtype)
+    got = pa.decode(q, kp, vp, _prompt(rows), h, BS, window=window, softcap=softcap)
+    want = _reference(q, kp, vp, rows, h, window, softcap)
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=3e-4)
+    assert not np.array_equal(got, pa.decode(q, kp, vp, rows, h, BS, window=window,
+                                             softcap=softcap))  # fmt: skip
+
+
+@amx_only
+@pytest.mark.skipif(q8.pool_runner() is None, reason="q8's pool does not run on this CPU")
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (50, 30.0)])
+def test_a_prompt_rows_bits_are_its_own_through_tiles(window, softcap):
+    """A prompt query's bits through tiles do not depend on the rows sharing its tiles or
+    claim: 9 chunks behind one prefix in one call, each chunk alone, each row alone, the rows
+    reversed, without the cascade, split over threads and claims of any size."""
+    q, kp, vp, rows, h = _chunks(11, chunks=9)
+    kw = dict(window=window, softcap=softcap)
+    full = pa.decode(q, kp, vp, rows, h, BS, **kw)
+    n = len(rows.counts)
+    assert np.array_equal(pa.decode(q, kp, vp, _prompt(rows, 0), h, BS, **kw), full)
+    order = np.arange(n)[::-1]
+    back = pa.DecodeRows.of(rows.tables[order], rows.counts[order], rows.shared, tiles=True)
+    assert np.array_equal(pa.decode(q[order], kp, vp, back, h, BS, **kw)[::-1], full)
+    for i in (0, n // 2, n - 1):
+        alone = pa.DecodeRows.of(rows.tables[i : i + 1], rows.counts[i : i + 1], tiles=True)
+        assert np.array_equal(pa.decode(q[i : i + 1], kp, vp, alone, h, BS, **kw)[0], full[i])
+    first = rows.tables[:, -1] == rows.tables[0, -1]  # the first chunk's rows
+    chunk = pa.DecodeRows.of(rows.tables[first], rows.counts[first], tiles=True)
+    assert np.array_equal(pa.decode(q[first], kp, vp, chunk, h, BS, **kw), full[first])
+    runner = q8.pool_runner()
+    for threads in (2, 3):
+        for claims in (1, 4, 100):
+            got = _pooled(q, kp, vp, rows, h, window, softcap, runner, threads, claims)
+            assert np.array_equal(got, full)
+
+
+@amx_only
+def test_without_tiles_prompt_rows_take_the_vector_path():
+    """set_amx(False): prompt rows give the vector path's bits (a process runs one path)."""
+    q, kp, vp, rows, h = _chunks(12, chunks=3)
+    vector = pa.decode(q, kp, vp, pa.DecodeRows.of(rows.tables, rows.counts, rows.shared), h, BS)
+    try:
+        assert not pa.set_amx(False)
+        assert np.array_equal(pa.decode(q, kp, vp, rows, h, BS), vector)
+    finally:
+        assert pa.set_amx(True)
+    assert not np.array_equal(pa.decode(q, kp, vp, rows, h, BS), vector)
+
+
 def test_a_row_is_the_same_bits_whatever_the_batch_and_the_split():
     q, kp, vp, rows, h = _case(2, rows=12, max_keys=300)
     full = pa.decode(q, kp, vp, rows, h, BS)

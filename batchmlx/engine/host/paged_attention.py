@@ -6,7 +6,9 @@ no gather, no dense copy of the decodes' KV (kv/decode.py), no oneDNN product, a
 depend on its own keys alone, never on the batch, its width or the split over threads. Rows
 behind a prefix every one of them shares walk its blocks block-major (each read once for all
 while in cache) with the same per-(row, block) arithmetic: the cascade gives the bits of the
-row alone.
+row alone. A prompt's queries (DecodeRows.tiles) go through AMX-BF16 tiles where they run
+(native/attn_amx.h): a chunk's queries, and a step's chunks behind one system prompt, share
+their keys, which a tile product scores for 16 query vectors at once.
 
 The library ships prebuilt (native/libbatchmlx_attn.so; `python -m
 batchmlx.engine.host.native_lib --build attn` remakes it). Where it cannot run (another CPU or
@@ -18,6 +20,7 @@ from __future__ import annotations
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 
@@ -27,17 +30,20 @@ from batchmlx.engine.host.native_lib import (
     NativeLibrary,
     P,
     Signature,
+    cpu_has,
     pointer,
     register,
 )
 
 CPU_FLAGS = ("avx512f",)
 LIB = register(NativeLibrary("attn", CPU_FLAGS, ("-mavx512f",), "paged decode-attention kernel", (
-    Signature("attn_decode", (P, P, P, INT, P, INT, P, *[INT] * 8, FLOAT, P), INT),
-    Signature("attn_decode_pooled", (P, P, P, INT, P, INT, P, *[INT] * 7, FLOAT, P, P, INT, INT),
+    Signature("attn_decode", (P, P, P, INT, P, INT, P, *[INT] * 9, FLOAT, P), INT),
+    Signature("attn_decode_pooled", (P, P, P, INT, P, INT, P, *[INT] * 8, FLOAT, P, P, INT, INT),
               INT),
-    Signature("attn_decode_step", (P, P, P, INT, P, P, P, INT, P, INT, P, *[INT] * 7, FLOAT, P, P,
+    Signature("attn_decode_step", (P, P, P, INT, P, P, P, INT, P, INT, P, *[INT] * 8, FLOAT, P, P,
                                    INT, INT), INT),
+    Signature("attn_amx_init", (), INT),
+    Signature("attn_set_amx", (INT,), INT),
     Signature("attn_scatter", (P, INT, INT, P, P, INT)),
     Signature("attn_gather", (P, INT, P, INT, INT, P)),
 )))  # fmt: skip
@@ -54,9 +60,37 @@ MAX_REP = 16
 POOL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
+# what the tile path needs besides (and q8's AMX check: a CPU may advertise AMX and trap it)
+AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")
+
+
 def library() -> ctypes.CDLL | None:
-    """The kernel, or None where it cannot run here (see native_lib); the reason is logged once."""
-    return LIB.load()
+    """The kernel, or None where it cannot run here (see native_lib); the reason is logged once.
+    Its tile path (attn_amx.h) is on from the first call where `amx()` holds."""
+    lib = LIB.load()
+    if lib is not None:
+        amx()
+    return lib
+
+
+@cache
+def amx() -> bool:
+    """Whether this process's kernel computes through AMX-BF16 tiles (native/attn_amx.h) for
+    every shape it takes there (D a multiple of 32): the CPU has them, q8's AMX path runs
+    here (its self-test in a child, and Linux's leave for the tile state). Decided once: the
+    two paths' sums differ in their last bits, so a process runs one."""
+    from batchmlx.engine.host import q8
+
+    lib = LIB.load()
+    return (lib is not None and cpu_has(AMX_FLAGS) and q8.amx()
+            and lib.attn_amx_init() == 0)  # fmt: skip
+
+
+def set_amx(on: bool) -> bool:
+    """Turns the tile path off, or on again where `amx()` holds (tests: both paths' bits on one
+    machine). Returns whether it is on."""
+    lib = library()
+    return lib is not None and bool(lib.attn_set_amx(int(on and amx())))
 
 
 def takes(head_dim: int, rep: int) -> bool:
@@ -68,19 +102,24 @@ def takes(head_dim: int, rep: int) -> bool:
 class DecodeRows:
     """A step's decode rows as the kernel reads them: tables [R, blocks] int32 block ids of
     each row's sequence (its shared prefix's first), counts [R] int32 keys each row sees,
-    shared: blocks every row's table starts with (the same ones: a cascade's prefix)."""
+    shared: blocks every row's table starts with (the same ones: a cascade's prefix). tiles:
+    the rows are prompt queries, through AMX tiles where they run (`amx`; attn_amx.h): a
+    prompt's tokens always attend this way and generated ones never, so a token's bits
+    still depend on its own keys alone."""
 
     tables: np.ndarray
     counts: np.ndarray
     shared: int = 0
+    tiles: bool = False
     # (rep_heads, threads) -> `splits`: a step's rows are split once, not once a layer
     _splits: dict[tuple[int, int], list[tuple[int, int]]] = field(
         default_factory=dict, compare=False, repr=False)  # fmt: skip
 
     @classmethod
-    def of(cls, tables: np.ndarray, counts: np.ndarray, shared: int = 0) -> DecodeRows:
+    def of(cls, tables: np.ndarray, counts: np.ndarray, shared: int = 0,
+           tiles: bool = False) -> DecodeRows:  # fmt: skip
         return cls(np.ascontiguousarray(tables, dtype=np.int32),
-                   np.ascontiguousarray(counts, dtype=np.int32), shared)  # fmt: skip
+                   np.ascontiguousarray(counts, dtype=np.int32), shared, tiles)  # fmt: skip
 
     def split(self, rep_heads: int, threads: int) -> list[tuple[int, int]]:
         """`splits`, found once per shape."""
@@ -140,8 +179,8 @@ def decode(
     half = int(kpool.dtype == np.float16)
     args = (pointer(q), pointer(kpool), pointer(vpool), half, pointer(tables),
             tables.shape[1], pointer(rows.counts))  # fmt: skip
-    tail = (h, hq // h, d, block_size, rows.shared, window or 0, float(softcap or 0.0),
-            pointer(out))  # fmt: skip
+    tail = (h, hq // h, d, block_size, rows.shared, int(rows.tiles), window or 0,
+            float(softcap or 0.0), pointer(out))  # fmt: skip
     if runner is not None and ranges is None and threads > 1:
         code = lib.attn_decode_pooled(
             *args, r, *tail[:-1], pointer(out), runner, threads, _claim(r * h, threads),
@@ -200,7 +239,8 @@ class DecodeStep:
             pointer(k), pointer(v), pointer(write), write.shape[0], pointer(q), pointer(kpool),
             pointer(vpool), int(kpool.dtype == np.float16), pointer(rows.tables),
             rows.tables.shape[1], pointer(rows.counts), r, h, hq // h, d, self.block_size,
-            rows.shared, window or 0, float(softcap or 0.0), pointer(out), self.runner,
+            rows.shared, int(rows.tiles), window or 0, float(softcap or 0.0), pointer(out),
+            self.runner,
             self.threads, _claim(r * h, self.threads),
         )  # fmt: skip
         _taken(code, d, hq // h)

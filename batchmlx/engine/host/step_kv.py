@@ -2,7 +2,8 @@
 paged pool, and each segment's attention over the keys its rows see. Decode rows, and each
 query of a prompt chunk, attend straight from the pool through their block tables in the paged
 kernel (engine/host/paged_attention.py: no gather, no dense copy, batch-invariant by
-construction), where it runs; elsewhere through the decodes' dense copy (kv/decode.py) and
+construction), where it runs; a step's prompt queries in one call of it (_PromptRows: tiles
+where the CPU has them); elsewhere through the decodes' dense copy (kv/decode.py) and
 gathered keys in engine/host/attention.py's kernels. A sliding-window layer's
 segments add their window to the step's mask (built once a step per window size; the paged
 kernel takes the window itself); gemma2's soft-capped scores go through the same kernels with
@@ -38,6 +39,7 @@ class StepKV:
                                                        storage.keys[0].shape[0])  # fmt: skip
         self.segments = [_SegmentPlan.of(seg, backend) for seg in layout.segments]
         self.decode_step = _decode_step(self.segments, self.write_rows, storage, backend)
+        self.prompts = _PromptRows.of(self.segments)
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                window: int | None = None, softcap: float | None = None) -> np.ndarray:  # fmt: skip
@@ -58,7 +60,13 @@ class StepKV:
         paged_attention.scatter(vpool, self.write_rows, v.reshape(t * h, d))
         kr, vr = kpool.reshape(-1, self.run), vpool.reshape(-1, self.run)
         out = np.empty(q.shape, np.float32)
+        prompts = self.prompts if paged_attention.takes(d, q.shape[1] // h) else None
+        if prompts is not None:
+            out[prompts.at] = prompts.attend(q[prompts.at], kpool, vpool, h, s.block_size, window,
+                                             softcap)  # fmt: skip
         for p in self.segments:
+            if prompts is not None and id(p) in prompts.ids:
+                continue
             rows = slice(p.seg.first, p.seg.first + p.seg.length)
             out[rows] = p.attend(layer, q[rows], k[rows], v[rows], kpool, vpool, kr, vr,
                                  window, softcap)  # fmt: skip
@@ -84,6 +92,54 @@ def _decode_step(
         return None
     return paged_attention.DecodeStep(write, p.rows, storage.n_kv_heads, storage.block_size,
                                       runner, backend.threads.or_cpus())  # fmt: skip
+
+
+@dataclass(slots=True)
+class _PromptRows:
+    """The queries of a step's prompt chunks as one call of the paged kernel, which takes them
+    through tiles where they run (DecodeRows.tiles): 64 chats behind one system prompt score
+    its keys in the same tile products, not 64 calls of one chunk each. at: their rows in the
+    step (each chunk's together); ids: the segment plans they come from."""
+
+    at: slice | np.ndarray
+    rows: paged_attention.DecodeRows
+    ids: frozenset[int]
+    backend: HostBackend | None
+
+    @classmethod
+    def of(cls, segments: list[_SegmentPlan]) -> _PromptRows | None:
+        plans = [p for p in segments if p.seg.kind is SegmentKind.CHUNK and p.rows is not None
+                 and p.dense is None]  # fmt: skip
+        if not plans:
+            return None
+        width = max(p.rows.tables.shape[1] for p in plans)
+        tables = np.concatenate([np.pad(t, ((0, 0), (0, width - t.shape[1])))
+                                 for t in (p.rows.tables for p in plans)])  # fmt: skip
+        same = (tables == tables[:1]).all(axis=0)
+        shared = width if same.all() else int(np.argmin(same))
+        firsts = [p.seg.first for p in plans]
+        ends = [p.seg.first + p.seg.length for p in plans]
+        at: slice | np.ndarray = slice(firsts[0], ends[-1])
+        if any(a != b for a, b in zip(firsts[1:], ends[:-1], strict=True)):
+            at = np.concatenate([np.arange(a, b) for a, b in zip(firsts, ends, strict=True)])
+        counts = np.concatenate([p.rows.counts for p in plans])
+        rows = paged_attention.DecodeRows.of(tables, counts, shared, tiles=True)
+        return cls(at, rows, frozenset(id(p) for p in plans), plans[0].backend)
+
+    def attend(self, q: np.ndarray, kpool: np.ndarray, vpool: np.ndarray, kv_heads: int,
+               block_size: int, window: int | None,
+               softcap: float | None) -> np.ndarray:  # fmt: skip
+        """The prompt rows' attention, as _SegmentPlan.attend's paged call."""
+        backend = self.backend
+        if backend is None:
+            return paged_attention.decode(q, kpool, vpool, self.rows, kv_heads, block_size,
+                                          window=window, softcap=softcap)  # fmt: skip
+        runner = q8.pool_runner()
+        return paged_attention.decode(
+            q, kpool, vpool, self.rows, kv_heads, block_size, window=window, softcap=softcap,
+            pool=None if runner else backend.pool(),
+            threads=backend.threads.or_cpus() if runner else backend.pool_threads, runner=runner,
+        )  # fmt: skip
 
 
 def _kernel_pool(kpool: np.ndarray, vpool: np.ndarray) -> bool:
@@ -132,7 +188,8 @@ class _SegmentPlan:
             assert seg.query_pos is not None
             counts = seg.query_pos[0, : seg.length] + 1
             tables = np.broadcast_to(seg.block_table, (seg.length, seg.block_table.shape[1]))
-            p.rows = paged_attention.DecodeRows.of(tables, counts, seg.block_table.shape[1])
+            p.rows = paged_attention.DecodeRows.of(tables, counts, seg.block_table.shape[1],
+                                                   tiles=True)  # fmt: skip
         if seg.kind is SegmentKind.CHUNKS:
             p.pad_rows, p.real_rows = np.asarray(seg.pad_rows), np.asarray(seg.real_rows)
             if p.prefix_runs is not None and seg.queries <= host_attention.TILE_QUERIES:

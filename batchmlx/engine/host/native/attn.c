@@ -18,6 +18,10 @@
  * [rows, tw] int32 block ids; counts [rows] keys each row sees (positions 0 .. count-1);
  * window > 0: only the last `window` of them; softcap > 0: scores -> softcap * tanh(s /
  * softcap). D must be a multiple of 16 (at most MAX_D).
+ *
+ * A call's rows may be a prompt's queries instead (tiles): where AMX-BF16 runs they take
+ * attn_amx.h's arithmetic, whose tile products serve many rows at once; a prompt token
+ * always takes it and a generated one never, so a row's bits stay its own.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -232,6 +236,10 @@ typedef struct {
     int tw, shared;
     float *out;
     int failed; /* a part found no memory */
+    int tiles;  /* the rows are a prompt's queries: through tiles where they run (attn_amx.h) */
+    int rows;   /* head_major: units u = head * rows + row (the tile path's claims), else u =
+                 * row * h + head */
+    int head_major;
 } Job;
 
 /* Block b of unit u (row, head) merged into its state st; next: a block to prefetch meanwhile
@@ -247,12 +255,18 @@ static void unit_block(const Job *j, int u, int b, float *st, int next, int next
                  lo, hi, st, st + rep, st + 2 * rep);
 }
 
+#include "attn_amx.h"
+
 /* Units [u0, u1): the blocks every row shares first, block-major over the units (each read
  * once for all of them while in cache), then each unit's own blocks in order. The same
  * (unit, block) steps in the same order whichever units a call takes: the same bits. */
 static void decode_units(const void *arg, int u0, int u1) {
     Job *j = (Job *)arg;
     const Shape *sh = &j->sh;
+    if (j->tiles && amx_takes(sh)) {
+        decode_units_amx(arg, u0, u1);
+        return;
+    }
     const int rep = sh->rep, d = sh->d, bs = sh->bs, h = sh->h;
     const size_t per_unit = (size_t)rep * (d + 2);
     float *state = malloc((size_t)(u1 - u0) * per_unit * sizeof(float));
@@ -303,11 +317,12 @@ static int shape_ok(int d, int rep) { return d % 16 == 0 && d <= MAX_D && rep >=
  * multiple of 16 or past MAX_D, rep past MAX_REP) or no memory. */
 int attn_decode(const float *q, const void *kpool, const void *vpool, int half,
                 const int32_t *tables, int tw, const int32_t *counts, int r0, int r1, int h,
-                int rep, int d, int bs, int shared, int window, float softcap, float *out) {
+                int rep, int d, int bs, int shared, int tiles, int window, float softcap,
+                float *out) {
     if (r1 <= r0) return 0;
     if (!shape_ok(d, rep)) return -1;
     Job j = {{kpool, vpool, half != 0, h, rep, d, bs, window, softcap}, q, tables, counts, tw,
-             shared, out, 0};
+             shared, out, 0, tiles, 0, 0};
     decode_units(&j, r0 * h, r1 * h);
     return j.failed ? -1 : 0;
 }
@@ -319,12 +334,15 @@ void attn_scatter(const float *src, int n, int d, const int32_t *rows, void *poo
  * pool's cost ~30-50 us, more than a narrow step's attention layer). Any split: the same bits. */
 int attn_decode_pooled(const float *q, const void *kpool, const void *vpool, int half,
                        const int32_t *tables, int tw, const int32_t *counts, int rows, int h,
-                       int rep, int d, int bs, int shared, int window, float softcap,
-                       float *out, pool_runner runner, int threads, int chunk) {
+                       int rep, int d, int bs, int shared, int tiles, int window,
+                       float softcap, float *out, pool_runner runner, int threads, int chunk) {
     if (rows <= 0) return 0;
     if (!shape_ok(d, rep)) return -1;
     Job j = {{kpool, vpool, half != 0, h, rep, d, bs, window, softcap}, q, tables, counts, tw,
-             shared, out, 0};
+             shared, out, 0, tiles, rows, 0};
+    /* the tile path's claims take a KV head's rows together: the more rows a claim holds,
+     * the more of them a step's tiles serve */
+    j.head_major = tiles && amx_takes(&j.sh);
     runner(decode_units, &j, rows * h, chunk < 1 ? 1 : chunk, threads);
     return j.failed ? -1 : 0;
 }
@@ -335,13 +353,13 @@ int attn_decode_pooled(const float *q, const void *kpool, const void *vpool, int
 int attn_decode_step(const float *k, const float *v, const int32_t *write, int n_write,
                      const float *q, void *kpool, void *vpool, int half, const int32_t *tables,
                      int tw, const int32_t *counts, int rows, int h, int rep, int d, int bs,
-                     int shared, int window, float softcap, float *out, pool_runner runner,
-                     int threads, int chunk) {
+                     int shared, int tiles, int window, float softcap, float *out,
+                     pool_runner runner, int threads, int chunk) {
     if (!shape_ok(d, rep)) return -1;
     attn_scatter(k, n_write, d, write, kpool, half);
     attn_scatter(v, n_write, d, write, vpool, half);
     return attn_decode_pooled(q, kpool, vpool, half, tables, tw, counts, rows, h, rep, d, bs,
-                              shared, window, softcap, out, runner, threads, chunk);
+                              shared, tiles, window, softcap, out, runner, threads, chunk);
 }
 
 /* pool row rows[i] = src[i] (n rows of d floats; where half, rounded to float16 to nearest

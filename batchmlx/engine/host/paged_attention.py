@@ -240,8 +240,7 @@ class DecodeStep:
             pointer(vpool), int(kpool.dtype == np.float16), pointer(rows.tables),
             rows.tables.shape[1], pointer(rows.counts), r, h, hq // h, d, self.block_size,
             rows.shared, int(rows.tiles), window or 0, float(softcap or 0.0), pointer(out),
-            self.runner,
-            self.threads, _claim(r * h, self.threads),
+            self.runner, self.threads, _claim(r * h, self.threads),
         )  # fmt: skip
         _taken(code, d, hq // h)
         return out

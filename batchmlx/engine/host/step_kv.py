@@ -129,17 +129,25 @@ class _PromptRows:
     def attend(self, q: np.ndarray, kpool: np.ndarray, vpool: np.ndarray, kv_heads: int,
                block_size: int, window: int | None,
                softcap: float | None) -> np.ndarray:  # fmt: skip
-        """The prompt rows' attention, as _SegmentPlan.attend's paged call."""
-        backend = self.backend
-        if backend is None:
-            return paged_attention.decode(q, kpool, vpool, self.rows, kv_heads, block_size,
-                                          window=window, softcap=softcap)  # fmt: skip
-        runner = q8.pool_runner()
-        return paged_attention.decode(
-            q, kpool, vpool, self.rows, kv_heads, block_size, window=window, softcap=softcap,
-            pool=None if runner else backend.pool(),
-            threads=backend.threads.or_cpus() if runner else backend.pool_threads, runner=runner,
-        )  # fmt: skip
+        """The prompt rows' attention: q [rows, Hq, D] -> [rows, Hq, D]."""
+        return _paged(q, kpool, vpool, self.rows, kv_heads, block_size, window, softcap,
+                      self.backend)  # fmt: skip
+
+
+def _paged(q: np.ndarray, kpool: np.ndarray, vpool: np.ndarray, rows: paged_attention.DecodeRows,
+           kv_heads: int, block_size: int, window: int | None, softcap: float | None,
+           backend: HostBackend | None) -> np.ndarray:  # fmt: skip
+    """paged_attention.decode of `rows`, on the GEMMs' workers where they run (no Python
+    hand-off, no third thread), else on the backend's pool."""
+    if backend is None:
+        return paged_attention.decode(q, kpool, vpool, rows, kv_heads, block_size, window=window,
+                                      softcap=softcap)  # fmt: skip
+    runner = q8.pool_runner()
+    return paged_attention.decode(
+        q, kpool, vpool, rows, kv_heads, block_size, window=window, softcap=softcap,
+        pool=None if runner else backend.pool(),
+        threads=backend.threads.or_cpus() if runner else backend.pool_threads, runner=runner,
+    )  # fmt: skip
 
 
 def _kernel_pool(kpool: np.ndarray, vpool: np.ndarray) -> bool:
@@ -227,17 +235,8 @@ class _SegmentPlan:
         h = k.shape[1]
         rep = hq // h
         if self.rows is not None and self.dense is None and paged_attention.takes(d, rep):
-            backend = self.backend
-            if backend is None:
-                return paged_attention.decode(q, kpool, vpool, self.rows, h, kr.shape[1] // d,
-                                              window=window, softcap=softcap)  # fmt: skip
-            runner = q8.pool_runner()  # the GEMMs' workers: no Python hand-off, no third thread
-            return paged_attention.decode(
-                q, kpool, vpool, self.rows, h, kr.shape[1] // d, window=window,
-                softcap=softcap, pool=None if runner else backend.pool(),
-                threads=backend.threads.or_cpus() if runner else backend.pool_threads,
-                runner=runner,
-            )  # fmt: skip
+            return _paged(q, kpool, vpool, self.rows, h, kr.shape[1] // d, window, softcap,
+                          self.backend)  # fmt: skip
         bias = self.bias if window is None else self.window_bias(window)
         if self.dense is not None:
             keys, values, prefix = self.dense.fetch(layer, kpool, vpool, k, v)

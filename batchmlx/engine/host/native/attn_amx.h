@@ -35,7 +35,7 @@
 #define STEP 32 /* positions a tile step covers */
 
 static int amx_granted = 0; /* Linux gave this process the tile state */
-static int amx_on = 0;      /* decode_units takes this path */
+static int amx_on = 0;      /* decode_units takes this path for tile rows (Job.tiles) */
 
 /* Asks Linux for the tile state; 0 (and the path on) when granted. */
 int attn_amx_init(void) {
@@ -108,8 +108,9 @@ AMXA static inline void transpose16(__m512i r[16]) {
 }
 
 
-/* This thread's scratch of at least `bytes` (kept between calls: a claim's ~1 MB fresh from
- * calloc was mmap'd and its pages cleared by the kernel each call, 18% of a call's time) */
+/* This thread's scratch of at least `bytes`, kept between calls (a claim's, up to a few MB at
+ * a long prompt's step, is not mapped and cleared afresh every call); its size is bounded by
+ * the largest claim, so by the step's token budget */
 static char *scratch(size_t bytes) {
     static __thread char *mem;
     static __thread size_t size;

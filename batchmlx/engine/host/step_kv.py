@@ -39,7 +39,8 @@ class StepKV:
                                                        storage.keys[0].shape[0])  # fmt: skip
         self.segments = [_SegmentPlan.of(seg, backend) for seg in layout.segments]
         self.decode_step = _decode_step(self.segments, self.write_rows, storage, backend)
-        self.prompts = _PromptRows.of(self.segments)
+        # (a step the fused call takes is one segment: its chunk's rows already one call)
+        self.prompts = _PromptRows.of(self.segments) if self.decode_step is None else None
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                window: int | None = None, softcap: float | None = None) -> np.ndarray:  # fmt: skip

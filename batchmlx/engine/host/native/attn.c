@@ -205,13 +205,17 @@ static void attend_block(const Shape *sh, const float *q, int block, int head, i
     attend_block_d(sh, q, block, head, lo, hi, m, l, acc, sh->d, 0, sh->rep);
 }
 
-/* Keys [lo, hi) of block number b (positions b*bs ..) that the row sees: (lo, hi) offsets,
- * lo >= hi when none. */
-static inline void block_span(const Shape *sh, int b, int count, int *lo, int *hi) {
+/* Keys [lo, hi) of positions p0 .. p0 + len - 1 that a row of `count` keys sees (its last
+ * `window` where one is set): offsets from p0, lo >= hi when none. */
+static inline void key_span(const Shape *sh, int p0, int len, int count, int *lo, int *hi) {
     const int first = sh->window > 0 && count > sh->window ? count - sh->window : 0;
-    const int p0 = b * sh->bs;
     *lo = first > p0 ? first - p0 : 0;
-    *hi = count - p0 < sh->bs ? count - p0 : sh->bs;
+    *hi = count - p0 < len ? count - p0 : len;
+}
+
+/* key_span of block number b (positions b*bs ..) */
+static inline void block_span(const Shape *sh, int b, int count, int *lo, int *hi) {
+    key_span(sh, b * sh->bs, sh->bs, count, lo, hi);
 }
 
 /* Asks for the keys and values of one KV head in block `next` (a sequence's blocks lie

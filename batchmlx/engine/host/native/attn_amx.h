@@ -174,17 +174,15 @@ AMXA static void step_tiles(Claim *c, const int32_t *table, int head, int t, int
         }
 }
 
-/* Positions [lo, hi) of step t (0..STEP) that a row of `count` keys sees; lo >= hi: none */
+/* key_span of step t (positions STEP t ..) */
 static inline void step_span(const Shape *sh, int t, int count, int *lo, int *hi) {
-    const int first = sh->window > 0 && count > sh->window ? count - sh->window : 0;
-    *lo = first - STEP * t > 0 ? first - STEP * t : 0;
-    *hi = count - STEP * t < STEP ? count - STEP * t : STEP;
+    key_span(sh, STEP * t, STEP, count, lo, hi);
 }
 
 /* A tile job: slots [k0, k1) of group g against step t, whose tiles the claim holds. Its
- * scores (tile products) and each vector's softmax step (in lanes); 0 when none of them sees
- * a key of the step, else P in c->p and alpha. */
-AMXA static int job_scores(Claim *c, int g, int k0, int k1, int t) {
+ * scores (tile products) and each vector's softmax step (in lanes): P in c->p and alpha.
+ * Returns the vectors (a bit each, by column) that saw a key of the step. */
+AMXA static __mmask16 job_scores(Claim *c, int g, int k0, int k1, int t) {
     const Job *j = c->j;
     const Shape *sh = &j->sh;
     const int rep = sh->rep, d = sh->d;
@@ -225,7 +223,7 @@ AMXA static int job_scores(Claim *c, int g, int k0, int k1, int t) {
     }
     const __m512i lov = _mm512_loadu_si512(lo_), hiv = _mm512_loadu_si512(hi_);
     const __mmask16 act = _mm512_cmplt_epi32_mask(lov, hiv);
-    if (!act) return 0;
+    if (!act) return act;
     const __m512 m = _mm512_loadu_ps(m0), l = _mm512_loadu_ps(l0), ninf = _mm512_set1_ps(-INFINITY);
     __mmask16 valid[STEP];
     __m512 top = ninf;
@@ -269,22 +267,17 @@ AMXA static int job_scores(Claim *c, int g, int k0, int k1, int t) {
         _mm512_storeu_si512(c->p + 32 * v, ph[v]);
         _mm512_storeu_si512(c->p + 512 + 32 * v, pl[v]);
     }
-    return 1;
+    return act;
 }
 
-/* The job's O = P V (tile products), merged into the acc of each vector that saw keys. */
-AMXA static void job_values(Claim *c, int k0, int k1, int t) {
+/* The job's O = P V (tile products), merged into the acc of each vector in `act` (those that
+ * saw keys: job_scores). */
+AMXA static void job_values(Claim *c, int k0, int k1, __mmask16 act) {
     const Job *j = c->j;
     const int rep = j->sh.rep, d = j->sh.d;
     const size_t per = (size_t)rep * (d + 2);
     const uint32_t *vt = c->vt;
     const float *alpha = c->alpha;
-    uint8_t active[16] = {0};
-    for (int k = k0; k < k1; k++) {
-        int lo, hi;
-        step_span(&j->sh, t, j->counts[c->order[k] / j->sh.h], &lo, &hi);
-        for (int r = 0; r < rep; r++) active[c->col[k] + r] = lo < hi;
-    }
     _tile_loadd(4, c->p, 64);
     _tile_loadd(5, c->p + 512, 64);
     for (int x0 = 0; x0 < d / 16; x0 += 4) {
@@ -307,7 +300,7 @@ AMXA static void job_values(Claim *c, int k0, int k1, int t) {
         for (int k = k0; k < k1; k++)
             for (int r = 0; r < rep; r++) {
                 const int v = c->col[k] + r;
-                if (!active[v]) continue;
+                if (!((act >> v) & 1)) continue;
                 float *acc = c->state + (size_t)k * per + 2 * rep + (size_t)r * d + 16 * x0;
                 for (int y = 0; y < w; y++)
                     _mm512_storeu_ps(acc + 16 * y,
@@ -318,7 +311,8 @@ AMXA static void job_values(Claim *c, int k0, int k1, int t) {
 }
 
 AMXA static void tile_job(Claim *c, int g, int k0, int k1, int t) {
-    if (job_scores(c, g, k0, k1, t)) job_values(c, k0, k1, t);
+    const __mmask16 act = job_scores(c, g, k0, k1, t);
+    if (act) job_values(c, k0, k1, act);
 }
 
 /* Group g's Q^T tiles from its slots' query halves (each rounded to nearest; columns past its

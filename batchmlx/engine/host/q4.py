@@ -59,7 +59,9 @@ SPLIT_MACS = q8.SPLIT_MACS
 # the panel's unpacking costs more than AMX saves (one layer, 1 thread, AMX / VNNI time: 135M
 # 1.22 / 0.84 / 0.66 at 4 / 8 / 16 rows, 8B shape 1.48 / 1.00 / 0.66; 2-core Xeon, load 5)
 AMX_ROWS = 8
-CHUNKS = 4
+# one run of columns a thread, as q8's (the reason there); one layer of the 135M at 2 threads,
+# 4 -> 1 a thread: 8 rows 0.26 -> 0.20-0.22 ms, 64 rows 1.16-1.25 -> 0.92-0.93
+CHUNKS = q8.CHUNKS
 
 
 def source_sha() -> str:

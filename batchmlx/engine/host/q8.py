@@ -95,7 +95,14 @@ AMX_ROWS = 4
 # thread pool the hand-off was 30-50 us and this was 4 << 20, so no one-row decode GEMM split).
 # 1 << 19: one row of the 135M's qkv, gate-up and down (~12-55 us on one thread), not its o
 SPLIT_MACS = 1 << 19
-CHUNKS = 4  # column chunks per thread when split
+# column chunks per thread when split: one, so each thread streams one run of columns (a late
+# thread's is still taken by the other from the shared counter). A chunk's first columns come
+# slowly (its weights start a new stream; a 64-column chunk of a 576 x 576 GEMM at 64 rows took
+# 13-18 us on two threads against 8 a 64 columns on one), so 4 a thread gave two threads little:
+# width-64 decode steps of the default model, chunks alternated step by step in one process,
+# int8 GEMMs 30.2 -> 26.2 ms (step 73.3 -> 67.6) with 4 -> 1, 10% at width 32, 7% at 128, a
+# mixture's experts ~10% at 32-64 tokens; level beside a busy process (2-core Xeon, 2026-12-07)
+CHUNKS = 1
 
 
 def source_sha() -> str:
@@ -354,8 +361,8 @@ def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
     (xq, xs), _held = scratch(-(-m // 16) * 16 if use_amx else m, k)
     if m * w.n * k < SPLIT_MACS:
         threads = 1
-    # columns in chunks of a few per thread from a shared counter (q8.c's q8_matmul): a
-    # thread that starts late finds them taken
+    # columns in CHUNKS chunks a thread from a shared counter (q8.c's q8_matmul): a thread
+    # that starts late finds them taken
     step = 2 * TILE if use_amx else TILE  # AMX takes columns 32 at a time
     chunk = max(step, w.n // (CHUNKS * max(1, threads)) // step * step)
     lib.q8_matmul(m, w.n, k, GROUP, pointer(x), x.strides[0] // 4, xq, xs, *w.addresses,

@@ -361,12 +361,17 @@ def matmul(x: np.ndarray, w: Q8Weights, out: np.ndarray, *, threads: int = 1,
     (xq, xs), _held = scratch(-(-m // 16) * 16 if use_amx else m, k)
     if m * w.n * k < SPLIT_MACS:
         threads = 1
-    # columns in CHUNKS chunks a thread from a shared counter (q8.c's q8_matmul): a thread
-    # that starts late finds them taken
-    step = 2 * TILE if use_amx else TILE  # AMX takes columns 32 at a time
-    chunk = max(step, w.n // (CHUNKS * max(1, threads)) // step * step)
     lib.q8_matmul(m, w.n, k, GROUP, pointer(x), x.strides[0] // 4, xq, xs, *w.addresses,
-                  pointer(out), int(use_amx), max(1, threads), chunk)  # fmt: skip
+                  pointer(out), int(use_amx), max(1, threads),
+                  column_chunk(w.n, threads, use_amx))  # fmt: skip
+
+
+def column_chunk(n: int, threads: int, use_amx: bool) -> int:
+    """Columns a thread claims at a time from the pool's shared counter (q8.c's q8_matmul, and
+    q4.c's): N over CHUNKS a thread, whole tiles (AMX takes columns 32 at a time); a thread
+    that starts late finds them taken."""
+    step = 2 * TILE if use_amx else TILE
+    return max(step, n // (CHUNKS * max(1, threads)) // step * step)
 
 
 @dataclass(frozen=True)
@@ -425,12 +430,10 @@ def matmul_experts(x: np.ndarray, experts: np.ndarray, bounds: np.ndarray, w: Q8
     n = w.n
     if m * n * k < SPLIT_MACS:
         threads = 1
-    step = 2 * TILE if use_amx else TILE
-    chunk = max(step, n // (CHUNKS * max(1, threads)) // step * step)
     failed = lib.q8_experts(count, pointer(experts), len(w.weights), pointer(bounds), m, n, k,
                             GROUP, pointer(x), x.strides[0] // 4, xq, xs, pointer(w.table),
                             pointer(out), AMX_ROWS if use_amx else 0, max(1, threads),
-                            chunk)  # fmt: skip
+                            column_chunk(n, threads, use_amx))  # fmt: skip
     if failed:
         raise ValueError(f"experts {experts.tolist()} of {len(w.weights)}, bounds "
                          f"{bounds.tolist()} for {m} rows")  # fmt: skip

@@ -59,9 +59,6 @@ SPLIT_MACS = q8.SPLIT_MACS
 # the panel's unpacking costs more than AMX saves (one layer, 1 thread, AMX / VNNI time: 135M
 # 1.22 / 0.84 / 0.66 at 4 / 8 / 16 rows, 8B shape 1.48 / 1.00 / 0.66; 2-core Xeon, load 5)
 AMX_ROWS = 8
-# the columns split as q8's (q8.column_chunk: one run a thread, the reason at q8.CHUNKS); one
-# layer of the 135M at 2 threads, 4 runs a thread -> 1: 8 rows 0.26 -> 0.20-0.22 ms, 64 rows
-# 1.16-1.25 -> 0.92-0.93
 
 
 def source_sha() -> str:
@@ -204,6 +201,8 @@ def matmul(x: np.ndarray, w: Q4Weights, out: np.ndarray, *, threads: int = 1,
     (xq, xs, xsum), _held = q8.scratch(-(-m // 16) * 16 if use_amx else m, w.k, sums=True)
     if m * w.n * w.k < SPLIT_MACS:
         threads = 1
+    # the columns split as q8's (one run a thread: the reason at q8.CHUNKS); one 135M layer at
+    # 2 threads, 4 runs a thread -> 1: 8 rows 0.26 -> 0.20-0.22 ms, 64 rows 1.16-1.25 -> 0.92
     lib.q4_matmul(m, w.n, w.k, pointer(x), x.strides[0] // 4, xq, xs, xsum, *w.addresses,
                   pointer(out), int(use_amx), max(1, threads),
                   q8.column_chunk(w.n, threads, use_amx))  # fmt: skip

@@ -98,7 +98,7 @@ SPLIT_MACS = 1 << 19
 # column chunks per thread when split: one, so each thread streams one run of columns (a late
 # thread's is still taken by the other from the shared counter). A chunk's first columns come
 # slowly (its weights start a new stream; a 64-column chunk of a 576 x 576 GEMM at 64 rows took
-# 13-18 us on two threads against 8 a 64 columns on one), so 4 a thread gave two threads little:
+# 13-18 us on two threads, against 8 us per 64 columns on one), so 4 a thread gave two little:
 # width-64 decode steps of the default model, chunks alternated step by step in one process,
 # int8 GEMMs 30.2 -> 26.2 ms (step 73.3 -> 67.6) with 4 -> 1, 10% at width 32, 7% at 128, a
 # mixture's experts ~10% at 32-64 tokens; level beside a busy process (2-core Xeon, 2026-12-07)

@@ -93,8 +93,10 @@ AMX_ROWS = 4
 # a GEMM of at least this many multiply-adds is split over threads by columns (q8.c's pool:
 # ~4 us to wake a sleeping worker, ~1 us to hand a spinning one its part; through a Python
 # thread pool the hand-off was 30-50 us and this was 4 << 20, so no one-row decode GEMM split).
-# 1 << 19: one row of the 135M's qkv, gate-up and down (~12-55 us on one thread), not its o
-SPLIT_MACS = 1 << 19
+# 1 << 18: one row of every 135M GEMM, its o (576 x 576, ~25 us on one thread) too: at 1 << 19
+# the o ran alone, and a width-1 decode step's int8 GEMMs took 8.01 against 7.62 ms (settings
+# alternated step by step in one engine, 2-core Xeon, 2026-12-07; width 8 level)
+SPLIT_MACS = 1 << 18
 # column chunks per thread when split: one, so each thread streams one run of columns (a late
 # thread's is still taken by the other from the shared counter). A chunk's first columns come
 # slowly (its weights start a new stream; a 64-column chunk of a 576 x 576 GEMM at 64 rows took

@@ -43,6 +43,13 @@ class Case:
     model: str  # default | 360m | 1.7b | qwen3-1.7b | gemma3-1b | 8b
     workload: Workload
     systems: tuple[System, ...]
+    rounds: int = 1  # each system this many times, the systems alternated (see `measure`)
+
+
+# the unique-prompt case runs each system three times, in turn: its runs take 10-60 s, and
+# this machine's speed moved by a quarter within minutes (the same batchmlx run gave 628-664
+# tok/s, then 502 ten minutes later), so one run each compared systems at different speeds
+UNIQUE_ROUNDS = 3
 
 
 # the default is int8 where its kernel runs (AVX-512 VNNI), so the other row is bf16
@@ -59,7 +66,8 @@ def cases(quick: bool = False) -> list[Case]:
     peers = (System("llama"), System("openvino"), System("vllm"))
     shapes = (*_quants("llama"), *_quants("openvino"))
     chats = Workload("chats", 4, 8, None) if quick else CHATS
-    out = [Case("default", unique, (BMX, BMX_F32, *peers)), Case("default", shared, (BMX, *peers)),
+    out = [Case("default", unique, (BMX, BMX_F32, *peers), 1 if quick else UNIQUE_ROUNDS),
+           Case("default", shared, (BMX, *peers)),
            Case("360m", chats, (BMX, BMX_BF16, *shapes)),
            Case("1.7b", chats, (BMX, BMX_BF16, *shapes))]  # fmt: skip
     families = (*_quants("llama", FAMILY_QUANTS), *_quants("openvino", FAMILY_QUANTS))
@@ -80,35 +88,60 @@ _warm: set[tuple[str, str]] = set()
 
 
 def measure(case: Case, runner: Callable[..., PeerRun] = run) -> list[PeerRun | str]:
-    """Each system of `case` once, in turn; a failure is its message, not the end. A batchmlx
-    system's first run of a model in this process is preceded by an untimed one-request run:
-    on a fresh machine its first load converts and packs the weights into the cache (24 s of a
-    30 s run at 1.7B int8), which the README's figures exclude ("after the first run") and the
-    peers' GGUFs, made before their runs, never pay."""
-    out: list[PeerRun | str] = []
-    for s in case.systems:
-        key = (case.model, repr(sorted(s.options.items())))
-        if s.peer == "batchmlx" and key not in _warm:
-            _warm.add(key)
-            _log(f"{case.model}: warm-up run of batchmlx {s.options} (untimed)")
+    """Each system of `case` `case.rounds` times, the systems in turn each round; a failure
+    is its message, not the end. Of several runs a system's row is its median one (`median`).
+    A batchmlx system's first run of a model in this process is preceded by an untimed
+    one-request run: on a fresh machine its first load converts and packs the weights into the
+    cache (24 s of a 30 s run at 1.7B int8), which the README's figures exclude ("after the
+    first run") and the peers' GGUFs, made before their runs, never pay."""
+    runs: list[list[PeerRun | str]] = [[] for _ in case.systems]
+    for r in range(max(1, case.rounds)):
+        for i, s in enumerate(case.systems):
+            if any(isinstance(x, str) for x in runs[i]):
+                continue  # failed once: not again
+            key = (case.model, repr(sorted(s.options.items())))
+            if s.peer == "batchmlx" and key not in _warm:
+                _warm.add(key)
+                _log(f"{case.model}: warm-up run of batchmlx {s.options} (untimed)")
+                try:
+                    runner(s.peer, replace(case.workload, requests=1, max_tokens=2), case.model,
+                           **s.options)  # fmt: skip
+                except Exception as exc:  # the timed run will fail and say why
+                    _log(f"  warm-up failed: {exc}")
+            round_note = f", round {r + 1} of {case.rounds}" if case.rounds > 1 else ""
+            _log(f"{case.model} {case.workload.name}: {s.peer} {s.options} (load "
+                 f"{os.getloadavg()[0]:.1f}{round_note})")  # fmt: skip
+            t = time.perf_counter()
             try:
-                runner(s.peer, replace(case.workload, requests=1, max_tokens=2), case.model,
-                       **s.options)  # fmt: skip
-            except Exception as exc:  # the timed run will fail and say why
-                _log(f"  warm-up failed: {exc}")
-        _log(f"{case.model} {case.workload.name}: {s.peer} {s.options} (load "
-             f"{os.getloadavg()[0]:.1f})")  # fmt: skip
-        t = time.perf_counter()
-        try:
-            r = runner(s.peer, case.workload, case.model, **s.options)
-        except Exception as exc:  # one peer failing must not stop the others
-            _log(f"  FAILED after {time.perf_counter() - t:.0f} s: {exc}")
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            out.append(f"{s.peer} {s.options}: failed: {first[:200]}".replace("|", "/"))
-            continue
-        _log("  " + r.summary())
-        out.append(r)
+                got = runner(s.peer, case.workload, case.model, **s.options)
+            except Exception as exc:  # one peer failing must not stop the others
+                _log(f"  FAILED after {time.perf_counter() - t:.0f} s: {exc}")
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                runs[i].append(f"{s.peer} {s.options}: failed: {first[:200]}".replace("|", "/"))
+                continue
+            _log("  " + got.summary())
+            runs[i].append(got)
+    out: list[PeerRun | str] = []
+    for tried in runs:
+        failed = [x for x in tried if isinstance(x, str)]
+        out.append(failed[0] if failed else median([x for x in tried if isinstance(x, PeerRun)]))
     return out
+
+
+def median(runs: list[PeerRun]) -> PeerRun:
+    """One system's row of several runs: the run of median whole-process time (its tok/s,
+    load and texts), with the median of their steady tok/s and the highest peak RSS; `extra`
+    keeps every run's figures. One run: itself."""
+    if len(runs) == 1:
+        return runs[0]
+    mid = sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2]
+    steady = sorted(r.steady_tok_s for r in runs)
+    steady_mid = (steady[(len(steady) - 1) // 2] + steady[len(steady) // 2]) / 2
+    every = [{"wall_s": round(r.wall_s, 2), "tok_s": round(r.tok_s, 1),
+              "steady_tok_s": round(r.steady_tok_s, 1), "peak_rss_mb": round(r.peak_rss_mb)}
+             for r in runs]  # fmt: skip
+    return replace(mid, steady_tok_s=steady_mid, peak_rss_mb=max(r.peak_rss_mb for r in runs),
+                   extra={**mid.extra, "rounds": every})  # fmt: skip
 
 
 def _label(r: PeerRun) -> str:
@@ -134,6 +167,18 @@ def table(case: Case, runs: list[PeerRun | str]) -> list[str]:
                      f"{r.load_s:.1f} | {r.steady_tok_s:.1f} | {r.peak_rss_mb:,.0f} | {ratio} | "
                      f"{same} |")  # fmt: skip
     lines += [f"| {r} |" + " |" * 8 for r in runs if isinstance(r, str)]
+    if case.rounds > 1:
+        lines += [
+            "",
+            f"Each system {case.rounds} times, the systems in turn each round; a row is "
+            "the run of median whole-process time, with the median steady tok/s and the "
+            "highest peak RSS of its runs. Every run, whole process s / steady tok/s:",
+            "",
+        ]
+        for r in ok:
+            every = r.extra.get("rounds", [])
+            lines.append(f"- {_label(r)}: " + ", ".join(
+                f"{x['wall_s']:.1f} s / {x['steady_tok_s']:.0f}" for x in every))  # fmt: skip
     return [*lines, ""]
 
 
@@ -150,7 +195,7 @@ def run_all(quick: bool = False, out_json: Path | None = None,
     for c in cases(quick):
         if models and c.model not in models:
             continue
-        kept = Case(c.model, c.workload, tuple(s for s in c.systems if s.peer not in without))
+        kept = replace(c, systems=tuple(s for s in c.systems if s.peer not in without))
         results[(c.model, c.workload.name)] = measure(kept)
         if out_json is not None:  # after every case: a crash later keeps what was measured
             out_json.write_text(json.dumps(
@@ -163,7 +208,8 @@ def markdown(results: dict[tuple[str, str], list], quick: bool = False) -> list[
     lines = ["Every system a fresh process timed from spawn to results in hand (load included); "
              "steady tok/s = completion tokens over the time from ready to the last token; peak "
              "RSS of the process tree (sampled every 0.2 s). Greedy; the random shapes run to "
-             "max_tokens (no EOS). One run each, in turn.", ""]  # fmt: skip
+             "max_tokens (no EOS). One run each, in turn, but where a case says otherwise.",
+             ""]  # fmt: skip
     for c in cases(quick):
         if (c.model, c.workload.name) in results:
             lines += table(c, results[(c.model, c.workload.name)])

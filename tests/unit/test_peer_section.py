@@ -3,6 +3,8 @@ no peer is started."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from benchmarks.peers import section
 from benchmarks.peers.run_peer import PeerRun
 
@@ -48,3 +50,45 @@ def test_the_family_shapes_targets_read_speed_and_memory_against_the_peers() -> 
     memory = got["peak RSS <= 1.25x llama.cpp Q8_0's, Qwen3-1.7B shape"]
     assert memory == ("1.30x", False)
     assert not any("Gemma" in name for name in got)  # not measured: no rows
+
+
+def test_a_case_of_rounds_alternates_the_systems_and_keeps_each_ones_median_run() -> None:
+    order: list[str] = []
+    walls = {"batchmlx": iter([12.0, 10.0, 11.0]), "openvino": iter([20.0, 14.0, 15.0])}
+    steady = {"batchmlx": iter([600.0, 700.0, 650.0]), "openvino": iter([500.0, 560.0, 520.0])}
+    rss = iter([600.0, 640.0, 610.0])
+
+    def runner(peer: str, workload, model: str, **options) -> PeerRun:
+        if workload.requests == 1:  # batchmlx's untimed warm-up
+            return _run(peer, model, "int8", 1.0, 100.0)
+        order.append(peer)
+        run = _run(peer, model, "int8", next(walls[peer]),
+                   next(rss) if peer == "batchmlx" else 700.0)  # fmt: skip
+        return replace(run, steady_tok_s=next(steady[peer]))
+
+    pair = (section.System("batchmlx"), section.System("openvino"))
+    case = section.Case("default", section.workload("unique", quick=True), pair, rounds=3)
+    section._warm.discard(("default", "[]"))
+    mine, theirs = section.measure(case, runner)
+    assert order == ["batchmlx", "openvino"] * 3  # in turn, round by round
+    assert isinstance(mine, PeerRun) and isinstance(theirs, PeerRun)
+    assert (mine.wall_s, theirs.wall_s) == (11.0, 15.0)  # the median run of each
+    assert (mine.steady_tok_s, theirs.steady_tok_s) == (650.0, 520.0)
+    assert mine.peak_rss_mb == 640.0  # the highest of its runs
+    assert [r["wall_s"] for r in mine.extra["rounds"]] == [12.0, 10.0, 11.0]
+    lines = "\n".join(section.table(case, [mine, theirs]))
+    assert "Each system 3 times" in lines and "12.0 s / 600" in lines
+
+
+def test_a_system_that_fails_in_any_round_reads_as_failed() -> None:
+    calls = iter([False, True])
+
+    def runner(peer: str, workload, model: str, **options) -> PeerRun:
+        if next(calls):
+            raise RuntimeError("it crashed")
+        return _run(peer, model, "Q4_1", 10.0, 500.0)
+
+    case = section.Case("default", section.workload("unique", quick=True),
+                        (section.System("llama"),), rounds=3)  # fmt: skip
+    (row,) = section.measure(case, runner)
+    assert isinstance(row, str) and "it crashed" in row  # and no third run was tried

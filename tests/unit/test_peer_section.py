@@ -92,3 +92,16 @@ def test_a_system_that_fails_in_any_round_reads_as_failed() -> None:
                         (section.System("llama"),), rounds=3)  # fmt: skip
     (row,) = section.measure(case, runner)
     assert isinstance(row, str) and "it crashed" in row  # and no third run was tried
+
+
+def test_a_system_whose_run_is_long_runs_once() -> None:
+    seen: list[str] = []
+
+    def runner(peer: str, workload, model: str, **options) -> PeerRun:
+        seen.append(peer)
+        return _run(peer, model, "Q4_1", 250.0 if peer == "llama" else 10.0, 500.0)
+
+    pair = (section.System("llama"), section.System("openvino"))
+    case = section.Case("default", section.workload("shared", quick=True), pair, rounds=3)
+    section.measure(case, runner)
+    assert seen == ["llama", "openvino", "openvino", "openvino"]

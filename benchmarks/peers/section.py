@@ -185,8 +185,9 @@ def table(case: Case, runs: list[PeerRun | str]) -> list[str]:
         ]
         for r in ok:
             every = r.extra.get("rounds", [])
-            lines.append(f"- {_label(r)}: " + ", ".join(
-                f"{x['wall_s']:.1f} s / {x['steady_tok_s']:.0f}" for x in every))  # fmt: skip
+            runs_text = ", ".join(f"{x['wall_s']:.1f} s / {x['steady_tok_s']:.0f}" for x in every)
+            once = f"{r.wall_s:.1f} s / {r.steady_tok_s:.0f} (once)"
+            lines.append(f"- {_label(r)}: {runs_text or once}")
     return [*lines, ""]
 
 

@@ -103,5 +103,7 @@ def test_a_system_whose_run_is_long_runs_once() -> None:
 
     pair = (section.System("llama"), section.System("openvino"))
     case = section.Case("default", section.workload("shared", quick=True), pair, rounds=3)
-    section.measure(case, runner)
+    rows = section.measure(case, runner)
     assert seen == ["llama", "openvino", "openvino", "openvino"]
+    lines = section.table(case, rows)
+    assert "- llama: 250.0 s / 100 (once)" in lines

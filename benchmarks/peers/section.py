@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -142,12 +143,11 @@ def median(runs: list[PeerRun]) -> PeerRun:
     if len(runs) == 1:
         return runs[0]
     mid = sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2]
-    steady = sorted(r.steady_tok_s for r in runs)
-    steady_mid = (steady[(len(steady) - 1) // 2] + steady[len(steady) // 2]) / 2
     every = [{"wall_s": round(r.wall_s, 2), "tok_s": round(r.tok_s, 1),
               "steady_tok_s": round(r.steady_tok_s, 1), "peak_rss_mb": round(r.peak_rss_mb)}
              for r in runs]  # fmt: skip
-    return replace(mid, steady_tok_s=steady_mid, peak_rss_mb=max(r.peak_rss_mb for r in runs),
+    return replace(mid, steady_tok_s=statistics.median(r.steady_tok_s for r in runs),
+                   peak_rss_mb=max(r.peak_rss_mb for r in runs),
                    extra={**mid.extra, "rounds": every})  # fmt: skip
 
 
